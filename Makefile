@@ -1,0 +1,34 @@
+# One entry point per task; each creates the virtual environment on first use.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml requirements.txt requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and exactly: a looser range would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/rlplex train examples/cartpole_ppo.toml --output outputs/demo-cartpole-ppo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/mypy
+
+bench: $(STAMP)
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) outputs .pytest_cache

@@ -1,0 +1,6 @@
+"""Agents: a model plus how to act with it (sampling, deterministic evaluation)."""
+
+from rlplex.agents.base import Agent, AgentFactory
+from rlplex.agents.pg import CategoricalPgAgent, GaussianPgAgent, PgAgent
+
+__all__ = ["Agent", "AgentFactory", "CategoricalPgAgent", "GaussianPgAgent", "PgAgent"]

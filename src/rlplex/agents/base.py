@@ -1,0 +1,38 @@
+"""The agent protocol: what samplers, evaluators and algorithms call on an agent."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+from torch import nn
+
+from rlplex.envs import EnvSpaces
+from rlplex.samplers.batch import InfoSpec
+
+
+class Agent(Protocol):
+    """An acting policy around one `nn.Module`.
+
+    `model` holds everything a sampler needs (parameters and buffers): copying its
+    `state_dict` is how weights reach sampler processes. `step` and `eval_step` take and
+    return numpy arrays over a batch of environments and never track gradients.
+    """
+
+    model: nn.Module
+    spaces: EnvSpaces
+    info_spec: InfoSpec
+
+    def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Sample actions for a batch of observations; returns (action_B, agent_info)."""
+        ...
+
+    def eval_step(self, observation_B_O: np.ndarray) -> np.ndarray:
+        """Deterministic actions where the agent has them (argmax, the Gaussian mean)."""
+        ...
+
+
+AgentFactory = Callable[[EnvSpaces], Agent]
+"""Builds an agent for given spaces. Must be picklable (a class or functools.partial) so that
+sampler worker processes started with `spawn` can build their own copy."""

@@ -1,0 +1,115 @@
+"""Policy-gradient agents: categorical (discrete actions) and Gaussian (continuous actions)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from rlplex.envs import EnvSpaces
+from rlplex.errors import ConfigError
+from rlplex.models import ActorCriticMlp, GaussianActorCriticMlp, unwrap_model
+from rlplex.samplers.batch import InfoSpec
+
+_LOG_2PI = math.log(2 * math.pi)
+
+
+class PgAgent:
+    """Shared acting logic; subclasses define the distribution."""
+
+    model: nn.Module
+
+    def __init__(self, spaces: EnvSpaces) -> None:
+        self.spaces = spaces
+        self.info_spec: InfoSpec = {"log_prob": ((), np.float32), "value": ((), np.float32)}
+
+    # Subclasses: sample / log-prob / entropy / mode from the model's raw output.
+    def _sample(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _mode(self, out: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def log_prob_entropy(self, out: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        out, value_B = self.model(torch.as_tensor(observation_B_O, dtype=torch.float32))
+        action, log_prob_B = self._sample(out)
+        return action.numpy(), {"log_prob": log_prob_B.numpy(), "value": value_B.numpy()}
+
+    @torch.no_grad()
+    def eval_step(self, observation_B_O: np.ndarray) -> np.ndarray:
+        out, _ = self.model(torch.as_tensor(observation_B_O, dtype=torch.float32))
+        return self._mode(out).numpy()
+
+    def evaluate(
+        self, observation: torch.Tensor, action: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log_prob, entropy, value) with gradients, in one forward pass of `model`."""
+        out, value = self.model(observation)
+        log_prob, entropy = self.log_prob_entropy(out, action)
+        return log_prob, entropy, value
+
+    @torch.no_grad()
+    def value(self, observation: torch.Tensor) -> torch.Tensor:
+        return self.model(observation)[1]
+
+
+class CategoricalPgAgent(PgAgent):
+    def __init__(self, spaces: EnvSpaces, hidden: Sequence[int] = (64, 64)) -> None:
+        if spaces.action_kind != "discrete":
+            raise ConfigError("CategoricalPgAgent needs a Discrete action space; use GaussianPgAgent for Box actions")
+        super().__init__(spaces)
+        self.model = ActorCriticMlp(int(np.prod(spaces.obs_shape)), spaces.n_actions, hidden)
+
+    def _sample(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        log_p = torch.log_softmax(out, dim=-1)
+        action = torch.multinomial(log_p.exp(), 1)
+        return action.squeeze(-1), log_p.gather(-1, action).squeeze(-1)
+
+    def _mode(self, out: torch.Tensor) -> torch.Tensor:
+        return out.argmax(dim=-1)
+
+    def log_prob_entropy(self, out: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        log_p = torch.log_softmax(out, dim=-1)
+        entropy = -(log_p.exp() * log_p).sum(-1)
+        return log_p.gather(-1, action.long().unsqueeze(-1)).squeeze(-1), entropy
+
+
+class GaussianPgAgent(PgAgent):
+    """Diagonal Gaussian policy; actions are sampled unclipped (the sampler clips what the env sees)."""
+
+    def __init__(self, spaces: EnvSpaces, hidden: Sequence[int] = (64, 64), init_log_std: float = 0.0) -> None:
+        if spaces.action_kind != "continuous":
+            raise ConfigError("GaussianPgAgent needs a Box action space; use CategoricalPgAgent for Discrete")
+        super().__init__(spaces)
+        self.model = GaussianActorCriticMlp(
+            int(np.prod(spaces.obs_shape)), int(np.prod(spaces.action_shape)), hidden, init_log_std
+        )
+
+    @property
+    def _log_std(self) -> torch.Tensor:
+        log_std = unwrap_model(self.model).log_std  # the model is DDP-wrapped under SyncRl
+        assert isinstance(log_std, torch.Tensor)
+        return log_std
+
+    def _sample(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        noise = torch.randn_like(out)
+        action = out + noise * self._log_std.exp()
+        log_prob = (-0.5 * noise.pow(2) - self._log_std - 0.5 * _LOG_2PI).sum(-1)
+        return action, log_prob
+
+    def _mode(self, out: torch.Tensor) -> torch.Tensor:
+        return out
+
+    def log_prob_entropy(self, out: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        log_std = self._log_std.expand_as(out)
+        z = (action - out) / log_std.exp()
+        log_prob = (-0.5 * z.pow(2) - log_std - 0.5 * _LOG_2PI).sum(-1)
+        entropy = (0.5 + 0.5 * _LOG_2PI + log_std).sum(-1)
+        return log_prob, entropy

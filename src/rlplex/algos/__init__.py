@@ -1,0 +1,6 @@
+"""RL algorithms: PPO (on-policy) and DQN (off-policy)."""
+
+from rlplex.algos.base import Algo
+from rlplex.algos.ppo import PPO, PPOConfig
+
+__all__ = ["PPO", "Algo", "PPOConfig"]

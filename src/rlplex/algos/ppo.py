@@ -1,0 +1,158 @@
+"""PPO with the clipped objective and GAE, over a [T, B] batch from any sampler.
+
+Reads top to bottom: advantages (bootstrapping through time-limit truncations with the
+value of `next_observation`), then `n_epochs` passes of shuffled minibatches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from rlplex.agents.pg import PgAgent
+from rlplex.config import StrictModel
+from rlplex.errors import RlplexError
+from rlplex.samplers.batch import SampleBatch
+
+
+class PPOConfig(StrictModel):
+    learning_rate: float = Field(3e-4, gt=0)
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    n_epochs: int = Field(10, ge=1)
+    minibatch_size: int = Field(64, ge=1, description="samples per gradient step (per rank under SyncRl)")
+    gamma: float = Field(0.99, ge=0, le=1)
+    gae_lambda: float = Field(0.95, ge=0, le=1)
+    clip_range: float = Field(0.2, gt=0)
+    clip_schedule: Literal["constant", "linear"] = "constant"
+    value_coef: float = Field(0.5, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(0.5, gt=0)
+    normalize_advantage: bool = True
+    target_kl: float | None = Field(None, gt=0, description="stop the epochs early past this approximate KL")
+
+
+def gae_advantages(
+    reward: np.ndarray,
+    value: np.ndarray,
+    next_value: np.ndarray,
+    terminated: np.ndarray,
+    truncated: np.ndarray,
+    gamma: float,
+    lam: float,
+) -> np.ndarray:
+    """GAE over [T, B] arrays. `next_value[t]` is V(next_observation[t]); zeroed where terminated."""
+    not_terminal = 1.0 - terminated.astype(np.float32)
+    not_done = 1.0 - (terminated | truncated).astype(np.float32)
+    delta = reward + gamma * next_value * not_terminal - value
+    advantage = np.zeros_like(reward, dtype=np.float32)
+    running = np.zeros(reward.shape[1], dtype=np.float32)
+    for t in range(reward.shape[0] - 1, -1, -1):
+        running = delta[t] + gamma * lam * not_done[t] * running
+        advantage[t] = running
+    return advantage
+
+
+class PPO:
+    def __init__(self, config: PPOConfig | None = None) -> None:
+        self.config = config or PPOConfig()
+        self.agent: PgAgent | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.n_itr = 1
+        self.update_count = 0
+
+    def initialize(self, agent: Any, n_itr: int, world_size: int = 1) -> None:
+        if not isinstance(agent, PgAgent):
+            raise RlplexError(f"PPO needs a policy-gradient agent, got {type(agent).__name__}")
+        self.agent = agent
+        self.n_itr = max(1, n_itr)
+        self.optimizer = torch.optim.Adam(agent.model.parameters(), lr=self.config.learning_rate, eps=1e-5)
+
+    def _fraction_left(self, itr: int) -> float:
+        return max(0.0, 1.0 - itr / self.n_itr)
+
+    def optimize_agent(self, itr: int, samples: SampleBatch | None) -> dict[str, float]:
+        if self.agent is None or self.optimizer is None:
+            raise RlplexError("PPO.optimize_agent called before initialize()")
+        if samples is None:
+            raise RlplexError("PPO is on-policy and needs a sample batch every iteration")
+        cfg, agent = self.config, self.agent
+        lr = cfg.learning_rate * (self._fraction_left(itr) if cfg.lr_schedule == "linear" else 1.0)
+        clip = cfg.clip_range * (self._fraction_left(itr) if cfg.clip_schedule == "linear" else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        T, B = samples.T, samples.B
+        obs_shape = samples.observation.shape[2:]
+        next_obs = torch.as_tensor(samples.next_observation.reshape(T * B, *obs_shape))
+        next_value = agent.value(next_obs).numpy().reshape(T, B)
+        value = samples.agent_info["value"]
+        advantage = gae_advantages(
+            samples.reward, value, next_value, samples.terminated, samples.truncated, cfg.gamma, cfg.gae_lambda
+        )
+        returns = advantage + value
+
+        n = T * B
+        obs = torch.as_tensor(samples.observation.reshape(n, *obs_shape))
+        action = torch.as_tensor(samples.action.reshape(n, *samples.action.shape[2:]))
+        old_log_prob = torch.as_tensor(samples.agent_info["log_prob"].reshape(n))
+        adv_all = torch.as_tensor(advantage.reshape(n))
+        ret_all = torch.as_tensor(returns.reshape(n))
+
+        stats: dict[str, list[float]] = {k: [] for k in ("policy", "value", "entropy", "approx_kl", "clipfrac")}
+        mb = min(cfg.minibatch_size, n)
+        stop = False
+        for _ in range(cfg.n_epochs):
+            order = torch.randperm(n)
+            for start in range(0, n - mb + 1, mb):
+                idx = order[start : start + mb]
+                log_prob, entropy, new_value = agent.evaluate(obs[idx], action[idx])
+                adv = adv_all[idx]
+                if cfg.normalize_advantage and mb > 1:
+                    adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+                log_ratio = log_prob - old_log_prob[idx]
+                ratio = log_ratio.exp()
+                policy_loss = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).mean()
+                value_loss = 0.5 * (new_value - ret_all[idx]).pow(2).mean()
+                entropy_mean = entropy.mean()
+                loss = policy_loss + cfg.value_coef * value_loss - cfg.entropy_coef * entropy_mean
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(agent.model.parameters(), cfg.max_grad_norm)
+                self.optimizer.step()
+                self.update_count += 1
+                with torch.no_grad():
+                    approx_kl = ((ratio - 1) - log_ratio).mean().item()
+                    stats["approx_kl"].append(approx_kl)
+                    stats["clipfrac"].append(((ratio - 1).abs() > clip).float().mean().item())
+                stats["policy"].append(policy_loss.item())
+                stats["value"].append(value_loss.item())
+                stats["entropy"].append(entropy_mean.item())
+                if cfg.target_kl is not None and approx_kl > 1.5 * cfg.target_kl:
+                    stop = True
+                    break
+            if stop:
+                break
+        explained = 1.0 - float(np.var(returns - value)) / (float(np.var(returns)) + 1e-8)
+        return {
+            "losses/policy": float(np.mean(stats["policy"])),
+            "losses/value": float(np.mean(stats["value"])),
+            "losses/entropy": float(np.mean(stats["entropy"])),
+            "losses/approx_kl": float(np.mean(stats["approx_kl"])),
+            "losses/clipfrac": float(np.mean(stats["clipfrac"])),
+            "losses/explained_variance": explained,
+            "charts/learning_rate": lr,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            raise RlplexError("PPO.state_dict called before initialize()")
+        return {"optimizer": self.optimizer.state_dict(), "update_count": self.update_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            raise RlplexError("PPO.load_state_dict called before initialize()")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.update_count = int(state["update_count"])

@@ -1,0 +1,65 @@
+"""Configs are small pydantic models loaded from TOML.
+
+`load_config` turns every failure (a missing file, broken TOML, a wrong field) into one
+`ConfigError` whose message names the file, the field path and the offending value.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from rlplex.errors import ConfigError
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class StrictModel(BaseModel):
+    """Base for rlplex configs: unknown fields are errors (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "<root>"
+
+
+def format_validation_error(source: str, error: ValidationError) -> str:
+    lines = [f"{source}: invalid config ({error.error_count()} problem(s))"]
+    for item in error.errors():
+        value = item.get("input")
+        shown = repr(value)
+        if len(shown) > 80:
+            shown = shown[:77] + "..."
+        lines.append(f"  field '{_field_path(item['loc'])}': {item['msg']} (got {shown})")
+    return "\n".join(lines)
+
+
+def validate_config(model: type[M], data: dict[str, Any], source: str = "<config>") -> M:
+    """Validate a mapping against a config model, raising `ConfigError` that names source and fields."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(source, error)) from None
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"{path}: cannot read config file: {error}") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"{path}: not valid TOML: {error}") from None
+
+
+def load_config(model: type[M], path: str | Path) -> M:
+    """Load a TOML file into `model`."""
+    return validate_config(model, read_toml(path), source=str(path))

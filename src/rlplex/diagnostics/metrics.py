@@ -1,0 +1,90 @@
+"""A metrics logger with namespaced keys (`charts/...`, `losses/...`) writing CSV and TensorBoard.
+
+Keys must be namespaced so that TensorBoard groups them and so that a CSV column says what
+it measures. New keys may appear after the first row (an evaluation metric, say): the CSV is
+rewritten with the wider header, which is rare and cheap at log-interval granularity.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rlplex.errors import RlplexError
+
+_KEY = re.compile(r"^[a-z0-9_]+/[A-Za-z0-9_./-]+$")
+
+
+class MetricsLogger:
+    """Write one row per `log(step, metrics)` to `progress.csv` and TensorBoard event files."""
+
+    def __init__(self, log_dir: str | Path, tensorboard: bool = True) -> None:
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.csv_path = self.log_dir / "progress.csv"
+        self._columns: list[str] = ["step"]
+        self._rows: list[dict[str, float]] = []
+        self._writer: Any = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.log_dir / "tb"))
+        if self.csv_path.exists():
+            self._load_existing()
+
+    def _load_existing(self) -> None:
+        # A resumed run appends to its own history instead of truncating it.
+        with self.csv_path.open(newline="") as handle:
+            reader = csv.DictReader(handle)
+            self._columns = list(reader.fieldnames or ["step"])
+            for row in reader:
+                self._rows.append({k: float(v) for k, v in row.items() if v not in ("", None)})
+
+    def log(self, step: int, metrics: Mapping[str, float]) -> None:
+        row: dict[str, float] = {"step": float(step)}
+        for key, value in metrics.items():
+            if not _KEY.match(key):
+                raise RlplexError(f"metric key {key!r} must be namespaced like 'charts/return_mean'")
+            row[key] = float(value)
+            if self._writer is not None and math.isfinite(float(value)):
+                self._writer.add_scalar(key, float(value), step)
+        new_columns = [key for key in row if key not in self._columns]
+        self._rows.append(row)
+        if new_columns or not self.csv_path.exists():
+            self._columns.extend(new_columns)
+            self._rewrite()
+        else:
+            with self.csv_path.open("a", newline="") as handle:
+                csv.DictWriter(handle, fieldnames=self._columns).writerow(row)
+
+    def _rewrite(self) -> None:
+        tmp = self.csv_path.with_suffix(".csv.tmp")
+        with tmp.open("w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=self._columns)
+            writer.writeheader()
+            writer.writerows(self._rows)
+        tmp.replace(self.csv_path)
+
+    @property
+    def rows(self) -> list[dict[str, float]]:
+        return list(self._rows)
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics_csv(path: str | Path) -> list[dict[str, float]]:
+    with Path(path).open(newline="") as handle:
+        return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(handle)]

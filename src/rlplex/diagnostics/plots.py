@@ -1,0 +1,42 @@
+"""Learning curves to PNG (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+Curve = tuple[Sequence[float], Sequence[float]]
+
+
+def plot_learning_curves(
+    curves: Mapping[str, Curve],
+    path: str | Path,
+    title: str = "",
+    xlabel: str = "env steps",
+    ylabel: str = "return",
+    hline: float | None = None,
+) -> Path:
+    """Plot named (x, y) curves on one axis and write a PNG; returns the path written."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    for label, (xs, ys) in curves.items():
+        ax.plot(list(xs), list(ys), label=label, linewidth=1.4)
+    if hline is not None:
+        ax.axhline(hline, color="grey", linestyle="--", linewidth=1, label=f"target {hline:g}")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,87 @@
+"""Create gymnasium environments from a small config, and describe their spaces.
+
+Seeds are derived with `numpy.random.SeedSequence` from (seed, rank, worker, env index), so
+they are disjoint across ranks, workers and environments (rlpyt's `seed + worker + env`
+overlapped: worker 1 env 0 and worker 0 env 1 got the same seed).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import gymnasium as gym
+import numpy as np
+from pydantic import Field
+
+from rlplex.config import StrictModel
+from rlplex.errors import EnvironmentSpecError
+
+
+class EnvConfig(StrictModel):
+    id: str = Field(description="gymnasium environment id, e.g. 'CartPole-v1'")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to gymnasium.make")
+
+
+@dataclass(frozen=True)
+class EnvSpaces:
+    """What an agent and a sample buffer need to know of an environment's spaces."""
+
+    obs_shape: tuple[int, ...]
+    action_kind: Literal["discrete", "continuous"]
+    n_actions: int  # discrete only; 0 for continuous
+    action_shape: tuple[int, ...]  # () for discrete
+    action_low: tuple[float, ...] = ()
+    action_high: tuple[float, ...] = ()
+
+    @property
+    def action_dtype(self) -> type[np.generic]:
+        return np.int64 if self.action_kind == "discrete" else np.float32
+
+
+def make_env(config: EnvConfig, render_mode: str | None = None) -> gym.Env[Any, Any]:
+    try:
+        return gym.make(config.id, render_mode=render_mode, **config.kwargs)
+    except gym.error.Error as error:
+        known = list(gym.registry.keys())
+        close = difflib.get_close_matches(config.id, known, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise EnvironmentSpecError(f"field 'env.id': cannot make environment {config.id!r}: {error}{hint}") from None
+    except TypeError as error:
+        raise EnvironmentSpecError(
+            f"field 'env.kwargs': environment {config.id!r} rejected {config.kwargs!r}: {error}"
+        ) from None
+
+
+def spaces_of(env: gym.Env[Any, Any]) -> EnvSpaces:
+    obs_space = env.observation_space
+    if not isinstance(obs_space, gym.spaces.Box):
+        raise EnvironmentSpecError(f"observation space {obs_space} is not a Box; rlplex agents need flat arrays")
+    act_space = env.action_space
+    if isinstance(act_space, gym.spaces.Discrete):
+        return EnvSpaces(tuple(obs_space.shape), "discrete", int(act_space.n), ())
+    if isinstance(act_space, gym.spaces.Box):
+        return EnvSpaces(
+            tuple(obs_space.shape),
+            "continuous",
+            0,
+            tuple(act_space.shape),
+            tuple(float(x) for x in np.asarray(act_space.low).ravel()),
+            tuple(float(x) for x in np.asarray(act_space.high).ravel()),
+        )
+    raise EnvironmentSpecError(f"action space {act_space} is neither Discrete nor Box")
+
+
+def probe_spaces(config: EnvConfig) -> EnvSpaces:
+    env = make_env(config)
+    try:
+        return spaces_of(env)
+    finally:
+        env.close()
+
+
+def env_seed(seed: int, rank: int = 0, worker: int = 0, env_index: int = 0) -> int:
+    """A 32-bit seed unique to (seed, rank, worker, env_index)."""
+    sequence = np.random.SeedSequence(entropy=seed, spawn_key=(rank, worker, env_index))
+    return int(sequence.generate_state(1, dtype=np.uint32)[0])

@@ -1,0 +1,73 @@
+"""Small MLPs for classic-control agents.
+
+Every piece of agent state that a sampler needs (weights, and scalars such as DQN's
+epsilon) lives in the module's `state_dict`, as a parameter or a buffer, so that one weight
+copy brings a remote sampler fully up to date.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+
+def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, activation: type[nn.Module] = nn.Tanh) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    last = in_dim
+    for width in hidden:
+        layers += [nn.Linear(last, width), activation()]
+        last = width
+    layers.append(nn.Linear(last, out_dim))
+    return nn.Sequential(*layers)
+
+
+def _init_orthogonal(module: nn.Sequential, last_gain: float) -> None:
+    linears = [m for m in module if isinstance(m, nn.Linear)]
+    for i, layer in enumerate(linears):
+        nn.init.orthogonal_(layer.weight, gain=last_gain if i == len(linears) - 1 else float(np.sqrt(2)))
+        nn.init.zeros_(layer.bias)
+
+
+class ActorCriticMlp(nn.Module):
+    """Separate policy and value MLPs; forward returns (logits_B_A, value_B)."""
+
+    def __init__(self, obs_dim: int, n_outputs: int, hidden: Sequence[int] = (64, 64)) -> None:
+        super().__init__()
+        self.pi = mlp(obs_dim, hidden, n_outputs)
+        self.v = mlp(obs_dim, hidden, 1)
+        _init_orthogonal(self.pi, 0.01)
+        _init_orthogonal(self.v, 1.0)
+
+    def forward(self, obs_B_O: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.pi(obs_B_O), self.v(obs_B_O).squeeze(-1)
+
+
+class GaussianActorCriticMlp(ActorCriticMlp):
+    """Gaussian policy with a state-independent log std; forward returns (mean_B_A, value_B)."""
+
+    def __init__(
+        self, obs_dim: int, action_dim: int, hidden: Sequence[int] = (64, 64), init_log_std: float = 0.0
+    ) -> None:
+        super().__init__(obs_dim, action_dim, hidden)
+        self.log_std = nn.Parameter(torch.full((action_dim,), float(init_log_std)))
+
+
+class QMlp(nn.Module):
+    """Q-values per action; `epsilon` is a buffer so that samplers receive it with the weights."""
+
+    def __init__(self, obs_dim: int, n_actions: int, hidden: Sequence[int] = (64, 64)) -> None:
+        super().__init__()
+        self.q = mlp(obs_dim, hidden, n_actions, activation=nn.ReLU)
+        self.register_buffer("epsilon", torch.tensor(1.0))
+
+    def forward(self, obs_B_O: torch.Tensor) -> torch.Tensor:
+        return self.q(obs_B_O)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's module inside a DistributedDataParallel wrapper (itself otherwise)."""
+    inner = getattr(model, "module", model)
+    return inner if isinstance(inner, nn.Module) else model

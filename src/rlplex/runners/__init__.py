@@ -1,0 +1,5 @@
+"""Runners: the training loops of seed 002 (MinibatchRl, SyncRl, AsyncRl and their Eval variants)."""
+
+from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval, TrainResult
+
+__all__ = ["MinibatchRl", "MinibatchRlEval", "TrainResult"]

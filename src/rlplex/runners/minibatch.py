@@ -1,0 +1,259 @@
+"""`MinibatchRl` and `MinibatchRlEval`: sample a batch, optimize, repeat, in one process.
+
+The loop is the same for both; they differ only in what is logged as performance:
+`MinibatchRl` the episodes completed in the online training samples, `MinibatchRlEval`
+deterministic evaluation episodes run every log interval. `SyncRl` runs this same loop in
+every rank; `AsyncRl` has its own loop because sampling happens elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlplex.agents.base import Agent
+from rlplex.algos.base import Algo
+from rlplex.diagnostics import MetricsLogger, ProgressLine
+from rlplex.errors import ConfigError, SnapshotError
+from rlplex.models import unwrap_model
+from rlplex.runners.snapshot import (
+    SnapshotMode,
+    check_compatible,
+    read_snapshot,
+    rng_state,
+    save_by_mode,
+    set_rng_state,
+)
+from rlplex.samplers.base import Evaluator, Sampler
+
+
+@dataclass
+class TrainResult:
+    itr: int
+    env_steps: int
+    wall_time_s: float
+    history: list[dict[str, float]] = field(default_factory=list)
+    target_reached_at_steps: int | None = None
+    target_reached_at_s: float | None = None
+
+
+class MinibatchRl:
+    """Train `agent` with `algo` on batches from `sampler` for `n_steps` environment steps.
+
+    Batch sizes are per process: under `SyncRl` with world size W each rank samples
+    `batch_T * batch_B` steps per iteration, so one iteration sees W times as many.
+    `n_steps` counts steps over all ranks.
+    """
+
+    performance_source = "online"
+
+    def __init__(
+        self,
+        algo: Algo,
+        agent: Agent,
+        sampler: Sampler,
+        n_steps: int,
+        seed: int = 0,
+        log_interval_steps: int = 10_000,
+        log_dir: str | Path | None = None,
+        snapshot_mode: SnapshotMode = "last",
+        snapshot_gap: int = 1,
+        stop_at_return: float | None = None,
+        show_progress: bool = True,
+        rank: int = 0,
+        world_size: int = 1,
+    ) -> None:
+        if n_steps <= 0:
+            raise ConfigError(f"field 'runner.n_steps': must be positive (got {n_steps})")
+        self.algo = algo
+        self.agent = agent
+        self.sampler = sampler
+        self.seed = seed
+        self.rank = rank
+        self.world_size = world_size
+        self.itr_batch_size = sampler.batch_T * sampler.batch_B * world_size
+        self.n_itr = max(1, -(-n_steps // self.itr_batch_size))
+        self.log_interval_itrs = max(1, log_interval_steps // self.itr_batch_size)
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.snapshot_mode: SnapshotMode = snapshot_mode if self.log_dir is not None else "none"
+        self.snapshot_gap = snapshot_gap
+        self.stop_at_return = stop_at_return
+        self.show_progress = show_progress and rank == 0
+        self.start_itr = 0
+        self._resume_state: dict[str, Any] | None = None
+        self._elapsed_before_resume = 0.0
+
+    # ----- setup and teardown -------------------------------------------------------------
+    def startup(self) -> None:
+        torch.manual_seed(self.seed + self.rank)
+        np.random.seed((self.seed + self.rank) % 2**32)
+        torch.set_num_threads(1)
+        self.sampler.initialize(self.agent, seed=self.seed, rank=self.rank)
+        self.algo.initialize(self.agent, n_itr=self.n_itr, world_size=self.world_size)
+        if self._resume_state is not None:
+            self._load_resume_state(self._resume_state)
+        self.logger = MetricsLogger(self.log_dir) if (self.log_dir is not None and self.rank == 0) else None
+
+    def shutdown(self) -> None:
+        self.sampler.shutdown()
+        if getattr(self, "logger", None) is not None:
+            self.logger.close()  # type: ignore[union-attr]
+
+    # ----- snapshots ----------------------------------------------------------------------
+    def _model_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in unwrap_model(self.agent.model).state_dict().items()}
+
+    def get_itr_snapshot(self, itr: int) -> dict[str, Any]:
+        """Everything needed to continue this run after iteration `itr`."""
+        return {
+            "itr": itr,
+            "env_steps": (itr + 1) * self.itr_batch_size,
+            "elapsed_s": self._elapsed_before_resume + (time.perf_counter() - self._t0),
+            "agent": self._model_state(),
+            "algo": self.algo.state_dict(),
+            "rng": rng_state(),
+            "seed": self.seed,
+            "itr_batch_size": self.itr_batch_size,
+        }
+
+    def save_itr_snapshot(self, itr: int) -> Path | None:
+        if self.log_dir is None or self.rank != 0:
+            return None
+        return save_by_mode(
+            self.log_dir / "snapshots", itr, self.get_itr_snapshot(itr), self.snapshot_mode, self.snapshot_gap
+        )
+
+    def resume_from(self, snapshot_dir: str | Path) -> None:
+        """Continue a run from a snapshot directory (call before `train`)."""
+        state = read_snapshot(snapshot_dir)
+        state["__source__"] = str(snapshot_dir)
+        if int(state["itr_batch_size"]) != self.itr_batch_size:
+            raise SnapshotError(
+                f"{snapshot_dir}: snapshot is from an incompatible config: {state['itr_batch_size']} samples per "
+                f"iteration in the snapshot, {self.itr_batch_size} now (batch_T, batch_B or world size changed)"
+            )
+        self._resume_state = state
+        self.start_itr = int(state["itr"]) + 1
+        self._elapsed_before_resume = float(state["elapsed_s"])
+
+    def _load_resume_state(self, state: dict[str, Any]) -> None:
+        inner = unwrap_model(self.agent.model)
+        check_compatible(inner.state_dict(), state["agent"], Path(state["__source__"]))
+        inner.load_state_dict(state["agent"])
+        self.algo.load_state_dict(state["algo"])
+        set_rng_state(state["rng"])
+
+    # ----- the loop -----------------------------------------------------------------------
+    def gather_episodes(self, returns: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Episode statistics of every rank (identity here; `SyncRl` gathers them to rank 0)."""
+        return returns, lengths
+
+    def evaluate_performance(self) -> dict[str, float]:
+        return {}
+
+    def train(self) -> TrainResult:
+        self.startup()
+        try:
+            return self._loop()
+        finally:
+            self.shutdown()
+
+    def _loop(self) -> TrainResult:
+        self._t0 = time.perf_counter()
+        result = TrainResult(itr=self.start_itr, env_steps=self.start_itr * self.itr_batch_size, wall_time_s=0.0)
+        progress = ProgressLine(self.n_itr * self.itr_batch_size, "train", enabled=self.show_progress)
+        returns: list[np.ndarray] = []
+        lengths: list[np.ndarray] = []
+        opt_info: dict[str, list[float]] = {}
+        interval_t0, interval_steps = time.perf_counter(), 0
+        try:
+            for itr in range(self.start_itr, self.n_itr):
+                samples = self.sampler.obtain_samples(itr)
+                ep_ret, ep_len = samples.episode_stats()
+                returns.append(ep_ret.copy())
+                lengths.append(ep_len.copy())
+                for key, value in self.algo.optimize_agent(itr, samples).items():
+                    opt_info.setdefault(key, []).append(value)
+                interval_steps += self.itr_batch_size
+                result.itr, result.env_steps = itr, (itr + 1) * self.itr_batch_size
+                if (itr + 1) % self.log_interval_itrs == 0 or itr == self.n_itr - 1:
+                    elapsed = time.perf_counter() - interval_t0
+                    row = self._log_row(itr, returns, lengths, opt_info, interval_steps / max(elapsed, 1e-9))
+                    result.history.append(row)
+                    returns, lengths, opt_info = [], [], {}
+                    interval_t0, interval_steps = time.perf_counter(), 0
+                    self.save_itr_snapshot(itr)
+                    progress.update(result.env_steps, {k: row[k] for k in self._status_keys(row)})
+                    perf = row.get(f"charts/{self.performance_source}_return_mean")
+                    if self.stop_at_return is not None and perf is not None and perf >= self.stop_at_return:
+                        result.target_reached_at_steps = result.env_steps
+                        result.target_reached_at_s = row["charts/wall_time_s"]
+                        break
+        finally:
+            progress.close()
+        result.wall_time_s = self._elapsed_before_resume + (time.perf_counter() - self._t0)
+        return result
+
+    @staticmethod
+    def _status_keys(row: dict[str, float]) -> list[str]:
+        return [
+            k for k in ("charts/online_return_mean", "charts/eval_return_mean", "charts/env_steps_per_s") if k in row
+        ]
+
+    def _log_row(
+        self,
+        itr: int,
+        returns: list[np.ndarray],
+        lengths: list[np.ndarray],
+        opt_info: dict[str, list[float]],
+        steps_per_s: float,
+    ) -> dict[str, float]:
+        ep_ret, ep_len = self.gather_episodes(np.concatenate(returns), np.concatenate(lengths))
+        env_steps = (itr + 1) * self.itr_batch_size
+        row: dict[str, float] = {
+            "charts/itr": float(itr),
+            "charts/env_steps": float(env_steps),
+            "charts/env_steps_per_s": steps_per_s,
+            "charts/wall_time_s": self._elapsed_before_resume + (time.perf_counter() - self._t0),
+            "charts/episodes": float(len(ep_ret)),
+        }
+        if len(ep_ret):
+            row["charts/online_return_mean"] = float(np.mean(ep_ret))
+            row["charts/online_return_std"] = float(np.std(ep_ret))
+            row["charts/online_length_mean"] = float(np.mean(ep_len))
+        row.update({k: float(np.mean(v)) for k, v in opt_info.items()})
+        row.update(self.evaluate_performance())
+        if self.logger is not None:
+            self.logger.log(env_steps, row)
+        return row
+
+
+class MinibatchRlEval(MinibatchRl):
+    """Like `MinibatchRl`, but performance is measured by deterministic evaluation episodes."""
+
+    performance_source = "eval"
+
+    def __init__(self, *args: Any, evaluator: Evaluator, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.evaluator = evaluator
+
+    def evaluate_performance(self) -> dict[str, float]:
+        if self.rank != 0:
+            return {}
+        t0 = time.perf_counter()
+        returns, lengths = self.evaluator.evaluate(self.agent)
+        return {
+            "charts/eval_return_mean": float(np.mean(returns)),
+            "charts/eval_return_min": float(np.min(returns)),
+            "charts/eval_length_mean": float(np.mean(lengths)),
+            "charts/eval_time_s": time.perf_counter() - t0,
+        }
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.evaluator.close()

@@ -1,0 +1,7 @@
+"""Samplers collect experience: serial, parallel CPU workers, and asynchronous (double buffer)."""
+
+from rlplex.samplers.base import Evaluator, Sampler
+from rlplex.samplers.batch import SampleBatch, allocate_batch
+from rlplex.samplers.serial import SerialSampler
+
+__all__ = ["Evaluator", "SampleBatch", "Sampler", "SerialSampler", "allocate_batch"]

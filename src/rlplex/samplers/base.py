@@ -1,0 +1,57 @@
+"""The sampler protocol, and the deterministic evaluator used by the *Eval runners."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from rlplex.agents.base import Agent
+from rlplex.envs import EnvConfig, env_seed, make_env, probe_spaces
+from rlplex.samplers.batch import SampleBatch
+from rlplex.samplers.collector import run_episodes
+
+
+class Sampler(Protocol):
+    """Collects [batch_T, batch_B] batches of experience with the current agent.
+
+    `initialize` builds environments (and workers, for parallel samplers). `obtain_samples`
+    first brings any remote copy of the agent up to date, then returns a batch that stays
+    valid until the next call. `shutdown` releases every process and shared buffer.
+    """
+
+    batch_T: int
+    batch_B: int
+
+    def initialize(self, agent: Agent, seed: int, rank: int = 0) -> None: ...
+
+    def obtain_samples(self, itr: int) -> SampleBatch: ...
+
+    def shutdown(self) -> None: ...
+
+
+class Evaluator:
+    """Runs `n_episodes` deterministic episodes in this process, with seeds apart from training."""
+
+    # Evaluation seeds live in their own rank range so they never equal a training env's seed.
+    EVAL_RANK_OFFSET = 1_000_000
+
+    def __init__(self, env: EnvConfig, n_episodes: int = 10, seed: int = 0, rank: int = 0) -> None:
+        self.env_config = env
+        self.n_episodes = n_episodes
+        self.spaces = probe_spaces(env)
+        self._envs = [make_env(env) for _ in range(n_episodes)]
+        self._seed = seed
+        self._rank = rank
+        self._calls = 0
+
+    def evaluate(self, agent: Agent) -> tuple[np.ndarray, np.ndarray]:
+        self._calls += 1
+        seeds = [
+            env_seed(self._seed, self.EVAL_RANK_OFFSET + self._rank, self._calls, i) for i in range(self.n_episodes)
+        ]
+        return run_episodes(self._envs, self.spaces, agent.eval_step, seeds)
+
+    def close(self) -> None:
+        for env in self._envs:
+            env.close()
