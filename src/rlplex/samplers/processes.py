@@ -1,0 +1,41 @@
+"""Child processes of the runners (sampler workers, copiers, ranks): start, watch, stop.
+
+Every blocking wait on a child has a timeout and a cause: `check_alive` turns a dead child
+into `WorkerDiedError` naming it and its exit code, and `stop_processes` leaves no orphan
+(terminate, then kill after a grace period).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from collections.abc import Callable, Sequence
+from multiprocessing.context import SpawnProcess
+from typing import Any
+
+from rlplex.errors import WorkerDiedError
+
+# `spawn`, not `fork`: forking a process that already runs torch threads can deadlock.
+CONTEXT = mp.get_context("spawn")
+
+
+def start_process(target: Callable[..., Any], args: tuple[Any, ...], name: str) -> SpawnProcess:
+    process = CONTEXT.Process(target=target, args=args, name=name, daemon=True)
+    process.start()
+    return process
+
+
+def check_alive(processes: Sequence[SpawnProcess]) -> None:
+    for process in processes:
+        if not process.is_alive():
+            raise WorkerDiedError(f"{process.name} (pid {process.pid}) died with exit code {process.exitcode}")
+
+
+def stop_processes(processes: Sequence[SpawnProcess], grace_s: float = 3.0) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=grace_s)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=grace_s)
