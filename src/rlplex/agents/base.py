@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 from torch import nn
 
 from rlplex.envs import EnvSpaces
-from rlplex.samplers.batch import InfoSpec
+
+InfoSpec = dict[str, tuple[tuple[int, ...], Any]]
+"""Per-sample arrays an agent returns from `step` beside the action: name -> (shape, dtype)."""
 
 
 class Agent(Protocol):

@@ -9,10 +9,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from rlplex.agents.base import InfoSpec
 from rlplex.envs import EnvSpaces
 from rlplex.errors import ConfigError
 from rlplex.models import ActorCriticMlp, GaussianActorCriticMlp, unwrap_model
-from rlplex.samplers.batch import InfoSpec
 
 _LOG_2PI = math.log(2 * math.pi)
 

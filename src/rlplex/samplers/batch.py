@@ -18,9 +18,10 @@ from typing import Any
 
 import numpy as np
 
+from rlplex.agents.base import InfoSpec
 from rlplex.envs import EnvSpaces
 
-InfoSpec = dict[str, tuple[tuple[int, ...], Any]]  # name -> (shape per sample, dtype)
+__all__ = ["ARRAY_FIELDS", "InfoSpec", "SampleBatch", "allocate_batch", "batch_from_arrays", "batch_layout"]
 
 ARRAY_FIELDS = (
     "observation",

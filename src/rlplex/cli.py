@@ -1,0 +1,118 @@
+"""The `rlplex` command line. It wires layers together and holds no training logic.
+
+User errors (`RlplexError`) print one clear line and exit with code 2; `--debug` shows the
+traceback instead. Exit code 1 is an unexpected failure.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from rlplex.errors import RlplexError
+
+app = typer.Typer(help="rlplex: reinforcement-learning training jobs.", no_args_is_help=True, add_completion=False)
+console = Console()
+EXIT_USER_ERROR = 2
+
+
+@app.callback()
+def _root() -> None:
+    """rlplex: reinforcement-learning training jobs, from CartPole to many LLM runs on one trainer."""
+
+
+def _override(config: Any, seed: int | None, n_steps: int | None) -> Any:
+    runner_updates: dict[str, Any] = {}
+    if seed is not None:
+        runner_updates["seed"] = seed
+    if n_steps is not None:
+        runner_updates["n_steps"] = n_steps
+    if not runner_updates:
+        return config
+    from rlplex.config import validate_config
+
+    data = config.model_dump()
+    data["runner"].update(runner_updates)
+    return validate_config(type(config), data, source="command-line flags")
+
+
+@app.command()
+def train(
+    config_file: Annotated[Path, typer.Argument(help="TOML file with [env], [sampler], [agent], [algo], [runner]")],
+    output: Annotated[Path | None, typer.Option(help="output folder (default outputs/<file stem>)")] = None,
+    resume: Annotated[bool, typer.Option(help="continue from the latest snapshot in the output folder")] = False,
+    seed: Annotated[int | None, typer.Option(help="override runner.seed")] = None,
+    n_steps: Annotated[int | None, typer.Option(help="override runner.n_steps")] = None,
+    progress: Annotated[bool, typer.Option(help="show a live progress line")] = True,
+    debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
+) -> None:
+    """Train a classic RL agent with the runners (MinibatchRl, SyncRl, AsyncRl, ...)."""
+    try:
+        _train(config_file, output, resume, seed, n_steps, progress)
+    except RlplexError as error:
+        if debug:
+            raise
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_USER_ERROR) from None
+
+
+def _train(
+    config_file: Path, output: Path | None, resume: bool, seed: int | None, n_steps: int | None, progress: bool
+) -> None:
+    from rlplex.diagnostics.metrics import read_metrics_csv
+    from rlplex.diagnostics.plots import plot_learning_curves
+    from rlplex.runners.config import build_runner, load_train_config
+    from rlplex.runners.snapshot import latest_snapshot
+
+    config = _override(load_train_config(config_file), seed, n_steps)
+    output = output or Path("outputs") / config_file.stem
+    output.mkdir(parents=True, exist_ok=True)
+    (output / "config.json").write_text(config.model_dump_json(indent=2))
+    runner = build_runner(config, output, show_progress=progress)
+    if resume:
+        snapshot = latest_snapshot(output / "snapshots")
+        runner.resume_from(snapshot)
+        console.print(f"resuming from {snapshot}")
+    console.print(f"training {config.env.id} with {config.algo.name} ({config.runner.kind}); output in {output}")
+    result = runner.train()
+
+    rows = read_metrics_csv(output / "progress.csv") if (output / "progress.csv").exists() else []
+    curves = {}
+    for key, label in (("charts/eval_return_mean", "evaluation"), ("charts/online_return_mean", "training episodes")):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            curves[label] = ([p[0] for p in points], [p[1] for p in points])
+    png = plot_learning_curves(curves, output / "learning_curve.png", title=f"{config.env.id}: {config.algo.name}")
+
+    table = Table(title="rlplex train: summary")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    table.add_row("env steps", f"{result.env_steps:,}")
+    table.add_row("wall time", f"{result.wall_time_s:.1f} s")
+    last = result.history[-1] if result.history else {}
+    for key in ("charts/eval_return_mean", "charts/online_return_mean", "charts/env_steps_per_s"):
+        if key in last:
+            table.add_row(key, f"{last[key]:.1f}")
+    if result.target_reached_at_steps is not None:
+        table.add_row(
+            "target reached at", f"{result.target_reached_at_steps:,} steps, {result.target_reached_at_s:.1f} s"
+        )
+    table.add_row("learning curve", str(png))
+    table.add_row("metrics", f"{output / 'progress.csv'}, TensorBoard: {output / 'tb'}")
+    console.print(table)
+
+
+def main() -> None:
+    try:
+        app()
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
