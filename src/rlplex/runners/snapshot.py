@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rlplex.errors import SnapshotError
@@ -91,7 +92,7 @@ def read_snapshot(directory: str | Path) -> dict[str, Any]:
         skeleton = json.loads((directory / "state.json").read_text())
     except FileNotFoundError as error:
         raise SnapshotError(f"{directory}: not a snapshot ({error.filename} missing)") from None
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, SafetensorError) as error:
         raise SnapshotError(f"{directory}: snapshot is unreadable or corrupt: {error}") from None
     try:
         state = _decode(skeleton, tensors)

@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rlplex.agents import CategoricalPgAgent
+from rlplex.algos import PPO, PPOConfig
+from rlplex.diagnostics.metrics import read_metrics_csv
+from rlplex.envs import EnvConfig, probe_spaces
+from rlplex.errors import SnapshotError
+from rlplex.runners import MinibatchRl, MinibatchRlEval
+from rlplex.runners.snapshot import latest_snapshot, list_snapshots, read_snapshot
+from rlplex.samplers import Evaluator, SerialSampler
+
+
+def make_runner(env: EnvConfig, log_dir: Path, n_steps: int, batch_B: int = 4, **kwargs: object) -> MinibatchRl:  # noqa: N803
+    agent = CategoricalPgAgent(probe_spaces(env))
+    algo = PPO(PPOConfig(n_epochs=2, minibatch_size=64))
+    sampler = SerialSampler(env, batch_T=32, batch_B=batch_B)
+    return MinibatchRl(
+        algo, agent, sampler, n_steps=n_steps, log_interval_steps=128, log_dir=log_dir, show_progress=False, **kwargs
+    )
+
+
+def test_minibatch_logs_namespaced_diagnostics(tmp_path: Path, cartpole: EnvConfig) -> None:
+    result = make_runner(cartpole, tmp_path, n_steps=1024).train()
+    assert result.env_steps == 1024
+    rows = read_metrics_csv(tmp_path / "progress.csv")
+    assert len(rows) == 8
+    for key in ("charts/env_steps_per_s", "charts/online_return_mean", "losses/policy", "charts/wall_time_s"):
+        assert key in rows[-1]
+    assert (tmp_path / "tb").is_dir()
+
+
+def test_resume_continues_counters_parameters_and_optimizer(tmp_path: Path, cartpole: EnvConfig) -> None:
+    first = make_runner(cartpole, tmp_path, n_steps=512, snapshot_mode="all")
+    first.train()
+    snapshots = list_snapshots(tmp_path / "snapshots")
+    assert [i for i, _ in snapshots] == [0, 1, 2, 3]
+    saved = read_snapshot(snapshots[1][1])  # after iteration 1
+
+    resumed = make_runner(cartpole, tmp_path, n_steps=1024, snapshot_mode="all")
+    resumed.resume_from(snapshots[1][1])
+    resumed.startup()
+    try:
+        for key, value in resumed.agent.model.state_dict().items():
+            assert torch.equal(value, saved["agent"][key]), key
+        algo_state = resumed.algo.state_dict()
+        assert algo_state["update_count"] == saved["algo"]["update_count"]
+        exp_avg = algo_state["optimizer"]["state"][0]["exp_avg"]
+        assert torch.equal(exp_avg, saved["algo"]["optimizer"]["state"][0]["exp_avg"])
+        # The random streams continue where the snapshot left them.
+        assert resumed.start_itr == 2
+    finally:
+        resumed.shutdown()
+
+    again = make_runner(cartpole, tmp_path, n_steps=1024, snapshot_mode="all")
+    again.resume_from(latest_snapshot(tmp_path / "snapshots"))
+    result = again.train()
+    assert result.itr == 7 and result.env_steps == 1024
+    steps = [r["step"] for r in read_metrics_csv(tmp_path / "progress.csv")]
+    assert steps[-1] == 1024 and steps == sorted(steps)
+
+
+def test_resume_from_incompatible_config_refused(tmp_path: Path, cartpole: EnvConfig) -> None:
+    make_runner(cartpole, tmp_path, n_steps=256).train()
+    other = make_runner(cartpole, tmp_path / "other", n_steps=512, batch_B=8)
+    with pytest.raises(SnapshotError, match="incompatible config"):
+        other.resume_from(latest_snapshot(tmp_path / "snapshots"))
+
+
+def test_eval_runner_stops_at_target(tmp_path: Path, cartpole: EnvConfig) -> None:
+    agent = CategoricalPgAgent(probe_spaces(cartpole))
+    runner = MinibatchRlEval(
+        PPO(PPOConfig(n_epochs=1)),
+        agent,
+        SerialSampler(cartpole, 16, 2),
+        n_steps=10_000,
+        log_interval_steps=64,
+        evaluator=Evaluator(cartpole, n_episodes=2),
+        stop_at_return=1.0,  # any episode reaches this: the first evaluation stops the run
+        show_progress=False,
+    )
+    result = runner.train()
+    assert result.target_reached_at_steps == 64 and result.env_steps == 64
+    assert np.isfinite(result.history[0]["charts/eval_return_mean"])
