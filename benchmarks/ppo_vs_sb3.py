@@ -1,0 +1,187 @@
+"""Wall time for PPO to reach evaluation return 475 on CartPole-v1: rlplex beside Stable-Baselines3.
+
+SB3 runs the rl-zoo CartPole-v1 settings (8 DummyVecEnv envs, n_steps 32, batch 256,
+gae 0.8, gamma 0.98, 20 epochs, linear lr 1e-3 and clip 0.2, MlpPolicy, cpu). rlplex runs
+`examples/cartpole_ppo.toml` (or `--rlplex-config`). Both use one torch thread, the same
+seeds and the same evaluation: rlplex's `Evaluator` (10 deterministic episodes on the same
+evaluation seeds) every `--eval-every` env steps, after the update. Evaluation time is
+EXCLUDED from the headline times of both (it is reported separately, and the times with
+it included are in the JSON). Runs alternate rlplex / SB3 per seed so that machine noise
+hits both. Times include building the envs and the model.
+
+    python -m benchmarks.ppo_vs_sb3               # 3 seeds
+    python -m benchmarks.ppo_vs_sb3 --quick       # 1 seed
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.common import TimedEvaluator, override, write_json
+from rlplex.runners.config import build_runner, load_train_config
+
+TARGET = 475.0
+ENV_ID = "CartPole-v1"
+DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "examples" / "cartpole_ppo.toml"
+SB3_ZOO = dict(
+    n_steps=32,
+    batch_size=256,
+    gae_lambda=0.8,
+    gamma=0.98,
+    n_epochs=20,
+    ent_coef=0.0,
+)
+SB3_N_ENVS = 8
+
+
+@dataclass
+class Run:
+    library: str
+    seed: int
+    reached: bool
+    steps: int  # env steps at the evaluation that reached the target (or at the end)
+    train_s: float  # wall time excluding evaluation
+    eval_s: float
+    total_s: float  # wall time including evaluation
+
+
+def run_rlplex(config_path: Path, seed: int, eval_every: int, budget: int) -> Run:
+    config = load_train_config(config_path)
+    config = override(config, "runner", seed=seed, stop_at_return=TARGET, log_interval_steps=eval_every, n_steps=budget)
+    t0 = time.perf_counter()
+    runner = build_runner(config, output_dir=None, show_progress=False)
+    runner.evaluator = TimedEvaluator(config.env, 10, seed=seed)
+    result = runner.train()
+    total = time.perf_counter() - t0
+    eval_s = runner.evaluator.seconds
+    reached = result.target_reached_at_steps is not None
+    steps = result.target_reached_at_steps if reached else result.env_steps
+    return Run("rlplex", seed, reached, int(steps or 0), total - eval_s, eval_s, total)
+
+
+class _Sb3EvalAgent:
+    """Lets rlplex's `Evaluator` drive an SB3 policy, so both libraries share one evaluation."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def eval_step(self, observation: np.ndarray) -> np.ndarray:
+        action, _ = self.model.predict(observation, deterministic=True)
+        return np.asarray(action)
+
+
+def run_sb3(seed: int, eval_every: int, budget: int) -> Run:
+    from stable_baselines3 import PPO
+    from stable_baselines3.common.callbacks import BaseCallback
+    from stable_baselines3.common.env_util import make_vec_env
+    from stable_baselines3.common.utils import LinearSchedule
+    from stable_baselines3.common.vec_env import DummyVecEnv
+
+    from rlplex.envs import EnvConfig
+
+    evaluator = TimedEvaluator(EnvConfig(id=ENV_ID), 10, seed=seed)
+
+    class EvalStop(BaseCallback):
+        """Evaluates at the start of a rollout (i.e. after the previous update), like the rlplex runner."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.next_eval = eval_every
+            self.reached_at: int | None = None
+
+        def _on_rollout_start(self) -> None:
+            if self.reached_at is None and self.num_timesteps >= self.next_eval:
+                self.next_eval += eval_every
+                returns, _ = evaluator.evaluate(_Sb3EvalAgent(self.model))  # type: ignore[arg-type]
+                if float(np.mean(returns)) >= TARGET:
+                    self.reached_at = self.num_timesteps
+
+        def _on_step(self) -> bool:
+            return self.reached_at is None
+
+    callback = EvalStop()
+    t0 = time.perf_counter()
+    env = make_vec_env(ENV_ID, n_envs=SB3_N_ENVS, seed=seed, vec_env_cls=DummyVecEnv)
+    model = PPO(
+        "MlpPolicy",
+        env,
+        learning_rate=LinearSchedule(1e-3, 0.0, 1.0),
+        clip_range=LinearSchedule(0.2, 0.0, 1.0),
+        device="cpu",
+        seed=seed,
+        verbose=0,
+        **SB3_ZOO,  # type: ignore[arg-type]
+    )
+    model.learn(total_timesteps=budget, callback=callback)
+    total = time.perf_counter() - t0
+    env.close()
+    evaluator.close()
+    reached = callback.reached_at is not None
+    steps = callback.reached_at if callback.reached_at is not None else model.num_timesteps
+    return Run("sb3", seed, reached, int(steps), total - evaluator.seconds, evaluator.seconds, total)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default 0 1 2 (--quick: 0)")
+    parser.add_argument("--eval-every", type=int, default=4096, help="env steps between evaluations (both)")
+    parser.add_argument("--budget", type=int, default=200_000, help="env steps at most (both; sets the schedules)")
+    parser.add_argument("--rlplex-config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2])
+
+    runs: list[tuple[Run, Run]] = []
+    for seed in seeds:
+        ours = run_rlplex(args.rlplex_config, seed, args.eval_every, args.budget)
+        print(f"  seed {seed} rlplex: {ours.train_s:.2f}s, {ours.steps} steps, reached={ours.reached}", flush=True)
+        theirs = run_sb3(seed, args.eval_every, args.budget)
+        print(f"  seed {seed} sb3:    {theirs.train_s:.2f}s train, {theirs.steps} steps, reached={theirs.reached}")
+        runs.append((ours, theirs))
+
+    print(f"\nPPO to eval return >= {TARGET:g} on {ENV_ID} (times exclude evaluation; torch 1 thread)")
+    print(f"{'seed':>4} {'rlplex s':>9} {'rlplex steps':>12} {'sb3 s':>8} {'sb3 steps':>10} {'sb3/rlplex':>10}")
+    ratios: list[float] = []
+    for ours, theirs in runs:
+        ok = ours.reached and theirs.reached
+        ratio = theirs.train_s / ours.train_s if ok else float("nan")
+        if ok:
+            ratios.append(ratio)
+        print(
+            f"{ours.seed:>4} {ours.train_s:>9.2f} {ours.steps:>12,} {theirs.train_s:>8.2f} {theirs.steps:>10,} "
+            f"{ratio:>10.2f}" + ("" if ok else "  (a run did not reach the target)")
+        )
+    median = statistics.median(ratios) if ratios else float("nan")
+    print(f"median speed-up (SB3 time / rlplex time): {median:.2f}x  (goal >= 2)")
+    path = write_json(
+        "ppo_vs_sb3",
+        {
+            "env": ENV_ID,
+            "target": TARGET,
+            "eval_every_steps": args.eval_every,
+            "eval_episodes": 10,
+            "eval_time": "excluded from train_s, included in total_s",
+            "budget_steps": args.budget,
+            "rlplex_config": load_train_config(args.rlplex_config).model_dump(),
+            "rlplex_config_file": str(args.rlplex_config),
+            "sb3_settings": {**SB3_ZOO, "n_envs": SB3_N_ENVS, "learning_rate": "lin_1e-3", "clip_range": "lin_0.2"},
+            "runs": [{"rlplex": asdict(o), "sb3": asdict(t)} for o, t in runs],
+            "ratios": ratios,
+            "median_ratio": median,
+            "goal_met": bool(ratios) and median >= 2.0,
+        },
+    )
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
