@@ -28,3 +28,23 @@ class WorkerDiedError(RlplexError):
 
 class WaitTimeoutError(RlplexError):
     """A blocking wait ran past its deadline; the message says what was awaited."""
+
+
+class JobSpecError(ConfigError):
+    """A control-plane job declaration is invalid; the message names the role and the field."""
+
+
+class PlacementError(RlplexError):
+    """A job's roles do not fit the cluster's capacity; the message names the role that does not fit."""
+
+
+class JobFailedError(RlplexError):
+    """A control-plane job failed (prepare, restart budget, ...); the message carries the cause."""
+
+
+class NodeFailedError(RlplexError):
+    """A control-plane node failed or a call to it failed; the message names the node."""
+
+
+class IllegalTransitionError(RlplexError):
+    """A state machine was asked for a transition its table does not allow."""
