@@ -58,6 +58,9 @@ class Counter(WorkerLoad):
 class Idle(Worker):
     """Runs until stopped; answers calls (trainer-driven tests)."""
 
+    def double(self, x: float) -> float:
+        return 2 * x
+
     def add(self, x: float, y: float) -> float:
         return x + y
 
@@ -74,7 +77,7 @@ class Sub(SubMaster):
 def drive(context: WorkerContext) -> None:
     """A trainer-driven driver: scatter work over the 'idle' role and record the results."""
     group = context.role_group("idle")
-    results = [f.result(timeout=10) for f in group.scatter("add", [1, 2, 3, 4])]
+    results = [f.result(timeout=10) for f in group.scatter("double", [1, 2, 3, 4])]
     who = [f.result(timeout=10) for f in group.call("whoami")]
     rank0 = group.call_rank(0, "add", 10, 20).result(timeout=10)
     group.close()

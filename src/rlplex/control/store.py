@@ -125,8 +125,8 @@ class SqliteStateStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         # In WAL mode NORMAL never corrupts, and avoids an fsync per heartbeat flush.
         self._db.execute("PRAGMA synchronous=NORMAL")
-        if create:
-            self._db.executescript(_SCHEMA)
+        # Also when only reading: a reader racing a new job's master must see empty tables, not none.
+        self._db.executescript(_SCHEMA)
 
     @classmethod
     def in_dir(cls, output_dir: str | Path, create: bool = True) -> SqliteStateStore:
