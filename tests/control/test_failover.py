@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 from conftest import node_processes, wait_for
-
 from rlplex.control import SqliteStateStore
 
 JOB = """

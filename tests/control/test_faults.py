@@ -12,8 +12,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import node_processes, wait_for
 
+from conftest import node_processes, wait_for
 from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, SqliteStateStore
 from rlplex.errors import JobFailedError
 

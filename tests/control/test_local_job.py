@@ -6,7 +6,6 @@ import ast
 from pathlib import Path
 
 from conftest import node_processes, wait_for
-
 from rlplex.control import JobBuilder, JobState, NodeState, PrimeMaster, SqliteStateStore
 
 
