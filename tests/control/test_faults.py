@@ -41,8 +41,9 @@ def decisions(master: PrimeMaster) -> list[tuple[str, str, str]]:
     return [(d.old, d.entity, d.cause) for d in master.store.decisions(master.job_id)]
 
 
-def test_sigkilled_worker_is_restarted_and_nothing_is_lost(job_dir: Path) -> None:
-    with PrimeMaster.create(counter_job(job_dir)) as master:
+@pytest.mark.parametrize("scope", ["worker", "role", "job"])
+def test_sigkilled_worker_is_restarted_and_nothing_is_lost(job_dir: Path, scope: str) -> None:
+    with PrimeMaster.create(counter_job(job_dir, restart={"scope": scope})) as master:
         master.start()
         wait_for(lambda: progress_of(master, "counter-1") >= 3, 20, "counter-1 to process 3 items")
         victim = master.get_nodes_by_role()["counter"][1].pid
@@ -51,9 +52,19 @@ def test_sigkilled_worker_is_restarted_and_nothing_is_lost(job_dir: Path) -> Non
         assert items_done(job_dir) == set(range(60))
         nodes = {n.node_id: n for n in master.store.nodes(master.job_id)}
         assert nodes["counter-1"].restarts == 1 and nodes["counter-1"].pid != victim
-        assert nodes["counter-0"].restarts == 0
         ((action, target, cause),) = decisions(master)
-        assert (action, target) == ("RESTART_WORKER", "counter-1") and "process exited (code -9)" in cause
+        assert "node counter-1 (role 'counter') failed: process exited (code -9)" in cause
+        job_steps = [r.new for r in master.store.transitions(master.job_id) if r.entity == "job"]
+        if scope == "worker":
+            assert (action, target) == ("RESTART_WORKER", "counter-1")
+            assert nodes["counter-0"].restarts == 0 and nodes["counter-2"].restarts == 0
+        else:
+            # Nodes that finished before the failure are not redone; the others restart with it.
+            restarted = {n for n, rec in nodes.items() if rec.restarts == 1}
+            assert restarted == set(nodes) and (action, target) == (f"RESTART_{scope.upper()}", "counter")
+        failover = ["READY", "RUNNING", "READY", "RUNNING", "STOPPING", "STOPPED"]
+        assert job_steps == (failover if scope == "job" else ["READY", "RUNNING", "STOPPING", "STOPPED"])
+        assert master.store.job(master.job_id).restarts == 1
 
 
 def test_a_stopped_worker_misses_heartbeats_and_is_replaced(job_dir: Path) -> None:

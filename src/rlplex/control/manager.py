@@ -55,6 +55,7 @@ class PrimeManager:
         self.job = job_machine(store, job_id, state)
         self.slots: dict[str, NodeSlot] = {}
         self._failover = False
+        self._spent: dict[str, int] | None = None
         self._last_flush = time.monotonic()
         self._log_file = open(spec.output_dir / "master.log", "a", buffering=1)
 
@@ -260,6 +261,7 @@ class PrimeManager:
             self.fail(decision.cause)
             return
         self.store.spend_restart(self.job_id, decision.role or "")
+        self._spent = self.store.role_restarts(self.job_id)
         if decision.action == Action.RESTART_WORKER:
             chosen = [self.slots[n] for n in decision.node_ids]
         elif decision.action == Action.RESTART_ROLE:
@@ -321,7 +323,9 @@ class PrimeManager:
 
     def status(self) -> JobStatus:
         now = time.monotonic()
-        spent = self.store.role_restarts(self.job_id)
+        if self._spent is None:  # read once; afterwards kept in step with every spend_restart
+            self._spent = self.store.role_restarts(self.job_id)
+        spent = self._spent
         roles = tuple(
             RoleStatus(name, r.kind, r.restart.scope, r.restart.max_restarts, spent.get(name, 0))
             for name, r in self.spec.roles.items()
@@ -359,7 +363,7 @@ class PrimeManager:
                 if slot is None:
                     self._register(member)
                 else:
-                    slot.reset_for_restart()
+                    slot.reset_for_restart(count=False)
                     slot.to(NodeState.PENDING, f"role '{role}' scaled up to {count}")
             self._launch([Bundle(-1, 0.0, 0.0, 0, (), tuple(new))])
         self.store.record_decision(self.job_id, "SCALE", role, f"role '{role}' scaled to {count}")

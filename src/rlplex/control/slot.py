@@ -89,13 +89,14 @@ class NodeSlot:
             self.progress_changed = at
         self.dirty = True
 
-    def reset_for_restart(self) -> None:
+    def reset_for_restart(self, count: bool = True) -> None:
+        """Forget the old process; `count=False` for a scale-up reusing a stopped rank (not a restart)."""
         if self.client is not None:
             self.client.close()
         self.client, self.address, self.connected = None, "", False
         self.reported, self.error = "CREATED", None
         self.incarnation += 1
-        self.restarts += 1
+        self.restarts += int(count)
 
     def info(self) -> NodeInfo:
         pid = self.handle.pid if self.handle is not None else 0
