@@ -81,3 +81,17 @@ def test_a_role_scales_up_and_down_while_running(job_dir: Path) -> None:
         assert len(node_processes(job_dir)) == 1
         master.stop()
         assert master.state == JobState.STOPPED
+
+
+def test_nodes_stop_themselves_when_no_master_comes_back(job_dir: Path) -> None:
+    spec = (
+        JobBuilder("orphan", job_dir, capacity={"cpu": 2}, heartbeat_interval_s=0.1, master_lost_timeout_s=1.0)
+        .role("idle", entrypoint="control_workers:Idle", count=2, resources={"cpu": 0.5})
+        .build()
+    )
+    master = PrimeMaster.create(spec)
+    master.start()
+    assert len(node_processes(job_dir)) == 2
+    master.manager.scheduler.detach()  # type: ignore[attr-defined]  # the master "dies": its listener is gone
+    wait_for(lambda: node_processes(job_dir) == [], 10, "nodes without a master to exit")
+    master.close()
