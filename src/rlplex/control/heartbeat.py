@@ -60,13 +60,12 @@ class HeartbeatServer:
             with self._lock:
                 fresh, self._new = self._new, []
             for conn in fresh:
-                selector.register(conn, selectors.EVENT_READ)
+                selector.register(conn, selectors.EVENT_READ, data=conn)
             if not selector.get_map():
                 self._closed.wait(_POLL_S)
                 continue
             for key, _ in selector.select(timeout=_POLL_S):
-                conn = key.fileobj
-                assert isinstance(conn, Connection)
+                conn: Connection = key.data
                 try:
                     message = json.loads(conn.recv_bytes())
                 except (EOFError, OSError, ValueError):
