@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from rlplex.dataflow.mfc import MFCDef
@@ -112,7 +112,7 @@ class SequenceBuffer:
         while len(self._entries) + n > self.capacity:
             self._check_open()
             self._space_event.clear()
-            await self._wait(self._space_event, deadline, f"room for {n} datapoints (buffer full at {self.capacity})")
+            await self._wait(self._space_event, deadline, lambda: f"room for {n} datapoints (full at {self.capacity})")
         self._check_open()
         now = time.monotonic()
         ids = list(range(self._next_id, self._next_id + n))
@@ -155,7 +155,7 @@ class SequenceBuffer:
             while len(heap) < n:
                 self._check_open()
                 event.clear()
-                await self._wait(event, deadline, f"{n} datapoints ready for MFC {name!r}\n{self.dump()}")
+                await self._wait(event, deadline, lambda: f"{n} datapoints ready for MFC {name!r}\n{self.dump()}")
         finally:
             self._waiting.pop(name, None)
         bit = self._consumer_bit[name]
@@ -194,7 +194,8 @@ class SequenceBuffer:
         for event in self._data_event.values():
             event.set()
 
-    async def _wait(self, event: asyncio.Event, deadline: float | None, what: str) -> None:
+    async def _wait(self, event: asyncio.Event, deadline: float | None, what: Callable[[], str]) -> None:
+        # `what` is rendered only on timeout, so the dump shows the state that caused it.
         if deadline is None:
             await event.wait()
             return
@@ -202,7 +203,7 @@ class SequenceBuffer:
         try:
             await asyncio.wait_for(event.wait(), timeout=max(remaining, 0.0))
         except TimeoutError:
-            raise WaitTimeoutError(f"timed out waiting for {what}") from None
+            raise WaitTimeoutError(f"timed out waiting for {what()}") from None
 
     def dump(self, max_ids: int = 8) -> str:
         """Which MFC waits for which keys on which datapoints (the watchdog prints this)."""

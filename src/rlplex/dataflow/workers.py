@@ -1,0 +1,76 @@
+"""Model workers: where an MFC's interface call runs, next to the tensors it produces.
+
+`ModelWorker` is the process boundary: the executor hands a worker an MFC and the ids of
+its shard; the worker fetches the inputs it lacks through `fetch`, runs the model's
+interface call, keeps the outputs in its own store and returns only their keys.
+`LocalModelWorker` runs the call on a thread of its own, so MFCs of different models
+overlap while the asyncio loop keeps dispatching; a worker in another process implements
+the same protocol over the control plane's RPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
+
+from rlplex.dataflow.dataplane import LocalTensorStore, TensorStore
+from rlplex.dataflow.mfc import MFCDef
+
+Fetch = Callable[[Sequence[int], str], list[Any]]
+Outputs = dict[str, list[Any]]
+
+
+class ModelInterface(Protocol):
+    """What a model does for each kind of MFC; each returns one value per datapoint per output key."""
+
+    def generate(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> Outputs: ...
+
+    def inference(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> Outputs: ...
+
+    def train_step(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> Outputs: ...
+
+
+class ModelWorker(Protocol):
+    name: str
+    store: TensorStore
+
+    async def run(self, mfc: MFCDef, ids: Sequence[int], fetch: Fetch) -> Outputs: ...
+
+
+class LocalModelWorker:
+    def __init__(self, name: str, interface: ModelInterface) -> None:
+        self.name = name
+        self.interface = interface
+        self.store: TensorStore = LocalTensorStore(name)
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{name}")
+
+    def _call(self, mfc: MFCDef, ids: Sequence[int], fetch: Fetch) -> Outputs:
+        inputs = {key: fetch(ids, key) for key in mfc.input_keys}
+        method = getattr(self.interface, mfc.interface_type.value)
+        outputs: Outputs = method(mfc, inputs)
+        return outputs
+
+    async def run(self, mfc: MFCDef, ids: Sequence[int], fetch: Fetch) -> Outputs:
+        loop = asyncio.get_running_loop()
+        outputs = await loop.run_in_executor(self._thread, self._call, mfc, ids, fetch)
+        return outputs
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def split_by_tokens(seqlens: Sequence[int], n_parts: int) -> list[list[int]]:
+    """Positions into `n_parts` shards of nearly equal token totals (longest first, greedy)."""
+    shards: list[list[int]] = [[] for _ in range(n_parts)]
+    totals = [0] * n_parts
+    for position in sorted(range(len(seqlens)), key=lambda i: -seqlens[i]):
+        lightest = totals.index(min(totals))
+        shards[lightest].append(position)
+        totals[lightest] += seqlens[position]
+    return [sorted(shard) for shard in shards]
+
+
+def split_by_count(n: int, n_parts: int) -> list[list[int]]:
+    return [list(range(n))[i::n_parts] for i in range(n_parts)]
