@@ -186,7 +186,7 @@ def grpo_graph(batch_size: int = 16) -> MFCGraph:
                 "actor_train",
                 "actor",
                 ModelInterfaceType.TRAIN_STEP,
-                ("packed_input_ids", "packed_logprobs", "rewards", "prompt_mask"),
+                ("packed_input_ids", "packed_logprobs", "rewards", "prompt_mask", "task_ids"),
                 (),
                 batch_size,
             ),

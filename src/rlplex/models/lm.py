@@ -76,7 +76,7 @@ def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
 
 @torch.no_grad()
 def generate(
-    model: LlamaForCausalLM,
+    model: torch.nn.Module,
     tokenizer: CharTokenizer,
     prompts: list[str],
     max_new_tokens: int,
@@ -124,7 +124,7 @@ def generate(
     return Rollouts(full_tokens, full_attention, completion_mask, logprobs, completions)
 
 
-def token_logprobs(model: LlamaForCausalLM, tokens_B_L: torch.Tensor, attention_B_L: torch.Tensor) -> torch.Tensor:
+def token_logprobs(model: torch.nn.Module, tokens_B_L: torch.Tensor, attention_B_L: torch.Tensor) -> torch.Tensor:
     """log p(token_t | tokens_<t) for every position t >= 1 (position 0 gets 0); differentiable."""
     logits = model(
         input_ids=tokens_B_L, attention_mask=attention_B_L, position_ids=_positions(attention_B_L)
@@ -134,7 +134,7 @@ def token_logprobs(model: LlamaForCausalLM, tokens_B_L: torch.Tensor, attention_
 
 
 def supervised_warmup(
-    model: LlamaForCausalLM,
+    model: torch.nn.Module,
     tokenizer: CharTokenizer,
     task: Task,
     steps: int,
@@ -166,7 +166,7 @@ def supervised_warmup(
 
 
 def mean_reward(
-    model: LlamaForCausalLM, tokenizer: CharTokenizer, task: Task, n: int, seed: int, temperature: float = 1.0
+    model: torch.nn.Module, tokenizer: CharTokenizer, task: Task, n: int, seed: int, temperature: float = 1.0
 ) -> float:
     problems = task.sample(n, np.random.default_rng(seed))
     generator = torch.Generator().manual_seed(seed)
