@@ -96,10 +96,10 @@ class TaskReward:
         self.task = task
         self.tokenizer = tokenizer
 
+    def score(self, ids: torch.Tensor, item: TaskItem) -> float:
+        prompt_len = len(self.tokenizer.encode(item.problem.prompt))
+        return float(self.task.reward(item.problem, self.tokenizer.decode(ids[prompt_len:].tolist())))
+
     def inference(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        rewards = []
-        for ids, item in zip(inputs["packed_input_ids"], inputs["task_ids"], strict=True):
-            prompt_len = len(self.tokenizer.encode(item.problem.prompt))
-            completion = self.tokenizer.decode(ids[prompt_len:].tolist())
-            rewards.append(float(self.task.reward(item.problem, completion)))
-        return {"rewards": rewards}
+        pairs = zip(inputs["packed_input_ids"], inputs["task_ids"], strict=True)
+        return {"rewards": [self.score(ids, item) for ids, item in pairs]}

@@ -31,13 +31,9 @@ from typing import Any
 
 from rlplex.dataflow.buffer import SequenceBuffer
 from rlplex.dataflow.dataplane import DataPlane, LocalTensorStore
-from rlplex.dataflow.mfc import MFCDef, MFCGraph, ModelInterfaceType
+from rlplex.dataflow.mfc import MFCDef, MFCExecutionError, MFCGraph, ModelInterfaceType
 from rlplex.dataflow.workers import ModelWorker, Outputs, split_by_count, split_by_tokens
 from rlplex.errors import RlplexError
-
-
-class MFCExecutionError(RlplexError):
-    """An MFC failed on a worker, or a worker returned outputs that break the MFC's contract."""
 
 
 class FunctionExecutor:
@@ -75,10 +71,11 @@ class FunctionExecutor:
     async def load_data(self, n: int) -> list[int]:
         items = []
         for _ in range(n):
-            try:
-                items.append(next(self.dataset))
-            except StopIteration:
+            # Off the event loop: a streaming dataset blocks until rollouts arrive.
+            item = await asyncio.to_thread(next, self.dataset, None)
+            if item is None:
                 break
+            items.append(item)
         if not items:
             return []
         keys = list(self.graph.dataset_keys)

@@ -20,6 +20,10 @@ class GraphError(RlplexError):
     """The MFC graph is malformed (a cycle, an unknown key, two producers of one key)."""
 
 
+class MFCExecutionError(RlplexError):
+    """An MFC failed on a worker, or a worker returned outputs that break the MFC's contract."""
+
+
 class ModelInterfaceType(StrEnum):
     GENERATE = "generate"
     INFERENCE = "inference"

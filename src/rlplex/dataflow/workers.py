@@ -16,14 +16,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from rlplex.dataflow.dataplane import LocalTensorStore, TensorStore
-from rlplex.dataflow.mfc import MFCDef
+from rlplex.dataflow.mfc import MFCDef, MFCExecutionError
 
 Fetch = Callable[[Sequence[int], str], list[Any]]
 Outputs = dict[str, list[Any]]
 
 
 class ModelInterface(Protocol):
-    """What a model does for each kind of MFC; each returns one value per datapoint per output key."""
+    """What a model does for each kind of MFC; each returns one value per datapoint per output key.
+
+    A model implements only the calls its MFCs use; a missing one fails at dispatch, naming it.
+    """
 
     def generate(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> Outputs: ...
 
@@ -40,7 +43,7 @@ class ModelWorker(Protocol):
 
 
 class LocalModelWorker:
-    def __init__(self, name: str, interface: ModelInterface) -> None:
+    def __init__(self, name: str, interface: object) -> None:
         self.name = name
         self.interface = interface
         self.store: TensorStore = LocalTensorStore(name)
@@ -48,7 +51,12 @@ class LocalModelWorker:
 
     def _call(self, mfc: MFCDef, ids: Sequence[int], fetch: Fetch) -> Outputs:
         inputs = {key: fetch(ids, key) for key in mfc.input_keys}
-        method = getattr(self.interface, mfc.interface_type.value)
+        method = getattr(self.interface, mfc.interface_type.value, None)
+        if method is None:
+            raise MFCExecutionError(
+                f"MFC {mfc.name!r}: model worker {self.name!r} ({type(self.interface).__name__}) "
+                f"has no {mfc.interface_type.value!r} call"
+            )
         outputs: Outputs = method(mfc, inputs)
         return outputs
 
