@@ -24,6 +24,7 @@ which MFC waits for which keys on which ids.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
@@ -69,13 +70,8 @@ class FunctionExecutor:
 
     # ----- data loading -------------------------------------------------------------------
     async def load_data(self, n: int) -> list[int]:
-        items = []
-        for _ in range(n):
-            # Off the event loop: a streaming dataset blocks until rollouts arrive.
-            item = await asyncio.to_thread(next, self.dataset, None)
-            if item is None:
-                break
-            items.append(item)
+        # Off the event loop, in one hop: a streaming dataset blocks until rollouts arrive.
+        items = await asyncio.to_thread(lambda: list(itertools.islice(self.dataset, n)))
         if not items:
             return []
         keys = list(self.graph.dataset_keys)
