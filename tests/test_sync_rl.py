@@ -109,29 +109,38 @@ def test_rank0_log_holds_the_episodes_of_every_rank(first_run: tuple[Path, SyncL
     assert sum(row["charts/episodes"] for row in rows) == sum(local)
 
 
-def test_resume_continues_the_step_counter(tmp_path: Path, first_run: tuple[Path, SyncLauncher, TrainResult]) -> None:
-    out, first, _ = first_run
+@pytest.fixture(scope="module")
+def resumed_eval_run(
+    tmp_path_factory: pytest.TempPathFactory, first_run: tuple[Path, SyncLauncher, TrainResult]
+) -> tuple[int, SyncLauncher, TrainResult]:
+    """Resumes `first_run` as SyncRlEval; any return reaches the target, so the first log row stops it."""
+    out = first_run[0]
     snapshot = latest_snapshot(out / "snapshots")
-    saved_itr = int(read_snapshot(snapshot)["itr"])
-    launcher = SyncLauncher(partial(build_seeded, tiny_config("sync", 1536), str(tmp_path)), timeout_s=120)
+    config = tiny_config("sync_eval", 100_000, eval_episodes=2, stop_at_return=0.0)
+    launcher = SyncLauncher(partial(build_eval_rank0_only, config, str(tmp_path_factory.mktemp("resumed"))))
+    launcher.timeout_s = 120
     launcher.resume_from(snapshot)
-    result = launcher.train()
+    return int(read_snapshot(snapshot)["itr"]), launcher, launcher.train()
+
+
+def test_resume_continues_the_step_counter_from_rank0s_snapshot(
+    first_run: tuple[Path, SyncLauncher, TrainResult], resumed_eval_run: tuple[int, SyncLauncher, TrainResult]
+) -> None:
+    saved_itr, launcher, result = resumed_eval_run
     assert saved_itr == 7
-    # Iterations 8..11 run (128 steps each), logged every 2: at 1280 and 1536 steps.
-    assert [row["charts/env_steps"] for row in result.history] == [1280.0, 1536.0]
-    assert result.env_steps == 1536
-    final_before = (first.rank_outcomes[0].digests or {})["final"]
+    # Iterations 8 and 9 run (128 steps each); the log row after them stops the run.
+    assert [row["charts/env_steps"] for row in result.history] == [1280.0]
+    final_before = (first_run[1].rank_outcomes[0].digests or {})["final"]
     assert {(o.digests or {})["start"] for o in launcher.rank_outcomes} == {final_before}
 
 
-def test_sync_eval_evaluates_on_rank0_and_stops_all_ranks_together(tmp_path: Path) -> None:
-    # Any return reaches the target: the first log row stops the run, on every rank at once.
-    config = tiny_config("sync_eval", 100_000, eval_episodes=2, stop_at_return=0.0)
-    launcher = SyncLauncher(partial(build_eval_rank0_only, config, str(tmp_path)), timeout_s=120)
-    result = launcher.train()
-    assert result.target_reached_at_steps == 256
+def test_sync_eval_evaluates_on_rank0_and_stops_all_ranks_together(
+    resumed_eval_run: tuple[int, SyncLauncher, TrainResult],
+) -> None:
+    _, launcher, result = resumed_eval_run  # rank 1 has an evaluator that raises if called
+    assert result.target_reached_at_steps == 1280
     assert "charts/eval_return_mean" in result.history[0]
-    assert [o.result["env_steps"] for o in launcher.rank_outcomes if o.result] == [256, 256]
+    assert [o.result["env_steps"] for o in launcher.rank_outcomes if o.result] == [1280, 1280]
 
 
 @pytest.mark.parametrize("fault", ["kill", "raise"])
