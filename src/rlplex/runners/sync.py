@@ -92,7 +92,8 @@ class SyncRl(MinibatchRl):
         self.digests["built"] = param_digest(self.agent.model)
         # Wrapped before `algo.initialize` so the optimizer sees the DDP module and every backward
         # all-reduces. DDP broadcasts rank 0's parameters at construction: identical replicas.
-        # No buffer broadcast: it is a collective on every forward, and only rank 0 evaluates.
+        # Buffers are synced at construction only: a sync on every forward is a collective, and
+        # only rank 0 runs the evaluation forwards.
         model = self.agent.model
         device_ids = [next(model.parameters()).device] if next(model.parameters()).is_cuda else None
         self.agent.model = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
