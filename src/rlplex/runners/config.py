@@ -44,7 +44,7 @@ AlgoSection = Annotated[PPOSection, Field(discriminator="name")]
 
 
 class RunnerConfig(StrictModel):
-    kind: Literal["minibatch", "minibatch_eval"] = "minibatch_eval"
+    kind: Literal["minibatch", "minibatch_eval", "sync", "sync_eval"] = "minibatch_eval"
     n_steps: int = Field(100_000, ge=1, description="environment steps over all ranks")
     seed: int = 0
     log_interval_steps: int = Field(10_000, ge=1)
@@ -52,6 +52,11 @@ class RunnerConfig(StrictModel):
     snapshot_mode: SnapshotMode = "last"
     snapshot_gap: int = Field(1, ge=1)
     stop_at_return: float | None = None
+    world_size: int = Field(2, ge=1, description="ranks (sync kinds only)")
+    backend: Literal["gloo", "nccl"] = "gloo"
+    global_batch: bool = Field(
+        False, description="sync kinds: divide sampler.batch_B and algo.minibatch_size by world_size (else per rank)"
+    )
 
 
 class TrainConfig(StrictModel):
@@ -89,11 +94,52 @@ def build_algo(config: TrainConfig) -> Any:
 
 
 def build_runner(config: TrainConfig, output_dir: str | Path | None, show_progress: bool = True) -> Any:
-    from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval
+    r = config.runner
+    if r.kind in ("sync", "sync_eval"):
+        from rlplex.runners.sync import SyncLauncher
 
+        if r.global_batch:
+            config = _global_batch_config(config)
+        build = partial(build_sync_rank, config, None if output_dir is None else str(output_dir), show_progress)
+        return SyncLauncher(build, world_size=r.world_size, backend=r.backend)
+    return build_rank_runner(config, output_dir, show_progress)
+
+
+def build_sync_rank(
+    config: TrainConfig, output_dir: str | None, show_progress: bool, rank: int, world_size: int
+) -> Any:
+    """The runner of one `SyncLauncher` rank (module-level so that a partial of it pickles)."""
+    return build_rank_runner(config, output_dir, show_progress, rank, world_size)
+
+
+def _global_batch_config(config: TrainConfig) -> TrainConfig:
+    w = config.runner.world_size
+    s, a = config.sampler, config.algo
+    for field, value in (("sampler.batch_B", s.batch_B), ("algo.minibatch_size", a.minibatch_size)):
+        if value % w:
+            raise ConfigError(
+                f"field '{field}': {value} is not divisible by runner.world_size={w} (runner.global_batch = true)"
+            )
+    return config.model_copy(
+        update={
+            "sampler": s.model_copy(update={"batch_B": s.batch_B // w}),
+            "algo": a.model_copy(update={"minibatch_size": a.minibatch_size // w}),
+        }
+    )
+
+
+def build_rank_runner(
+    config: TrainConfig, output_dir: str | Path | None, show_progress: bool = True, rank: int = 0, world_size: int = 1
+) -> Any:
+    from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval
+    from rlplex.runners.sync import SyncRl, SyncRlEval
+
+    r = config.runner
+    if r.kind in ("sync", "sync_eval") and config.algo.target_kl is not None:
+        # Ranks would stop their epochs after different numbers of backward passes: DDP deadlock.
+        raise ConfigError("field 'algo.target_kl': not supported with runner.kind sync/sync_eval; leave it unset")
     spaces = probe_spaces(config.env)
     agent: Agent = agent_factory(config, spaces)(spaces)
-    r = config.runner
     common: dict[str, Any] = dict(
         n_steps=r.n_steps,
         seed=r.seed,
@@ -103,10 +149,12 @@ def build_runner(config: TrainConfig, output_dir: str | Path | None, show_progre
         snapshot_gap=r.snapshot_gap,
         stop_at_return=r.stop_at_return,
         show_progress=show_progress,
+        rank=rank,
+        world_size=world_size,
     )
     algo, sampler = build_algo(config), build_sampler(config)
-    if r.kind == "minibatch":
-        return MinibatchRl(algo, agent, sampler, **common)
-    return MinibatchRlEval(
-        algo, agent, sampler, evaluator=Evaluator(config.env, r.eval_episodes, seed=r.seed), **common
-    )
+    if r.kind in ("minibatch", "sync"):
+        return (SyncRl if r.kind == "sync" else MinibatchRl)(algo, agent, sampler, **common)
+    evaluator = Evaluator(config.env, r.eval_episodes, seed=r.seed)
+    eval_cls = SyncRlEval if r.kind == "sync_eval" else MinibatchRlEval
+    return eval_cls(algo, agent, sampler, evaluator=evaluator, **common)
