@@ -128,7 +128,8 @@ def test_shared_weights_carry_buffers_and_bump_the_version_only_on_change() -> N
 
 def test_sigkilled_worker_is_named_and_everything_is_cleaned_up() -> None:
     agent = RandomAgent(probe_spaces(CARTPOLE))
-    sampler = ParallelSampler(CARTPOLE, batch_T=32, batch_B=4, n_workers=2, agent_factory=RandomAgent)
+    # No agent_factory: the workers receive a pickled copy of the master's agent.
+    sampler = ParallelSampler(CARTPOLE, batch_T=32, batch_B=4, n_workers=2)
     try:
         sampler.initialize(agent, seed=0)
         sampler.obtain_samples(0)
@@ -148,7 +149,7 @@ def test_sigkilled_worker_is_named_and_everything_is_cleaned_up() -> None:
 
 def test_worker_that_fails_at_start_up_is_reported_without_leaks(monkeypatch: pytest.MonkeyPatch) -> None:
     created: list[str] = []  # record the segments the sampler makes (other processes share /dev/shm)
-    create_batch, create_weights = SharedBatch.create.__func__, SharedWeights.create.__func__  # type: ignore[attr-defined]
+    create_batch, create_weights = SharedBatch.create.__func__, SharedWeights.create.__func__
 
     def record_batch(cls: type[SharedBatch], *args: Any) -> SharedBatch:
         shared = create_batch(cls, *args)

@@ -22,6 +22,12 @@ one policy call per step, and no per-step synchronisation is left. The cost: a w
 of the weights is as old as the start of the batch, which is exactly on-policy for a
 synchronous runner (the learner is idle while the batch is collected).
 
+When to prefer `SerialSampler`: each worker pays its own policy call per step, so n workers
+make n calls where one process makes one. That pays off only with a free core per worker;
+on a CPU already loaded by other work (benchmarks/sampler_throughput.py, 2 busy cores) the
+serial sampler stepped an MLP agent about as fast or faster, while both stayed well ahead
+of subprocess vector envs.
+
 Weights travel through `SharedWeights` (the `state_dict`, parameters and buffers, in one
 shared segment, with a version counter); each worker reloads only when the version moved.
 
@@ -251,7 +257,9 @@ def _worker_main(spec: _WorkerSpec, go: Semaphore, done: Semaphore, stop: Event)
             if weights.version != loaded_version:
                 loaded_version = weights.version
                 model.load_state_dict(weights.tensors)
-            collector.collect(agent.step, view)
+            # inference_mode: no autograd bookkeeping at all, a few µs less per policy call.
+            with torch.inference_mode():
+                collector.collect(agent.step, view)
             done.release()
     finally:
         collector.close()
