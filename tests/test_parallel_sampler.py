@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from rlplex.runners import MinibatchRl
 from rlplex.runners.config import TrainConfig, build_runner
 from rlplex.runners.snapshot import list_snapshots, read_snapshot
 from rlplex.samplers import ParallelSampler
-from rlplex.samplers.batch import allocate_batch
+from rlplex.samplers.batch import SampleBatch, allocate_batch
 from rlplex.samplers.parallel import split_envs
 from rlplex.samplers.shared import SharedBatch
 from rlplex.samplers.weights import SharedWeights
@@ -45,14 +46,25 @@ def _assert_cleaned_up(pids: list[int], segments: list[str]) -> None:
     assert leaked == []
 
 
-@pytest.fixture
-def started() -> Iterator[tuple[ParallelSampler, CategoricalPgAgent]]:
+@dataclass
+class Started:
+    sampler: ParallelSampler
+    agent: CategoricalPgAgent
+    first: SampleBatch  # copies of the first two batches, taken before any test changes the agent
+    second: SampleBatch
+
+
+@pytest.fixture(scope="module")
+def started() -> Iterator[Started]:
+    """One sampler for the read-only tests (worker start-up is most of a test's time)."""
     agent = CategoricalPgAgent(probe_spaces(CARTPOLE))
     # 5 envs over 2 workers: an uneven split (3 + 2).
     sampler = ParallelSampler(CARTPOLE, batch_T=64, batch_B=5, n_workers=2, agent_factory=CategoricalPgAgent)
-    sampler.initialize(agent, seed=3, rank=1)
     try:
-        yield sampler, agent
+        sampler.initialize(agent, seed=3, rank=1)
+        first = sampler.obtain_samples(0).copy()
+        second = sampler.obtain_samples(1).copy()
+        yield Started(sampler, agent, first, second)
     finally:
         sampler.shutdown()
 
@@ -62,12 +74,10 @@ def test_split_envs_covers_all_envs_unevenly() -> None:
     assert split_envs(16, 3) == [(0, 6), (6, 11), (11, 16)]
 
 
-def test_batch_is_consistent_across_workers_and_batches(started: tuple[ParallelSampler, Any]) -> None:
-    sampler, agent = started
-    first = sampler.obtain_samples(0).copy()
-    second = sampler.obtain_samples(1)
-    layout = allocate_batch(probe_spaces(CARTPOLE), agent.info_spec, 64, 5)
-    for (name, got), (_, want) in zip(second.arrays(), layout.arrays(), strict=True):
+def test_batch_is_consistent_across_workers_and_batches(started: Started) -> None:
+    first, second = started.first, started.second
+    layout = allocate_batch(probe_spaces(CARTPOLE), started.agent.info_spec, 64, 5)
+    for (name, got), (_, want) in zip(started.sampler.obtain_samples(2).arrays(), layout.arrays(), strict=True):
         assert got.shape == want.shape and got.dtype == want.dtype, name
     done = first.terminated | first.truncated
     assert done[:, 3:].any() and done[:, :3].any()  # episodes ended in both workers' envs
@@ -80,30 +90,28 @@ def test_batch_is_consistent_across_workers_and_batches(started: tuple[ParallelS
     assert set(np.unique(first.action)) == {0, 1}
 
 
-def test_env_seeds_are_disjoint_and_used_by_the_workers(started: tuple[ParallelSampler, Any]) -> None:
-    sampler, _ = started
+def test_env_seeds_are_disjoint_and_used_by_the_workers(started: Started) -> None:
+    sampler = started.sampler
     assert sampler.env_seeds == [tuple(env_seed(3, 1, w, j) for j in range(n)) for w, n in ((0, 3), (1, 2))]
     flat = [s for seeds in sampler.env_seeds for s in seeds]
     assert len(set(flat)) == 5
-    batch = sampler.obtain_samples(0)
     for b, seed in enumerate(flat):
         env = make_env(CARTPOLE)
         expected, _ = env.reset(seed=seed)
         env.close()
-        assert np.allclose(batch.observation[0, b], expected), f"env {b} was not reset with seed {seed}"
+        assert np.allclose(started.first.observation[0, b], expected), f"env {b} was not reset with seed {seed}"
 
 
-def test_new_weights_reach_the_workers_at_the_next_batch(started: tuple[ParallelSampler, Any]) -> None:
-    sampler, agent = started
-    before = sampler.obtain_samples(0)
-    assert np.any(before.action == 1)
+def test_new_weights_reach_the_workers_at_the_next_batch(started: Started) -> None:
+    sampler, agent = started.sampler, started.agent
+    assert np.any(sampler.obtain_samples(3).action == 1)
     last_pi, last_v = agent.model.pi[-1], agent.model.v[-1]
     with torch.no_grad():  # a policy that always picks action 0, and a constant value
         last_pi.weight.zero_()
         last_pi.bias.copy_(torch.tensor([30.0, -30.0]))
         last_v.weight.zero_()
         last_v.bias.fill_(3.5)
-    after = sampler.obtain_samples(1)
+    after = sampler.obtain_samples(4)
     assert np.all(after.action == 0)
     assert np.allclose(after.agent_info["log_prob"], 0.0, atol=1e-6)
     assert np.allclose(after.agent_info["value"], 3.5)
@@ -165,8 +173,8 @@ def test_worker_that_fails_at_start_up_is_reported_without_leaks(monkeypatch: py
     monkeypatch.setattr(SharedWeights, "create", classmethod(record_weights))
     pendulum = EnvConfig(id="Pendulum-v1")
     agent = RandomAgent(probe_spaces(pendulum))
-    # CategoricalPgAgent refuses a Box action space: the workers raise while building their agent.
-    sampler = ParallelSampler(pendulum, batch_T=8, batch_B=2, n_workers=2, agent_factory=CategoricalPgAgent)
+    # CategoricalPgAgent refuses a Box action space: the worker raises while building its agent.
+    sampler = ParallelSampler(pendulum, batch_T=8, batch_B=1, n_workers=1, agent_factory=CategoricalPgAgent)
     with pytest.raises(WorkerDiedError, match="exit code 1"):
         sampler.initialize(agent, seed=0)
     assert sampler.processes == [] and len(created) > 1
@@ -222,3 +230,23 @@ def test_minibatch_ppo_with_parallel_sampler_from_config(tmp_path: Path) -> None
     assert result.env_steps == 256 and len(result.history) == 2
     assert "charts/online_return_mean" in result.history[-1] and "losses/policy" in result.history[-1]
     assert runner.sampler.processes == []
+
+
+def _uniform_policy_batch(seed: int) -> np.ndarray:
+    torch.manual_seed(0)
+    agent = CategoricalPgAgent(probe_spaces(CARTPOLE))
+    with torch.no_grad():  # p(action) = 0.5 whatever the observation: actions show the workers' random streams
+        agent.model.pi[-1].weight.zero_()
+        agent.model.pi[-1].bias.zero_()
+    sampler = ParallelSampler(CARTPOLE, batch_T=64, batch_B=4, n_workers=2, agent_factory=CategoricalPgAgent)
+    try:
+        sampler.initialize(agent, seed=seed)
+        return sampler.obtain_samples(0).action.copy()
+    finally:
+        sampler.shutdown()
+
+
+def test_workers_draw_from_distinct_reproducible_random_streams() -> None:
+    first, again = _uniform_policy_batch(seed=5), _uniform_policy_batch(seed=5)
+    assert np.array_equal(first, again)
+    assert not np.array_equal(first[:, 0:2], first[:, 2:4])  # worker 0's draws are not worker 1's

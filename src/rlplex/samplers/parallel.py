@@ -49,6 +49,7 @@ from multiprocessing.context import SpawnProcess
 from multiprocessing.synchronize import Event, Semaphore
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlplex.agents.base import Agent, AgentFactory
@@ -77,6 +78,7 @@ class _WorkerSpec:
     env_start: int
     env_stop: int
     seeds: tuple[int, ...]
+    rng_seed: int  # the worker's torch and numpy generators (action sampling)
     parent_pid: int
 
 
@@ -100,6 +102,15 @@ def split_envs(batch_B: int, n_workers: int) -> list[tuple[int, int]]:
         ranges.append((start, stop))
         start = stop
     return ranges
+
+
+def worker_rng_seed(seed: int, rank: int, worker: int) -> int:
+    """Seed of a worker's action sampling: reproducible per run, distinct per (rank, worker).
+
+    A two-part spawn key, so it never equals an environment seed (three parts, `env_seed`).
+    """
+    sequence = np.random.SeedSequence(entropy=seed, spawn_key=(rank, worker))
+    return int(sequence.generate_state(1, dtype=np.uint32)[0])
 
 
 class ParallelSampler:
@@ -170,6 +181,7 @@ class ParallelSampler:
                     start,
                     stop,
                     self.env_seeds[w],
+                    worker_rng_seed(seed, rank, w),
                     os.getpid(),
                 )
                 process = start_process(
@@ -243,6 +255,8 @@ def _wait_for_go(go: Semaphore, stop: Event, parent_pid: int) -> bool:
 def _worker_main(spec: _WorkerSpec, go: Semaphore, done: Semaphore, stop: Event) -> None:
     # Each worker owns one core's worth of work; torch's own thread pool would oversubscribe.
     torch.set_num_threads(1)
+    torch.manual_seed(spec.rng_seed)
+    np.random.seed(spec.rng_seed)
     shared = SharedBatch.attach(spec.batch)
     weights = SharedWeights.attach(spec.weights)
     agent = spec.agent_factory(spec.spaces)
