@@ -2,5 +2,6 @@
 
 from rlplex.agents.base import Agent, AgentFactory
 from rlplex.agents.pg import CategoricalPgAgent, GaussianPgAgent, PgAgent
+from rlplex.agents.random import RandomAgent
 
-__all__ = ["Agent", "AgentFactory", "CategoricalPgAgent", "GaussianPgAgent", "PgAgent"]
+__all__ = ["Agent", "AgentFactory", "CategoricalPgAgent", "GaussianPgAgent", "PgAgent", "RandomAgent"]

@@ -20,7 +20,7 @@ from rlplex.config import StrictModel, load_config
 from rlplex.envs import EnvConfig, EnvSpaces, probe_spaces
 from rlplex.errors import ConfigError
 from rlplex.runners.snapshot import SnapshotMode
-from rlplex.samplers import Evaluator, SerialSampler
+from rlplex.samplers import Evaluator, ParallelSampler, SerialSampler
 from rlplex.samplers.base import Sampler
 
 
@@ -85,7 +85,10 @@ def build_sampler(config: TrainConfig) -> Sampler:
     s = config.sampler
     if s.kind == "serial":
         return SerialSampler(config.env, s.batch_T, s.batch_B)
-    raise ConfigError(f"field 'sampler.kind': {s.kind!r} is not available yet")
+    if s.kind == "parallel":
+        factory = agent_factory(config, probe_spaces(config.env))
+        return ParallelSampler(config.env, s.batch_T, s.batch_B, s.n_workers, agent_factory=factory)
+    raise ConfigError(f"field 'sampler.kind': unknown sampler kind {s.kind!r}")
 
 
 def build_algo(config: TrainConfig) -> Any:
