@@ -154,3 +154,26 @@ def test_rank1_times_out_with_a_clear_error_if_rank0_never_syncs(tmp_path: Path)
     _, other = pair(tmp_path, timeout_s=0.3)
     with pytest.raises(WaitTimeoutError, match=r"rank 1: waited .* snapshot version 0"):
         other.synchronize_state()
+
+
+def test_resume_decision_is_rank0s_even_if_rank1_sees_other_files(tmp_path: Path) -> None:
+    import torch
+
+    store = dist.HashStore()
+    kwargs: dict[str, Any] = {"store": store, "world_size": 2, "sync_timeout_s": 10.0}
+    shared, stale_view = tmp_path / "shared", tmp_path / "stale"
+    shared.mkdir()
+    stale_view.mkdir()
+    new_run(shared, "run_a")
+    first = MultiRunManager(shared, 2)
+    first.discover_runs()
+    first.record_progress(0, tokens=30, samples=3)
+    first.save_run_checkpoint(0, 4, {"w": torch.ones(1)}, {}, {})
+    # Rank 1's view of the disk (a lagging network filesystem, say) has no checkpoint at all.
+    master = MultiRunManager(shared, 2, rank=0, **kwargs)
+    other = MultiRunManager(stale_view, 2, rank=1, **kwargs)
+    master.discover_runs()
+    assert run_ranks(master.synchronize_state, other.synchronize_state) == [None, None]
+    assert other.latest_stable_checkpoint("run_a") is None
+    assert master.resume_step(0) == other.resume_step(0) == 4
+    assert other.progress[0].total_tokens == 30
