@@ -346,3 +346,18 @@ def test_config_of_every_active_run_matches_its_file(tmp_path: Path) -> None:
     new_run(tmp_path, "run_a", optim={"lr": 0.5, "max_grad_norm": 2.0}, seed=7)
     mrm.discover_runs()
     assert mrm.config[0] == make_config(optim={"lr": 0.5, "max_grad_norm": 2.0}, seed=7)
+
+
+def test_run_dir_deleted_and_made_again_under_the_same_name_is_a_new_run(tmp_path: Path) -> None:
+    mrm = manager(tmp_path, max_runs=2)
+    calls: list[str] = []
+    mrm.register_forgotten_hook(lambda idx, run_id: calls.append(f"forgotten {run_id}"))
+    mrm.register_discovered_hook(lambda idx, run_id, config: calls.append(f"discovered {run_id} {config.seed}"))
+    run = new_run(tmp_path, "run_a", seed=1)
+    mrm.discover_runs()
+    keep = tmp_path / "keep"  # hold the old inode so the filesystem cannot hand it out again
+    run.root.rename(keep)
+    new_run(tmp_path, "run_a", seed=2)
+    mrm.discover_runs()
+    assert calls == ["discovered run_a 1", "forgotten run_a", "discovered run_a 2"]
+    assert mrm.config[mrm.id_2_idx["run_a"]].seed == 2

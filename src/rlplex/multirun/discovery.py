@@ -23,6 +23,9 @@ class ScanResult:
     live: list[str] = field(default_factory=list)
     """Valid run directories without `control/evicted.txt`, sorted by name."""
     evicted: list[str] = field(default_factory=list)
+    inodes: dict[str, int] = field(default_factory=dict)
+    """Inode of each live or evicted run directory: a directory deleted and made again under the
+    same name is a new run, not the old one carrying on."""
     ignored: list[str] = field(default_factory=list)
     """`run_*` entries that are not plain directories with a safe name."""
 
@@ -63,6 +66,7 @@ class RunScanner:
                     self._ignore(name, "its name is not run_<letters, digits, _ . -> (could escape)", result)
                     continue
                 self._checked.add(name)
+            result.inodes[name] = entry.inode()
             if os.path.exists(f"{entry.path}/control/evicted.txt"):
                 result.evicted.append(name)
             else:

@@ -113,6 +113,7 @@ class MultiRunManager(AdapterRegistry):
         self._waiting: dict[str, tuple[_Signature | None, OrchestratorConfig]] = {}
         self._unadmitted: dict[str, _Signature | None] = {}
         """rejected or pending runs and the orch.toml signature they were judged on."""
+        self._inodes: dict[str, int] = {}
 
         self.register_discovered_hook(self._set_lora_scaling, name="rlplex.multirun.set_lora_scaling")
         self.register_creation_hook(self._reset_new_run, name="rlplex.multirun.reset_run_parameters")
@@ -161,7 +162,13 @@ class MultiRunManager(AdapterRegistry):
         self._require_master("discover_runs")
         scan = self._scanner.scan()  # 1 (and 2: evicted runs are listed apart)
         live = set(scan.live)
-        deleted = [(idx, run_id) for run_id, idx in self.id_2_idx.items() if run_id not in live]  # 3
+        replaced = {name for name, inode in scan.inodes.items() if self._inodes.get(name, inode) != inode}
+        self._inodes = scan.inodes
+        for name in replaced:
+            self._forget(name)
+        deleted = [
+            (idx, run_id) for run_id, idx in self.id_2_idx.items() if run_id not in live or run_id in replaced
+        ]  # 3
         self._update_unslotted(live, scan.evicted)
         for idx, run_id in deleted:  # 4
             for _, hook in self.hooks.forgotten:
@@ -185,15 +192,17 @@ class MultiRunManager(AdapterRegistry):
         for name, status in list(self._status.items()):
             if name in evicted_set or (name in live and status != "evicted"):
                 continue
-            # Deleted, or its evicted.txt was removed: forget it (a live one is judged anew).
-            for table in (self._status, self._waiting, self._unadmitted, self._reasons):
-                table.pop(name, None)
+            self._forget(name)  # deleted, or its evicted.txt was removed (then it is judged anew)
         for name in evicted:
             self._waiting.pop(name, None)
             self._unadmitted.pop(name, None)
             if self._status.get(name) != "evicted":
                 self._status[name] = "evicted"
                 self._reasons[name] = self.run_dir(name).eviction_reason() or "evicted"
+
+    def _forget(self, name: str) -> None:
+        for table in (self._status, self._waiting, self._unadmitted, self._reasons):
+            table.pop(name, None)
 
     def _judge(self, names: list[str]) -> None:
         """Step 5: load and validate; sort each run into waiting, rejected or pending."""
