@@ -28,3 +28,23 @@ class WorkerDiedError(RlplexError):
 
 class WaitTimeoutError(RlplexError):
     """A blocking wait ran past its deadline; the message says what was awaited."""
+
+
+class MultiRunError(RlplexError):
+    """The multi-run manager was misused or its shared state is inconsistent."""
+
+
+class RunConfigError(ConfigError):
+    """A run's `control/orch.toml` is missing, unreadable, too big or invalid; the message says why."""
+
+
+class RunDirGoneError(MultiRunError):
+    """A run directory no longer exists (deleted while training); nothing was written for it."""
+
+
+class HookMismatchError(MultiRunError):
+    """Ranks registered different creation/deletion hooks, so running them would deadlock or diverge."""
+
+
+class CheckpointError(MultiRunError):
+    """A per-run checkpoint could not be written or read; the previous stable checkpoint is untouched."""
