@@ -28,3 +28,7 @@ class WorkerDiedError(RlplexError):
 
 class WaitTimeoutError(RlplexError):
     """A blocking wait ran past its deadline; the message says what was awaited."""
+
+
+class AdapterError(RlplexError):
+    """A multi-LoRA adapter slot, rank, id or exported adapter is invalid; the message names it."""
