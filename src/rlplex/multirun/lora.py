@@ -21,7 +21,8 @@ to mask. Separate leaves give exact isolation for free: run k's optimizer holds 
 ``lora_A[k]`` and ``lora_B[k]``, a slot not in the batch keeps ``grad is None`` and its
 optimizer skips it. The loop path indexes the leaves directly (no copy); only the grouped
 path stacks the present slots, a copy of G·r·(in+out) elements per call, small beside the
-activations (the benchmark reports it).
+activations (benchmarks/multilora.py: 0.76 ms forward+backward for 16 slots of rank 16 at
+512->512, beside 93 ms for the layer on 4096 tokens, CPU, one thread).
 
 Per-run rank is real: run k uses ``A_k[:r_k]`` and ``B_k[:, :r_k]`` with r_k read from
 ``lora_ranks``; the rows and columns beyond r_k contribute nothing, receive exactly zero
