@@ -48,3 +48,7 @@ class HookMismatchError(MultiRunError):
 
 class CheckpointError(MultiRunError):
     """A per-run checkpoint could not be written or read; the previous stable checkpoint is untouched."""
+
+
+class AdapterError(RlplexError):
+    """A multi-LoRA adapter slot, rank, id or exported adapter is invalid; the message names it."""

@@ -334,7 +334,7 @@ def test_lora_modules_parameters_state_dict_reset_and_active_adapters(tmp_path: 
     new_run(tmp_path, "run_a", model={"lora": {"rank": 4, "alpha": 8.0}})
     mrm.discover_runs()
     with mrm.active_adapters(torch.tensor([0, 0])) as batch:
-        assert mrm.adapter_ids is batch.adapter_ids
+        assert mrm.adapter_ids is batch.ids
     assert mrm.adapter_ids is None
     with pytest.raises(MultiRunError, match=r"adapter ids \[1\] name no active run"):
         with mrm.active_adapters(torch.tensor([0, 1])):

@@ -1,9 +1,9 @@
 """One trainer, many runs: the run directory protocol and the `MultiRunManager` (seeds 000, 001)."""
 
 from rlplex.multirun.checkpoint import RunCheckpoint, RunProgress, load_checkpoint
+from rlplex.multirun.lora import AdapterBatch, MultiLoRALinear, MultiLoRAModules, apply_multi_lora
 from rlplex.multirun.manager import (
     EMPTY_SLOT_SCALING,
-    AdapterBatch,
     MultiRunManager,
     RunStatus,
     get_multi_run_manager,
@@ -19,6 +19,7 @@ from rlplex.multirun.orch_config import (
     orch_config_to_toml,
     read_orch_config,
 )
+from rlplex.multirun.peft_export import write_peft_adapter
 from rlplex.multirun.rundir import STABLE_MARKER, RunDir
 
 __all__ = [
@@ -28,6 +29,8 @@ __all__ = [
     "AdapterBatch",
     "LoraConfig",
     "ModelConfig",
+    "MultiLoRALinear",
+    "MultiLoRAModules",
     "MultiRunManager",
     "OptimConfig",
     "OrchestratorConfig",
@@ -35,10 +38,12 @@ __all__ = [
     "RunDir",
     "RunProgress",
     "RunStatus",
+    "apply_multi_lora",
     "create_run",
     "get_multi_run_manager",
     "load_checkpoint",
     "orch_config_to_toml",
     "read_orch_config",
     "setup_multi_run_manager",
+    "write_peft_adapter",
 ]

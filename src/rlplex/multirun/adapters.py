@@ -2,7 +2,7 @@
 
 `MultiLoRALinear.register_with_runs(manager, name)` calls `register_lora_module`; the
 module keeps references to `manager.scaling_factors` and `manager.lora_ranks` and reads
-`manager.adapter_ids` at forward time, which `active_adapters(ids)` sets for one forward
+`manager.adapter_batch` (shared `AdapterBatch`) at forward time, which `active_adapters(ids)` sets for one forward
 pass. Parameter names are prefixed with the module name, as in the model's state dict.
 """
 
@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from rlplex.errors import MultiRunError
+from rlplex.multirun.lora import AdapterBatch
 
 
 class LoraModule(Protocol):
@@ -23,19 +24,12 @@ class LoraModule(Protocol):
     def reset_adapter(self, idx: int) -> None: ...
 
 
-class AdapterBatch:
-    """The adapter slot of each row (or token) of the batch being run through the model."""
-
-    def __init__(self, adapter_ids: torch.Tensor) -> None:
-        self.adapter_ids = adapter_ids
-
-
 class AdapterRegistry:
     """Mixed into `MultiRunManager`; needs `idx_2_id` (the active slots)."""
 
     idx_2_id: dict[int, str]
     lora_modules: dict[str, LoraModule]
-    adapter_batch: AdapterBatch | None
+    adapter_batch: AdapterBatch
 
     def register_lora_module(self, name: str, module: LoraModule) -> None:
         if name in self.lora_modules:
@@ -71,16 +65,12 @@ class AdapterRegistry:
         if check:
             if adapter_ids.dtype not in (torch.int32, torch.int64):
                 raise MultiRunError(f"adapter ids must be int32 or int64, got {adapter_ids.dtype}")
-            unknown = sorted(set(adapter_ids.unique().tolist()) - set(self.idx_2_id))
+            unknown = sorted(set(adapter_ids.unique().tolist()) - set(self.idx_2_id) - {-1})  # -1: base only
             if unknown:
                 raise MultiRunError(f"adapter ids {unknown} name no active run (active slots: {sorted(self.idx_2_id)})")
-        previous = self.adapter_batch
-        self.adapter_batch = AdapterBatch(adapter_ids)
-        try:
+        with self.adapter_batch.active(adapter_ids):
             yield self.adapter_batch
-        finally:
-            self.adapter_batch = previous
 
     @property
     def adapter_ids(self) -> torch.Tensor | None:
-        return None if self.adapter_batch is None else self.adapter_batch.adapter_ids
+        return self.adapter_batch.ids

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from rlplex.errors import MultiRunError, RunConfigError, RunDirGoneError
-from rlplex.multirun.adapters import AdapterBatch, AdapterRegistry, LoraModule
+from rlplex.multirun.adapters import AdapterRegistry, LoraModule
 from rlplex.multirun.checkpoint import (
     RunProgress,
     latest_stable_checkpoint_path,
@@ -45,6 +45,7 @@ from rlplex.multirun.hooks import (
     Hooks,
     RunHook,
 )
+from rlplex.multirun.lora import AdapterBatch
 from rlplex.multirun.orch_config import OrchestratorConfig, parse_orch_config, read_orch_config
 from rlplex.multirun.rundir import RunDir, parse_step
 from rlplex.multirun.sync import ProgressEntry, RunEntry, StoreChannel, SyncSnapshot
@@ -96,7 +97,7 @@ class MultiRunManager(AdapterRegistry):
         self.progress: dict[int, RunProgress] = {}
         self.scaling_factors = torch.full((max_runs,), EMPTY_SLOT_SCALING, dtype=torch.float32)
         self.lora_ranks = torch.zeros(max_runs, dtype=torch.int64)
-        self.adapter_batch: AdapterBatch | None = None
+        self.adapter_batch = AdapterBatch()
         self.hooks = Hooks()
         self.lora_modules: dict[str, LoraModule] = {}
 
