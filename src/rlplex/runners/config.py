@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from rlplex.agents import CategoricalPgAgent, GaussianPgAgent
+from rlplex.agents import CategoricalPgAgent, DqnAgent, GaussianPgAgent
 from rlplex.agents.base import Agent, AgentFactory
+from rlplex.algos.dqn import DQN, DQNConfig
 from rlplex.algos.ppo import PPO, PPOConfig
 from rlplex.config import StrictModel, load_config
 from rlplex.envs import EnvConfig, EnvSpaces, probe_spaces
@@ -40,7 +41,11 @@ class PPOSection(PPOConfig):
     name: Literal["ppo"] = "ppo"
 
 
-AlgoSection = Annotated[PPOSection, Field(discriminator="name")]
+class DQNSection(DQNConfig):
+    name: Literal["dqn"]
+
+
+AlgoSection = Annotated[PPOSection | DQNSection, Field(discriminator="name")]
 
 
 class RunnerConfig(StrictModel):
@@ -69,7 +74,9 @@ def load_train_config(path: str | Path) -> TrainConfig:
 def agent_factory(config: TrainConfig, spaces: EnvSpaces) -> AgentFactory:
     """A picklable factory for the agent this config asks for (workers build their own copy)."""
     factory: AgentFactory
-    if spaces.action_kind == "discrete":
+    if config.algo.name == "dqn":
+        factory = partial(DqnAgent, hidden=config.agent.hidden)
+    elif spaces.action_kind == "discrete":
         factory = partial(CategoricalPgAgent, hidden=config.agent.hidden)
     else:
         factory = partial(GaussianPgAgent, hidden=config.agent.hidden, init_log_std=config.agent.init_log_std)
@@ -85,6 +92,8 @@ def build_sampler(config: TrainConfig) -> Sampler:
 
 def build_algo(config: TrainConfig) -> Any:
     section = config.algo
+    if isinstance(section, DQNSection):
+        return DQN(DQNConfig(**section.model_dump(exclude={"name"})), seed=config.runner.seed)
     return PPO(PPOConfig(**section.model_dump(exclude={"name"})))
 
 
