@@ -13,6 +13,8 @@ multiprocessing lock for the shared case): a sample never sees a half-written sl
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +28,7 @@ from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle, allo
 FIELDS = ("observation", "action", "reward", "next_observation", "terminated")
 _CURSOR, _SIZE, _TOTAL = 0, 1, 2
 LOCK_TIMEOUT_S = 30.0
+_LOCK_POLL_S = 0.2
 
 
 def replay_layout(spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
@@ -55,6 +58,9 @@ class UniformReplayBuffer:
         self._counters = arrays["counters"]
         self._lock = lock
         self._block: SharedArrays | None = block
+        # Called while waiting for the lock: a process that died holding it never releases it,
+        # so the waiter's owner (AsyncRl checks its children here) must get a say.
+        self.wait_check: Callable[[], None] | None = None
 
     @classmethod
     def create(cls, spaces: EnvSpaces, capacity: int, shared: bool = False, lock: Any = None) -> UniformReplayBuffer:
@@ -79,12 +85,17 @@ class UniformReplayBuffer:
             self._arrays, self._counters = {}, np.zeros(3, dtype=np.int64)
             self._block.close()
             self._block = None
+        self._lock = None  # a named semaphore: unlinked once the last reference goes
 
     def _locked(self) -> AbstractContextManager[Any]:
         if self._lock is None:
             return nullcontext()
-        if not self._lock.acquire(timeout=LOCK_TIMEOUT_S):
-            raise WaitTimeoutError(f"replay buffer write lock not acquired within {LOCK_TIMEOUT_S} s")
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while not self._lock.acquire(timeout=_LOCK_POLL_S):
+            if self.wait_check is not None:
+                self.wait_check()
+            if time.monotonic() > deadline:
+                raise WaitTimeoutError(f"replay buffer write lock not acquired within {LOCK_TIMEOUT_S} s")
         return _Release(self._lock)
 
     # ----- counters -------------------------------------------------------------------------

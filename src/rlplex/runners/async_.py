@@ -148,6 +148,7 @@ class AsyncRl:
             seed=self.seed + start_batches,  # a resumed run's envs start from fresh, distinct seeds
             start_env_steps=self.start_env_steps,
         )
+        self.algo.replay.wait_check = self.sampler.check_alive
         self.logger = MetricsLogger(self.log_dir) if self.log_dir is not None else None
 
     def shutdown(self) -> None:

@@ -49,7 +49,7 @@ AlgoSection = Annotated[PPOSection | DQNSection, Field(discriminator="name")]
 
 
 class RunnerConfig(StrictModel):
-    kind: Literal["minibatch", "minibatch_eval"] = "minibatch_eval"
+    kind: Literal["minibatch", "minibatch_eval", "async", "async_eval"] = "minibatch_eval"
     n_steps: int = Field(100_000, ge=1, description="environment steps over all ranks")
     seed: int = 0
     log_interval_steps: int = Field(10_000, ge=1)
@@ -57,6 +57,9 @@ class RunnerConfig(StrictModel):
     snapshot_mode: SnapshotMode = "last"
     snapshot_gap: int = Field(1, ge=1)
     stop_at_return: float | None = None
+    replay_ratio: float = Field(
+        8.0, gt=0, description="async only: ceiling on (updates x batch_size) / env steps sampled"
+    )
 
 
 class TrainConfig(StrictModel):
@@ -101,8 +104,10 @@ def build_runner(config: TrainConfig, output_dir: str | Path | None, show_progre
     from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval
 
     spaces = probe_spaces(config.env)
-    agent: Agent = agent_factory(config, spaces)(spaces)
     r = config.runner
+    if r.kind in ("async", "async_eval"):
+        return _build_async_runner(config, spaces, output_dir, show_progress)
+    agent: Agent = agent_factory(config, spaces)(spaces)
     common: dict[str, Any] = dict(
         n_steps=r.n_steps,
         seed=r.seed,
@@ -119,3 +124,30 @@ def build_runner(config: TrainConfig, output_dir: str | Path | None, show_progre
     return MinibatchRlEval(
         algo, agent, sampler, evaluator=Evaluator(config.env, r.eval_episodes, seed=r.seed), **common
     )
+
+
+def _build_async_runner(config: TrainConfig, spaces: EnvSpaces, output_dir: str | Path | None, show: bool) -> Any:
+    from rlplex.runners.async_ import AsyncRl, AsyncRlEval
+
+    r = config.runner
+    if config.algo.name != "dqn":
+        raise ConfigError(f"field 'runner.kind': {r.kind!r} needs an off-policy algorithm (algo.name = 'dqn')")
+    args: dict[str, Any] = dict(
+        algo=build_algo(config),
+        agent_factory=agent_factory(config, spaces),
+        env=config.env,
+        batch_T=config.sampler.batch_T,
+        batch_B=config.sampler.batch_B,
+        n_steps=r.n_steps,
+        replay_ratio=r.replay_ratio,
+        seed=r.seed,
+        log_interval_steps=r.log_interval_steps,
+        log_dir=output_dir,
+        snapshot_mode=r.snapshot_mode,
+        snapshot_gap=r.snapshot_gap,
+        stop_at_return=r.stop_at_return,
+        show_progress=show,
+    )
+    if r.kind == "async":
+        return AsyncRl(**args)
+    return AsyncRlEval(**args, evaluator=Evaluator(config.env, r.eval_episodes, seed=r.seed))

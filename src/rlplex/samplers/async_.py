@@ -25,6 +25,7 @@ still lives (so a killed master leaves no orphan), and the master checks its chi
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing.context import SpawnProcess
@@ -160,6 +161,15 @@ def copier_main(
         sync.copied[half].release()
 
 
+def _semaphore_names(obj: Any) -> list[str]:
+    """Names of the POSIX semaphores inside a multiprocessing Lock/Semaphore/Condition/Event."""
+    if hasattr(obj, "_semlock"):
+        return [str(obj._semlock.name)]
+    if type(obj).__module__ != "multiprocessing.synchronize":
+        return []
+    return [name for value in vars(obj).values() for name in _semaphore_names(value)]
+
+
 class AsyncSampler:
     """Master-side owner of the sampler and copier processes and of their shared memory."""
 
@@ -251,6 +261,15 @@ class AsyncSampler:
             )
 
     # ----- master side ----------------------------------------------------------------------
+    def shared_names(self) -> list[str]:
+        """Names under /dev/shm of every segment and semaphore this sampler created (for leak checks)."""
+        names = [name for block in self._owned for _, name, _, _ in block.handle.arrays]
+        sync = self.__dict__.get("sync")
+        if sync is not None:
+            prims = [*sync.ready, *sync.copied, sync.weight_lock, sync.progress, sync.stop]
+            names += ["sem." + name.lstrip("/") for p in prims for name in _semaphore_names(p)]
+        return names
+
     def check_alive(self) -> None:
         check_alive(self.processes)
 
@@ -303,10 +322,15 @@ class AsyncSampler:
     def shutdown(self) -> None:
         if hasattr(self, "sync"):
             self.sync.stop.set()
+        # Children notice `stop` within POLL_S; one stuck on a lock that a killed child held
+        # never will, so after a short grace everything left is terminated.
+        deadline = time.monotonic() + 2 * POLL_S + 0.2
         for process in self.processes:
-            process.join(timeout=2 * POLL_S + 1.0)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
         stop_processes(self.processes)
         self.processes = []
+        # Named semaphores are unlinked when their last reference goes: drop ours now.
+        self.__dict__.pop("sync", None)
         for block in self._owned:
             block.close()
         self._owned = []
