@@ -187,3 +187,39 @@ def test_config_builds_async_runners() -> None:
     }
     built = build_runner(validate_config(TrainConfig, data), output_dir=None, show_progress=False)
     assert isinstance(built, AsyncRlEval) and built.replay_ratio == 4.0 and built.itr_batch_size == 32
+
+
+def test_resume_continues_counters_epsilon_and_replay(tmp_path: Path) -> None:
+    def make(n_steps: int) -> Watched:
+        config = DQNConfig(batch_size=16, learning_starts=0, buffer_size=8192, exploration_fraction=0.9)
+        return watch(
+            Watched(
+                DQN(config, seed=0),
+                partial(DqnAgent, hidden=(16,)),
+                CARTPOLE,
+                batch_T=32,
+                batch_B=2,
+                n_steps=n_steps,
+                replay_ratio=1.0,
+                seed=0,
+                log_interval_steps=512,
+                log_dir=tmp_path,
+                snapshot_mode="all",
+                show_progress=False,
+            )  # fmt: skip
+        )
+
+    make(1024).train()
+    snap_dir = latest_snapshot(tmp_path / "snapshots")
+    saved = read_snapshot(snap_dir)
+    assert int(saved["env_steps"]) == 1024
+    resumed = make(2048)
+    resumed.resume_from(snap_dir)
+    result = resumed.train()
+    assert_cleaned_up(resumed)
+    assert result.env_steps == 2048
+    final = read_snapshot(latest_snapshot(tmp_path / "snapshots"))
+    assert int(final["algo"]["replay"]["counters"][2]) == 2048  # 1024 restored + 1024 new
+    assert int(final["algo"]["update_count"]) > int(saved["algo"]["update_count"]) > 0
+    # epsilon went on decaying from where it was, instead of restarting at 1
+    assert float(final["agent"]["epsilon"]) < float(saved["agent"]["epsilon"]) < 1.0

@@ -227,6 +227,7 @@ class AsyncRl:
         interval = _Interval(self._t0, sampler.env_steps, self.algo.update_count)
         opt_info: dict[str, list[float]] = {}
         next_log = self.start_env_steps + self.log_interval_steps
+        last_itr = -2
         try:
             while True:
                 sampler.check_alive()
@@ -238,11 +239,16 @@ class AsyncRl:
                 per_batch = self.replay_ratio * self.itr_batch_size / self.algo.batch_size
                 if finished and (allowed <= 0 or allowed > 2 * per_batch + 1):
                     break
-                if allowed > 0:
-                    itr = env_steps // self.itr_batch_size - 1
-                    info = self.algo.optimize_agent(itr, None, n_updates=min(allowed, self.max_updates_per_chunk))
-                    for key, value in info.items():
-                        opt_info.setdefault(key, []).append(value)
+                itr = env_steps // self.itr_batch_size - 1
+                if allowed > 0 or itr != last_itr:
+                    # With nothing to update yet (learning_starts), a new batch still moves the
+                    # schedules on (epsilon), and the sampler must see them.
+                    n_updates = min(max(allowed, 0), self.max_updates_per_chunk)
+                    info = self.algo.optimize_agent(itr, None, n_updates=n_updates)
+                    last_itr = itr
+                    if n_updates:
+                        for key, value in info.items():
+                            opt_info.setdefault(key, []).append(value)
                     sampler.publish_weights(unwrap_model(self.agent.model))
                 else:
                     t_wait = time.perf_counter()
@@ -266,6 +272,7 @@ class AsyncRl:
                 result.history.append(self._log_row(interval, opt_info))
             result.env_steps = sampler.env_steps
             result.itr = result.env_steps // self.itr_batch_size - 1
+            self.save_itr_snapshot(result.itr)
             return result
         finally:
             result.wall_time_s = time.perf_counter() - self._t0
