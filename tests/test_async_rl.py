@@ -206,7 +206,7 @@ def test_resume_continues_counters_epsilon_and_replay(tmp_path: Path) -> None:
                 log_dir=tmp_path,
                 snapshot_mode="all",
                 show_progress=False,
-            )  # fmt: skip
+            )
         )
 
     make(1024).train()
