@@ -28,20 +28,23 @@ import multiprocessing as mp
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.context import SpawnProcess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch import nn
 
-from rlplex.agents.base import AgentFactory
 from rlplex.envs import EnvConfig, EnvSpaces
 from rlplex.errors import WaitTimeoutError
 from rlplex.samplers.processes import CONTEXT, check_alive, start_process, stop_processes
 from rlplex.samplers.serial import SerialSampler
 from rlplex.samplers.shared import SharedBatch, SharedBatchHandle
 from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle
+
+if TYPE_CHECKING:  # agents import samplers.batch; a run-time import here would be circular
+    from rlplex.agents.base import AgentFactory
 
 POLL_S = 0.2  # how often a blocked wait re-checks the stop event and the other processes
 LOCK_TIMEOUT_S = 30.0
@@ -75,6 +78,11 @@ def _acquire_or_stop(primitive: Any, stop: Any) -> bool:
         if stop.is_set() or not _parent_alive():
             return False
     return True
+
+
+def _exit_if_stopping(stop: Any) -> None:
+    if stop.is_set() or not _parent_alive():
+        raise SystemExit(0)
 
 
 def load_shared_weights(model: nn.Module, arrays: dict[str, np.ndarray]) -> None:
@@ -141,6 +149,7 @@ def copier_main(
     algo = algo_factory()
     shared = SharedBatch.attach(batch)
     buffer = UniformReplayBuffer.attach(replay)
+    buffer.wait_check = partial(_exit_if_stopping, sync.stop)  # e.g. a killed copier holds the replay lock
     block = SharedArrays.attach(counters)
     count, ep_return, ep_length = block.arrays["counters"], block.arrays["ep_return"], block.arrays["ep_length"]
     while _acquire_or_stop(sync.ready[half], sync.stop):
