@@ -198,7 +198,8 @@ class AsyncRl:
             self.startup()
             return self._loop()
         except WaitTimeoutError:
-            self.sampler.check_alive()  # a dead child is the better explanation of a timeout
+            if hasattr(self, "sampler"):
+                self.sampler.check_alive()  # a dead child is the better explanation of a timeout
             raise
         finally:
             self.shutdown()
