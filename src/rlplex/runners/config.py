@@ -13,8 +13,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from rlplex.agents import CategoricalPgAgent, GaussianPgAgent
+from rlplex.agents import CategoricalPgAgent, DqnAgent, GaussianPgAgent
 from rlplex.agents.base import Agent, AgentFactory
+from rlplex.algos.dqn import DQN, DQNConfig
 from rlplex.algos.ppo import PPO, PPOConfig
 from rlplex.config import StrictModel, load_config
 from rlplex.envs import EnvConfig, EnvSpaces, probe_spaces
@@ -40,11 +41,15 @@ class PPOSection(PPOConfig):
     name: Literal["ppo"] = "ppo"
 
 
-AlgoSection = Annotated[PPOSection, Field(discriminator="name")]
+class DQNSection(DQNConfig):
+    name: Literal["dqn"]
+
+
+AlgoSection = Annotated[PPOSection | DQNSection, Field(discriminator="name")]
 
 
 class RunnerConfig(StrictModel):
-    kind: Literal["minibatch", "minibatch_eval", "sync", "sync_eval"] = "minibatch_eval"
+    kind: Literal["minibatch", "minibatch_eval", "sync", "sync_eval", "async", "async_eval"] = "minibatch_eval"
     n_steps: int = Field(100_000, ge=1, description="environment steps over all ranks")
     seed: int = 0
     log_interval_steps: int = Field(10_000, ge=1)
@@ -56,6 +61,9 @@ class RunnerConfig(StrictModel):
     backend: Literal["gloo", "nccl"] = "gloo"
     global_batch: bool = Field(
         False, description="sync kinds: divide sampler.batch_B and algo.minibatch_size by world_size (else per rank)"
+    )
+    replay_ratio: float = Field(
+        8.0, gt=0, description="async only: ceiling on (updates x batch_size) / env steps sampled"
     )
 
 
@@ -74,7 +82,9 @@ def load_train_config(path: str | Path) -> TrainConfig:
 def agent_factory(config: TrainConfig, spaces: EnvSpaces) -> AgentFactory:
     """A picklable factory for the agent this config asks for (workers build their own copy)."""
     factory: AgentFactory
-    if spaces.action_kind == "discrete":
+    if config.algo.name == "dqn":
+        factory = partial(DqnAgent, hidden=config.agent.hidden)
+    elif spaces.action_kind == "discrete":
         factory = partial(CategoricalPgAgent, hidden=config.agent.hidden)
     else:
         factory = partial(GaussianPgAgent, hidden=config.agent.hidden, init_log_std=config.agent.init_log_std)
@@ -93,6 +103,8 @@ def build_sampler(config: TrainConfig) -> Sampler:
 
 def build_algo(config: TrainConfig) -> Any:
     section = config.algo
+    if isinstance(section, DQNSection):
+        return DQN(DQNConfig(**section.model_dump(exclude={"name"})), seed=config.runner.seed)
     return PPO(PPOConfig(**section.model_dump(exclude={"name"})))
 
 
@@ -118,6 +130,8 @@ def build_sync_rank(
 def _global_batch_config(config: TrainConfig) -> TrainConfig:
     w = config.runner.world_size
     s, a = config.sampler, config.algo
+    if not isinstance(a, PPOSection):
+        raise ConfigError(f"field 'runner.global_batch': supported for algo.name = 'ppo' only (got {a.name!r})")
     for field, value in (("sampler.batch_B", s.batch_B), ("algo.minibatch_size", a.minibatch_size)):
         if value % w:
             raise ConfigError(
@@ -138,10 +152,12 @@ def build_rank_runner(
     from rlplex.runners.sync import SyncRl, SyncRlEval
 
     r = config.runner
-    if r.kind in ("sync", "sync_eval") and config.algo.target_kl is not None:
+    if r.kind in ("sync", "sync_eval") and getattr(config.algo, "target_kl", None) is not None:
         # Ranks would stop their epochs after different numbers of backward passes: DDP deadlock.
         raise ConfigError("field 'algo.target_kl': not supported with runner.kind sync/sync_eval; leave it unset")
     spaces = probe_spaces(config.env)
+    if r.kind in ("async", "async_eval"):
+        return _build_async_runner(config, spaces, output_dir, show_progress)
     agent: Agent = agent_factory(config, spaces)(spaces)
     common: dict[str, Any] = dict(
         n_steps=r.n_steps,
@@ -161,3 +177,30 @@ def build_rank_runner(
     evaluator = Evaluator(config.env, r.eval_episodes, seed=r.seed)
     eval_cls = SyncRlEval if r.kind == "sync_eval" else MinibatchRlEval
     return eval_cls(algo, agent, sampler, evaluator=evaluator, **common)
+
+
+def _build_async_runner(config: TrainConfig, spaces: EnvSpaces, output_dir: str | Path | None, show: bool) -> Any:
+    from rlplex.runners.async_ import AsyncRl, AsyncRlEval
+
+    r = config.runner
+    if config.algo.name != "dqn":
+        raise ConfigError(f"field 'runner.kind': {r.kind!r} needs an off-policy algorithm (algo.name = 'dqn')")
+    args: dict[str, Any] = dict(
+        algo=build_algo(config),
+        agent_factory=agent_factory(config, spaces),
+        env=config.env,
+        batch_T=config.sampler.batch_T,
+        batch_B=config.sampler.batch_B,
+        n_steps=r.n_steps,
+        replay_ratio=r.replay_ratio,
+        seed=r.seed,
+        log_interval_steps=r.log_interval_steps,
+        log_dir=output_dir,
+        snapshot_mode=r.snapshot_mode,
+        snapshot_gap=r.snapshot_gap,
+        stop_at_return=r.stop_at_return,
+        show_progress=show,
+    )
+    if r.kind == "async":
+        return AsyncRl(**args)
+    return AsyncRlEval(**args, evaluator=Evaluator(config.env, r.eval_episodes, seed=r.seed))

@@ -5,4 +5,14 @@ from rlplex.samplers.batch import SampleBatch, allocate_batch
 from rlplex.samplers.parallel import ParallelSampler
 from rlplex.samplers.serial import SerialSampler
 
-__all__ = ["Evaluator", "ParallelSampler", "SampleBatch", "Sampler", "SerialSampler", "allocate_batch"]
+from rlplex.samplers.async_ import AsyncSampler  # isort: skip  (after batch: agents import it)
+
+__all__ = [
+    "AsyncSampler",
+    "Evaluator",
+    "ParallelSampler",
+    "SampleBatch",
+    "Sampler",
+    "SerialSampler",
+    "allocate_batch",
+]
