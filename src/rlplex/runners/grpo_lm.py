@@ -43,7 +43,7 @@ TRAIN_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "rewards", "
 class GRPOLMConfig(StrictModel):
     task: str = "reverse"
     model: TinyLMConfig = TinyLMConfig()
-    warmup_steps: int = Field(40, ge=0)
+    warmup_steps: int = Field(120, ge=0, description="supervised steps before RL, so that RL starts with a signal")
     batch_size: int = Field(128, ge=1, description="samples per train step")
     group_size: int = Field(8, ge=2, description="completions per prompt")
     eta: int = Field(1, ge=0, description="maximum policy versions between generation and training")
