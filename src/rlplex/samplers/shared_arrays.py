@@ -1,8 +1,8 @@
-"""Named numpy arrays over `multiprocessing.shared_memory`, for anything other than a sample
-batch that processes share: the replay buffer, a model's weights, counters.
+"""Named numpy arrays over `multiprocessing.shared_memory`: what processes share without
+pickling bulk data (sample batches, the replay buffer, counters).
 
-Same ownership rule as `shared.py`: the creating process owns (and unlinks) the segments,
-children attach through the small picklable `SharedArraysHandle`.
+The creating process owns the segments (`create`, then `close()` unlinks them); children
+attach through the small picklable `SharedArraysHandle`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
-
-from rlplex.samplers.shared import _attach_segment
 
 Layout = Mapping[str, tuple[tuple[int, ...], Any]]  # name -> (shape, dtype)
 
@@ -74,6 +72,20 @@ class SharedArrays:
                 except FileNotFoundError:
                     pass
         self._segments = {}
+
+
+def _attach_segment(name: str) -> shared_memory.SharedMemory:
+    # Python < 3.13 registers even an attached segment with the resource tracker (shared by
+    # all spawned children), which would unlink it when a child exits or warn on the owner's
+    # unlink. Only the creating process owns the segment, so attach without registering.
+    from multiprocessing import resource_tracker
+
+    original = resource_tracker.register
+    resource_tracker.register = lambda *args, **kwargs: None
+    try:
+        return shared_memory.SharedMemory(name=name)
+    finally:
+        resource_tracker.register = original
 
 
 def allocate(layout: Layout, shared: bool) -> tuple[dict[str, np.ndarray], SharedArrays | None]:

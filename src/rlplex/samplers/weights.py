@@ -15,7 +15,7 @@ from multiprocessing import shared_memory
 import torch
 
 from rlplex.errors import RlplexError
-from rlplex.samplers.shared import _attach_segment
+from rlplex.samplers.shared_arrays import _attach_segment
 
 _ALIGN = 64
 _VERSION_BYTES = 8
