@@ -40,6 +40,7 @@ from rlplex.diagnostics import MetricsLogger, ProgressLine
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.errors import ConfigError, WaitTimeoutError
 from rlplex.models import unwrap_model
+from rlplex.runners.metrics import episode_metrics, evaluation_metrics
 from rlplex.runners.minibatch import TrainResult
 from rlplex.runners.snapshot import SnapshotMode, check_compatible, read_snapshot, rng_state, save_by_mode
 from rlplex.samplers.async_ import POLL_S, AsyncSampler
@@ -301,12 +302,7 @@ class AsyncRl:
             "charts/optimizer_busy_fraction": 1.0 - min(1.0, interval.wait_s / elapsed),
             "charts/wall_time_s": now - self._t0,
         }
-        returns, lengths = self.sampler.new_episodes()
-        row["charts/episodes"] = float(len(returns))
-        if len(returns):
-            row["charts/online_return_mean"] = float(np.mean(returns))
-            row["charts/online_return_std"] = float(np.std(returns))
-            row["charts/online_length_mean"] = float(np.mean(lengths))
+        row.update(episode_metrics(*self.sampler.new_episodes()))
         row.update({k: float(np.mean(v)) for k, v in opt_info.items()})
         row.update(self.evaluate_performance())
         if self.logger is not None:
@@ -324,14 +320,7 @@ class AsyncRlEval(AsyncRl):
         self.evaluator = evaluator
 
     def evaluate_performance(self) -> dict[str, float]:
-        t0 = time.perf_counter()
-        returns, lengths = self.evaluator.evaluate(self.agent)
-        return {
-            "charts/eval_return_mean": float(np.mean(returns)),
-            "charts/eval_return_min": float(np.min(returns)),
-            "charts/eval_length_mean": float(np.mean(lengths)),
-            "charts/eval_time_s": time.perf_counter() - t0,
-        }
+        return evaluation_metrics(self.evaluator, self.agent)
 
     def shutdown(self) -> None:
         super().shutdown()
