@@ -230,7 +230,7 @@ def test_close_wakes_blocked_getters_and_putters_in_other_processes(name: str, p
 
 
 def test_no_shared_memory_left_after_unlink(name: str) -> None:
-    with LocalDataChannel.create(name, capacity=4, slot_bytes=4096) as channel:
+    with LocalDataChannel.create(name, capacity=4, slot_bytes=4096):
         other = LocalDataChannel.attach(name)
         other.put(np.zeros(100_000))  # larger than a slot: an overflow segment, left unread
         other.put({"x": 1})
