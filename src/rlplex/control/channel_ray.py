@@ -1,9 +1,10 @@
 """`RayDataChannel`: a `DataChannel` whose items live in Ray's object store.
 
-A small async actor holds a bounded deque of ObjectRefs; the payload never passes through
-it. `put` stores the item with `ray.put` (numpy arrays are written once, zero-copy readable
-by every process of the node) and hands the actor only the ref; `get` takes a ref from the
-actor and reads the object. Torch tensors travel as numpy views
+A small async actor holds a bounded deque of ObjectRefs; large payloads never pass through
+it. `put` stores a large item with `ray.put` (numpy arrays are written once, zero-copy
+readable by every process of the node) and hands the actor only the ref; `get` takes the
+ref from the actor and reads the object. Items under `INLINE_BYTES` of arrays and bytes
+ride inside the actor call instead: one round trip instead of three for small items. Torch tensors travel as numpy views
 and come back as tensors (one copy on the reading side, since store objects are read-only).
 Numpy arrays come back read-only, as with any `ray.get`.
 
@@ -24,6 +25,8 @@ import time
 from collections import deque
 from typing import Any
 
+import numpy as np
+
 from rlplex.control.channel import ChannelClosedError, ChannelError, ChannelTimeoutError, validate_channel_name
 
 __all__ = ["RayDataChannel"]
@@ -33,6 +36,7 @@ ACTOR_PREFIX = "rlplex-ch-"
 _RPC_SLACK_S = 30.0
 # Without a caller timeout the client re-asks the actor in steps this long, so no call blocks blind.
 _STEP_S = 5.0
+INLINE_BYTES = 64 << 10
 
 
 class _TensorBox:
@@ -45,11 +49,14 @@ class _TensorBox:
         self.dtype = dtype
 
 
-def _box(item: Any) -> Any:
+def _box(item: Any, sizes: list[int]) -> Any:
+    """Tensors to `_TensorBox`es; appends the size of every array and bytes value to `sizes`."""
     if isinstance(item, dict):
-        return {key: _box(value) for key, value in item.items()}
+        return {key: _box(value, sizes) for key, value in item.items()}
     if isinstance(item, list | tuple):
-        return [_box(value) for value in item]
+        return [_box(value, sizes) for value in item]
+    if isinstance(item, bytes | np.ndarray):
+        sizes.append(len(item) if isinstance(item, bytes) else item.nbytes)
     if type(item).__module__.startswith("torch") and type(item).__name__ in ("Tensor", "Parameter"):
         import torch
 
@@ -57,8 +64,18 @@ def _box(item: Any) -> Any:
         dtype = str(tensor.dtype).removeprefix("torch.")
         if tensor.dtype == torch.bfloat16:
             tensor = tensor.view(torch.int16)
+        sizes.append(tensor.nbytes)
         return _TensorBox(tensor.numpy(), dtype)
     return item
+
+
+class _Inline:
+    """A small item carried by value inside the actor's queue."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any):
+        self.value = value
 
 
 def _unbox(item: Any) -> Any:
@@ -211,9 +228,11 @@ class RayDataChannel:
     def put(self, item: Any, timeout: float | None = None) -> None:
         import ray
 
-        ref = ray.put(_box(item))
-        # The ref goes inside a list so that Ray passes the ref itself, not its value.
-        answer = self._until("put", ([ref],), timeout, f"put (full, {self._capacity} items)")
+        sizes: list[int] = []
+        boxed = _box(item, sizes)
+        # A ref goes inside a list so that Ray passes the ref itself, not its value.
+        entry = _Inline(boxed) if sum(sizes) < INLINE_BYTES else ray.put(boxed)
+        answer = self._until("put", ([entry],), timeout, f"put (full, {self._capacity} items)")
         if answer[0] == "closed":
             raise ChannelClosedError(f"channel {self._name!r} is closed; cannot put")
 
@@ -227,9 +246,12 @@ class RayDataChannel:
             if answer[0] == "closed":
                 raise ChannelClosedError(f"channel {self._name!r} is closed and drained")
             items = []
-            for ref in answer[1]:
+            for entry in answer[1]:
+                if isinstance(entry, _Inline):
+                    items.append(_unbox(entry.value))
+                    continue
                 try:
-                    items.append(_unbox(ray.get(ref, timeout=_RPC_SLACK_S)))
+                    items.append(_unbox(ray.get(entry, timeout=_RPC_SLACK_S)))
                 except (ray.exceptions.OwnerDiedError, ray.exceptions.ObjectLostError):
                     self.lost += 1  # its producer died before anyone read it
             if items:
