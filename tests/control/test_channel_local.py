@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from rlplex.control import ChannelClosedError, ChannelTimeoutError, LocalDataChannel
+from rlplex.control import ChannelClosedError, ChannelTimeoutError, DataChannel, LocalDataChannel
 from rlplex.control import channel_local as cl
 
 CTX = mp.get_context("spawn")
@@ -160,6 +161,28 @@ def test_items_round_trip_exactly_through_another_process(name: str, procs: list
     with pytest.raises(ChannelClosedError):
         back.get(timeout=10)  # echo closed its sink after draining
     assert out.stats()["lost"] == 0
+    assert shm_files(name) == [f"rlplex-ch-{name}-back", f"rlplex-ch-{name}-out"]  # overflow segment gone
+
+
+def test_one_handle_shared_by_threads_and_the_protocol(name: str) -> None:
+    channel = LocalDataChannel.create(name, capacity=3, slot_bytes=1 << 20)
+    assert isinstance(channel, DataChannel)
+
+    def produce_in_thread(producer: int) -> None:
+        for seq in range(200):
+            channel.put((producer, seq, np.full(20_000 if seq % 5 == 0 else 4, seq)), timeout=30)
+
+    threads = [threading.Thread(target=produce_in_thread, args=(p,)) for p in range(2)]
+    for thread in threads:
+        thread.start()
+    got: dict[int, list[int]] = {0: [], 1: []}
+    for _ in range(400):
+        producer, seq, data = channel.get(timeout=30)
+        assert np.all(data == seq)
+        got[producer].append(seq)
+    for thread in threads:
+        thread.join(10)
+    assert got == {0: list(range(200)), 1: list(range(200))}
 
 
 def test_order_per_producer_with_three_producers(name: str, procs: list[Any]) -> None:

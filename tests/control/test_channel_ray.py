@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlplex.control import ChannelClosedError, ChannelTimeoutError, RayDataChannel
+from rlplex.control import ChannelClosedError, ChannelTimeoutError, DataChannel, RayDataChannel
 
 ray = pytest.importorskip("ray")
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -70,6 +70,7 @@ def put_blocked(channel: RayDataChannel) -> str:
 
 def test_numpy_and_tensors_round_trip_exactly(channel_name: str) -> None:
     channel = RayDataChannel.create(channel_name, capacity=4)
+    assert isinstance(channel, DataChannel)
     big = np.random.default_rng(0).integers(0, 255, size=1 << 20, dtype=np.uint8)
     tensor = torch.randn(16, 9)
     channel.put({"big": big, "t": tensor, "half": tensor.to(torch.bfloat16), "meta": [1, "x", None]})
