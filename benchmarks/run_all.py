@@ -23,6 +23,7 @@ BENCHMARKS = [
     "async_vs_minibatch",
     "sync_scaling",
     "sequence_buffer",
+    "executor_overhead",
     "async_dataflow",
     "grpo_learning",
     "multirun_discovery",
