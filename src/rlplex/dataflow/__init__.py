@@ -4,6 +4,7 @@ from rlplex.dataflow.buffer import BatchMeta, BufferClosedError, SequenceBuffer
 from rlplex.dataflow.dataplane import DataPlane, LocalTensorStore, TensorStore
 from rlplex.dataflow.executor import FunctionExecutor, MFCExecutionError
 from rlplex.dataflow.mfc import GraphError, MFCDef, MFCGraph, ModelInterfaceType, build_graph, grpo_graph, ppo_graph
+from rlplex.dataflow.process_worker import ProcessModelWorker
 from rlplex.dataflow.workers import LocalModelWorker, ModelInterface, ModelWorker
 
 __all__ = [
@@ -20,6 +21,7 @@ __all__ = [
     "ModelInterface",
     "ModelInterfaceType",
     "ModelWorker",
+    "ProcessModelWorker",
     "SequenceBuffer",
     "TensorStore",
     "build_graph",

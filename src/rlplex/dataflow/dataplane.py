@@ -68,14 +68,19 @@ class DataPlane:
             for key in keys:
                 self._owner[(i, key)] = store
 
-    def gather(self, ids: Sequence[int], key: str) -> list[Any]:
-        """Values of `key` for `ids`, fetched from whichever stores own them, in order."""
+    def locate(self, ids: Sequence[int], key: str) -> dict[str, list[int]]:
+        """Which store owns `key` for each of `ids`, grouped by store."""
         by_store: dict[str, list[int]] = {}
         for i in ids:
             try:
                 by_store.setdefault(self._owner[(i, key)], []).append(i)
             except KeyError:
                 raise DataPlaneError(f"no store holds key {key!r} of datapoint {i}") from None
+        return by_store
+
+    def gather(self, ids: Sequence[int], key: str) -> list[Any]:
+        """Values of `key` for `ids`, fetched from whichever stores own them, in order."""
+        by_store = self.locate(ids, key)
         fetched: dict[int, Any] = {}
         for store, store_ids in by_store.items():
             fetched.update(zip(store_ids, self.stores[store].get_many(store_ids, key), strict=True))

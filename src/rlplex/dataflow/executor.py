@@ -99,8 +99,6 @@ class FunctionExecutor:
             [(w, i) for w, i in zip(group, shard_ids, strict=True) if i], results, strict=True
         ):
             self._validate(mfc, worker, ids, outputs)
-            for key in mfc.output_keys:
-                worker.store.put_many(ids, key, outputs[key])
             self.plane.record(worker.name, ids, list(mfc.output_keys))
         if mfc.output_keys:
             self.buffer.amend_batch(batch.ids, list(mfc.output_keys))
@@ -110,7 +108,7 @@ class FunctionExecutor:
 
     async def _call(self, worker: ModelWorker, mfc: MFCDef, ids: list[int]) -> Outputs:
         try:
-            return await worker.run(mfc, ids, self.plane.gather)
+            return await worker.run(mfc, ids, self.plane)
         except RlplexError:
             raise
         except Exception as error:

@@ -1,8 +1,10 @@
 """Model workers: where an MFC's interface call runs, next to the tensors it produces.
 
-`ModelWorker` is the process boundary: the executor hands a worker an MFC and the ids of
-its shard; the worker fetches the inputs it lacks through `fetch`, runs the model's
-interface call, keeps the outputs in its own store and returns only their keys.
+`ModelWorker` is the process boundary: the executor hands a worker an MFC, the ids of its
+shard and the data plane; the worker fetches the inputs it lacks from the stores that own
+them, runs the model's interface call and keeps the outputs in its own store. It returns,
+per output key, one entry per datapoint: the value itself (in-process workers) or a
+`ValueInfo` with its dtype and rank (process workers), which is all the master validates.
 `LocalModelWorker` runs the call on a thread of its own, so MFCs of different models
 overlap while the asyncio loop keeps dispatching; a worker in another process implements
 the same protocol over the control plane's RPC.
@@ -11,14 +13,13 @@ the same protocol over the control plane's RPC.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
-from rlplex.dataflow.dataplane import LocalTensorStore, TensorStore
+from rlplex.dataflow.dataplane import DataPlane, LocalTensorStore, TensorStore
 from rlplex.dataflow.mfc import MFCDef, MFCExecutionError
 
-Fetch = Callable[[Sequence[int], str], list[Any]]
 Outputs = dict[str, list[Any]]
 
 
@@ -39,7 +40,7 @@ class ModelWorker(Protocol):
     name: str
     store: TensorStore
 
-    async def run(self, mfc: MFCDef, ids: Sequence[int], fetch: Fetch) -> Outputs: ...
+    async def run(self, mfc: MFCDef, ids: Sequence[int], plane: DataPlane) -> Outputs: ...
 
 
 class LocalModelWorker:
@@ -49,8 +50,8 @@ class LocalModelWorker:
         self.store: TensorStore = LocalTensorStore(name)
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"worker-{name}")
 
-    def _call(self, mfc: MFCDef, ids: Sequence[int], fetch: Fetch) -> Outputs:
-        inputs = {key: fetch(ids, key) for key in mfc.input_keys}
+    def _call(self, mfc: MFCDef, ids: Sequence[int], plane: DataPlane) -> Outputs:
+        inputs = {key: plane.gather(ids, key) for key in mfc.input_keys}
         method = getattr(self.interface, mfc.interface_type.value, None)
         if method is None:
             raise MFCExecutionError(
@@ -58,11 +59,14 @@ class LocalModelWorker:
                 f"has no {mfc.interface_type.value!r} call"
             )
         outputs: Outputs = method(mfc, inputs)
+        for key in mfc.output_keys:
+            if key in outputs and len(outputs[key]) == len(ids):
+                self.store.put_many(ids, key, outputs[key])
         return outputs
 
-    async def run(self, mfc: MFCDef, ids: Sequence[int], fetch: Fetch) -> Outputs:
+    async def run(self, mfc: MFCDef, ids: Sequence[int], plane: DataPlane) -> Outputs:
         loop = asyncio.get_running_loop()
-        outputs = await loop.run_in_executor(self._thread, self._call, mfc, ids, fetch)
+        outputs = await loop.run_in_executor(self._thread, self._call, mfc, ids, plane)
         return outputs
 
     def close(self) -> None:
