@@ -221,5 +221,8 @@ def test_resume_continues_counters_epsilon_and_replay(tmp_path: Path) -> None:
     final = read_snapshot(latest_snapshot(tmp_path / "snapshots"))
     assert int(final["algo"]["replay"]["counters"][2]) == 2048  # 1024 restored + 1024 new
     assert int(final["algo"]["update_count"]) > int(saved["algo"]["update_count"]) > 0
-    # epsilon went on decaying from where it was, instead of restarting at 1
-    assert float(final["agent"]["epsilon"]) < float(saved["agent"]["epsilon"]) < 1.0
+    # Each snapshot holds the epsilon of its own iteration, whatever the optimizer's lag; the
+    # resumed run's schedule went on from iteration 16 (a restart at 0 would end it at ~0.47).
+    eps_final = DQNConfig().eps_final
+    assert float(saved["agent"]["epsilon"]) == pytest.approx(eps_final)
+    assert float(final["agent"]["epsilon"]) == pytest.approx(eps_final)

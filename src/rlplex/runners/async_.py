@@ -263,6 +263,9 @@ class AsyncRl:
                     result.itr = result.env_steps // self.itr_batch_size - 1
                     interval, opt_info = _Interval(time.perf_counter(), result.env_steps, self.algo.update_count), {}
                     next_log = (result.env_steps // self.log_interval_steps + 1) * self.log_interval_steps
+                    if self._advance_schedules(result.itr, last_itr):
+                        last_itr = result.itr
+                        sampler.publish_weights(unwrap_model(self.agent.model))
                     self.save_itr_snapshot(result.itr)
                     progress.update(result.env_steps, {k: row[k] for k in self._status_keys(row)})
                     perf = row.get(f"charts/{self.performance_source}_return_mean")
@@ -274,11 +277,20 @@ class AsyncRl:
                 result.history.append(self._log_row(interval, opt_info))
             result.env_steps = sampler.env_steps
             result.itr = result.env_steps // self.itr_batch_size - 1
+            self._advance_schedules(result.itr, last_itr)
             self.save_itr_snapshot(result.itr)
             return result
         finally:
             result.wall_time_s = time.perf_counter() - self._t0
             progress.close()
+
+    def _advance_schedules(self, itr: int, last_itr: int) -> bool:
+        """Bring the algorithm's schedules (epsilon) to `itr` with no updates, so a snapshot holds
+        the values of its own iteration even when a lagging optimizer never reached it."""
+        if itr <= last_itr:
+            return False
+        self.algo.optimize_agent(itr, None, n_updates=0)
+        return True
 
     @staticmethod
     def _status_keys(row: dict[str, float]) -> list[str]:
