@@ -48,3 +48,27 @@ class NodeFailedError(RlplexError):
 
 class IllegalTransitionError(RlplexError):
     """A state machine was asked for a transition its table does not allow."""
+
+
+class MultiRunError(RlplexError):
+    """The multi-run manager was misused or its shared state is inconsistent."""
+
+
+class RunConfigError(ConfigError):
+    """A run's `control/orch.toml` is missing, unreadable, too big or invalid; the message says why."""
+
+
+class RunDirGoneError(MultiRunError):
+    """A run directory no longer exists (deleted while training); nothing was written for it."""
+
+
+class HookMismatchError(MultiRunError):
+    """Ranks registered different creation/deletion hooks, so running them would deadlock or diverge."""
+
+
+class CheckpointError(MultiRunError):
+    """A per-run checkpoint could not be written or read; the previous stable checkpoint is untouched."""
+
+
+class AdapterError(RlplexError):
+    """A multi-LoRA adapter slot, rank, id or exported adapter is invalid; the message names it."""

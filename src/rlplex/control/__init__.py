@@ -11,6 +11,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from rlplex.control.channel import ChannelClosedError, ChannelError, ChannelTimeoutError, DataChannel
+    from rlplex.control.channel_local import LocalDataChannel
+    from rlplex.control.channel_ray import RayDataChannel
     from rlplex.control.health import (
         Action,
         Decision,
@@ -27,6 +30,7 @@ if TYPE_CHECKING:
     from rlplex.control.placement import Bundle, Member, Placement
     from rlplex.control.role_group import RoleGroup
     from rlplex.control.scheduler import NodeClient, NodeEvent, NodeHandle, Scheduler
+    from rlplex.control.selfloop import SelfLoopStats, run_self_loop
     from rlplex.control.slot import NodeInfo
     from rlplex.control.spec import JobBuilder, JobSpec, Resources, RestartPolicy, RoleSpec, load_job, parse_job
     from rlplex.control.states import JobState, NodeState, StateMachine
@@ -34,6 +38,14 @@ if TYPE_CHECKING:
     from rlplex.control.worker import FunctionWorker, SubMaster, Worker, WorkerContext, WorkerLoad
 
 _WHERE = {
+    "ChannelClosedError": "channel",
+    "ChannelError": "channel",
+    "ChannelTimeoutError": "channel",
+    "DataChannel": "channel",
+    "LocalDataChannel": "channel_local",
+    "RayDataChannel": "channel_ray",
+    "SelfLoopStats": "selfloop",
+    "run_self_loop": "selfloop",
     "Action": "health",
     "Decision": "health",
     "DefaultFailurePolicy": "health",
@@ -76,6 +88,10 @@ _WHERE = {
 __all__ = [
     "Action",
     "Bundle",
+    "ChannelClosedError",
+    "ChannelError",
+    "ChannelTimeoutError",
+    "DataChannel",
     "Decision",
     "DefaultFailurePolicy",
     "FailurePolicy",
@@ -84,6 +100,7 @@ __all__ = [
     "JobSpec",
     "JobState",
     "JobStatus",
+    "LocalDataChannel",
     "LocalScheduler",
     "Member",
     "NodeClient",
@@ -95,12 +112,14 @@ __all__ = [
     "Placement",
     "PrimeManager",
     "PrimeMaster",
+    "RayDataChannel",
     "Resources",
     "RestartPolicy",
     "RoleGroup",
     "RoleSpec",
     "RoleStatus",
     "Scheduler",
+    "SelfLoopStats",
     "SqliteStateStore",
     "StateMachine",
     "StateStore",
@@ -111,6 +130,7 @@ __all__ = [
     "detect_failure",
     "load_job",
     "parse_job",
+    "run_self_loop",
 ]
 
 

@@ -65,7 +65,7 @@ class HeartbeatServer:
                 self._closed.wait(_POLL_S)
                 continue
             for key, _ in selector.select(timeout=_POLL_S):
-                conn: Connection = key.data
+                conn = key.data
                 try:
                     message = json.loads(conn.recv_bytes())
                 except (EOFError, OSError, ValueError):
