@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -29,6 +29,9 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.run_all
+
+bench-quick: $(STAMP)
+	$(PY) -m benchmarks.run_all --quick
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -1,19 +1,50 @@
-"""Helpers shared by the benchmarks: config overrides, timed evaluation, output folder."""
+"""Helpers shared by the benchmarks: a rich table on stdout, a JSON file, config overrides and
+an evaluator whose time can be excluded from timings."""
 
 from __future__ import annotations
 
 import json
+import os
+import platform
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+from rich.console import Console
+from rich.table import Table
 
 from rlplex.config import validate_config
 from rlplex.runners.config import TrainConfig
 from rlplex.samplers import Evaluator
 
 RESULTS = Path("bench_results")
+
+
+def machine() -> dict[str, Any]:
+    return {"cpus": os.cpu_count(), "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def write_json(name: str, payload: dict[str, Any]) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps({"benchmark": name, "machine": machine(), **payload}, indent=2))
+    return path
+
+
+def report(
+    name: str, title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]], figures: dict[str, Any]
+) -> Path:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(*(f"{v:,.3f}" if isinstance(v, float) else str(v) for v in row))
+    Console().print(table)
+    path = write_json(name, figures)
+    print(f"wrote {path}")
+    return path
 
 
 def override(config: TrainConfig, section: str, **updates: Any) -> TrainConfig:
@@ -36,10 +67,3 @@ class TimedEvaluator(Evaluator):
             return super().evaluate(agent)
         finally:
             self.seconds += time.perf_counter() - t0
-
-
-def write_json(name: str, payload: dict[str, Any]) -> Path:
-    RESULTS.mkdir(exist_ok=True)
-    path = RESULTS / f"{name}.json"
-    path.write_text(json.dumps(payload, indent=2))
-    return path

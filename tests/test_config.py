@@ -31,7 +31,8 @@ def test_bad_value_names_file_field_and_value(tmp_path: Path) -> None:
 
 def test_unknown_field_is_an_error_not_ignored(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"algo\.ppo\.learning_rat"):
-        load_config(TrainConfig, write(tmp_path, '[env]\nid = "CartPole-v1"\n[algo]\nname = "ppo"\nlearning_rat = 0.1\n'))
+        text = '[env]\nid = "CartPole-v1"\n[algo]\nname = "ppo"\nlearning_rat = 0.1\n'
+        load_config(TrainConfig, write(tmp_path, text))
 
 
 def test_broken_toml_and_missing_file(tmp_path: Path) -> None:

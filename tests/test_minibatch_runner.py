@@ -16,7 +16,7 @@ from rlplex.runners.snapshot import latest_snapshot, list_snapshots, read_snapsh
 from rlplex.samplers import Evaluator, SerialSampler
 
 
-def make_runner(env: EnvConfig, log_dir: Path, n_steps: int, batch_B: int = 4, **kwargs: object) -> MinibatchRl:  # noqa: N803
+def make_runner(env: EnvConfig, log_dir: Path, n_steps: int, batch_B: int = 4, **kwargs: object) -> MinibatchRl:
     agent = CategoricalPgAgent(probe_spaces(env))
     algo = PPO(PPOConfig(n_epochs=2, minibatch_size=64))
     sampler = SerialSampler(env, batch_T=32, batch_B=batch_B)

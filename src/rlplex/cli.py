@@ -107,6 +107,106 @@ def _train(
     console.print(table)
 
 
+job_app = typer.Typer(help="Control-plane jobs: run, watch and resume a job of roles.", no_args_is_help=True)
+app.add_typer(job_app, name="job")
+EXIT_JOB_FAILED = 1
+
+
+def _run_job_command(body: Any, debug: bool) -> None:
+    from rlplex.errors import JobFailedError
+
+    try:
+        body()
+    except JobFailedError as error:
+        if debug:
+            raise
+        console.print(f"[bold red]job failed:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_JOB_FAILED) from None
+    except RlplexError as error:
+        if debug:
+            raise
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_USER_ERROR) from None
+
+
+def _drive(master: Any) -> None:
+    try:
+        if master.state.value in ("INIT", "READY") and not master.manager.failover_pending:
+            master.start()
+        console.print(
+            f"job {master.job_id}: {master.state.value}; status: rlplex job status {master.manager.spec.output_dir}"
+        )
+        state = master.wait()
+        console.print(f"job {master.job_id}: {state.value}")
+    finally:
+        master.stop("master exiting")
+        master.close()
+
+
+@job_app.command("run")
+def job_run(
+    job_file: Annotated[Path, typer.Argument(help="TOML job file: name, output_dir, [roles.<name>] ...")],
+    backend: Annotated[str | None, typer.Option(help="local or ray (default: the job file's)")] = None,
+    debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
+) -> None:
+    """Run a job until its drivers (or, without drivers, all its workers) finish."""
+    from rlplex.control.master import PrimeMaster
+
+    _run_job_command(lambda: _drive(PrimeMaster.create(job_file, backend=backend)), debug)
+
+
+@job_app.command("resume")
+def job_resume(
+    output_dir: Annotated[Path, typer.Argument(help="the job's output folder (holds job.sqlite)")],
+    debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
+) -> None:
+    """Master failover: re-attach to the job's live nodes, restart lost ones, and go on."""
+    from rlplex.control.master import PrimeMaster
+
+    _run_job_command(lambda: _drive(PrimeMaster.resume(output_dir)), debug)
+
+
+@job_app.command("status")
+def job_status(
+    output_dir: Annotated[Path, typer.Argument(help="the job's output folder (holds job.sqlite)")],
+    debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
+) -> None:
+    """Show the job's state and every node's role, rank, state, restarts, last heartbeat and progress."""
+    _run_job_command(lambda: _print_status(output_dir), debug)
+
+
+def _print_status(output_dir: Path) -> None:
+    import time
+
+    from rlplex.control.store import SqliteStateStore
+    from rlplex.errors import ConfigError
+
+    store = SqliteStateStore.in_dir(output_dir, create=False)
+    try:
+        job_id = store.latest_job_id()
+        if job_id is None:
+            raise ConfigError(f"{output_dir}: no job recorded")
+        job = store.job(job_id)
+        nodes = store.nodes(job_id)
+    finally:
+        store.close()
+    cause = f"; cause: {job.cause}" if job.cause else ""
+    console.print(
+        f"job {job.job_id} ({job.name}): [bold]{job.state}[/], restarts {job.restarts}{cause}", highlight=False
+    )
+    table = Table()
+    for column in ("role", "rank", "state", "restarts", "pid", "heartbeat age", "progress", "last cause"):
+        table.add_column(column)
+    now = time.time()
+    for node in nodes:
+        age = f"{now - node.last_heartbeat:.1f} s" if node.last_heartbeat else "-"
+        progress = ", ".join(f"{k}={v:g}" for k, v in node.progress.items()) or "-"
+        table.add_row(
+            node.role, str(node.rank), node.state, str(node.restarts), str(node.pid), age, progress, node.cause
+        )
+    console.print(table)
+
+
 def main() -> None:
     try:
         app()

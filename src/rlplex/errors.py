@@ -28,3 +28,47 @@ class WorkerDiedError(RlplexError):
 
 class WaitTimeoutError(RlplexError):
     """A blocking wait ran past its deadline; the message says what was awaited."""
+
+
+class JobSpecError(ConfigError):
+    """A control-plane job declaration is invalid; the message names the role and the field."""
+
+
+class PlacementError(RlplexError):
+    """A job's roles do not fit the cluster's capacity; the message names the role that does not fit."""
+
+
+class JobFailedError(RlplexError):
+    """A control-plane job failed (prepare, restart budget, ...); the message carries the cause."""
+
+
+class NodeFailedError(RlplexError):
+    """A control-plane node failed or a call to it failed; the message names the node."""
+
+
+class IllegalTransitionError(RlplexError):
+    """A state machine was asked for a transition its table does not allow."""
+
+
+class MultiRunError(RlplexError):
+    """The multi-run manager was misused or its shared state is inconsistent."""
+
+
+class RunConfigError(ConfigError):
+    """A run's `control/orch.toml` is missing, unreadable, too big or invalid; the message says why."""
+
+
+class RunDirGoneError(MultiRunError):
+    """A run directory no longer exists (deleted while training); nothing was written for it."""
+
+
+class HookMismatchError(MultiRunError):
+    """Ranks registered different creation/deletion hooks, so running them would deadlock or diverge."""
+
+
+class CheckpointError(MultiRunError):
+    """A per-run checkpoint could not be written or read; the previous stable checkpoint is untouched."""
+
+
+class AdapterError(RlplexError):
+    """A multi-LoRA adapter slot, rank, id or exported adapter is invalid; the message names it."""

@@ -1,6 +1,8 @@
 """Agents: a model plus how to act with it (sampling, deterministic evaluation)."""
 
 from rlplex.agents.base import Agent, AgentFactory
+from rlplex.agents.dqn import DqnAgent
 from rlplex.agents.pg import CategoricalPgAgent, GaussianPgAgent, PgAgent
+from rlplex.agents.random import RandomAgent
 
-__all__ = ["Agent", "AgentFactory", "CategoricalPgAgent", "GaussianPgAgent", "PgAgent"]
+__all__ = ["Agent", "AgentFactory", "CategoricalPgAgent", "DqnAgent", "GaussianPgAgent", "PgAgent", "RandomAgent"]

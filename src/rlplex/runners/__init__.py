@@ -1,5 +1,16 @@
 """Runners: the training loops of seed 002 (MinibatchRl, SyncRl, AsyncRl and their Eval variants)."""
 
+from rlplex.runners.async_ import AsyncRl, AsyncRlEval
 from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval, TrainResult
+from rlplex.runners.sync import SyncLauncher, SyncRl, SyncRlEval
 
-__all__ = ["MinibatchRl", "MinibatchRlEval", "TrainResult"]
+__all__ = [
+    "AsyncRl",
+    "AsyncRlEval",
+    "MinibatchRl",
+    "MinibatchRlEval",
+    "SyncLauncher",
+    "SyncRl",
+    "SyncRlEval",
+    "TrainResult",
+]

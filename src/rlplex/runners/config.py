@@ -13,14 +13,15 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field
 
-from rlplex.agents import CategoricalPgAgent, GaussianPgAgent
+from rlplex.agents import CategoricalPgAgent, DqnAgent, GaussianPgAgent
 from rlplex.agents.base import Agent, AgentFactory
+from rlplex.algos.dqn import DQN, DQNConfig
 from rlplex.algos.ppo import PPO, PPOConfig
 from rlplex.config import StrictModel, load_config
 from rlplex.envs import EnvConfig, EnvSpaces, probe_spaces
 from rlplex.errors import ConfigError
 from rlplex.runners.snapshot import SnapshotMode
-from rlplex.samplers import Evaluator, SerialSampler
+from rlplex.samplers import Evaluator, ParallelSampler, SerialSampler
 from rlplex.samplers.base import Sampler
 
 
@@ -40,11 +41,15 @@ class PPOSection(PPOConfig):
     name: Literal["ppo"] = "ppo"
 
 
-AlgoSection = Annotated[PPOSection, Field(discriminator="name")]
+class DQNSection(DQNConfig):
+    name: Literal["dqn"]
+
+
+AlgoSection = Annotated[PPOSection | DQNSection, Field(discriminator="name")]
 
 
 class RunnerConfig(StrictModel):
-    kind: Literal["minibatch", "minibatch_eval"] = "minibatch_eval"
+    kind: Literal["minibatch", "minibatch_eval", "sync", "sync_eval", "async", "async_eval"] = "minibatch_eval"
     n_steps: int = Field(100_000, ge=1, description="environment steps over all ranks")
     seed: int = 0
     log_interval_steps: int = Field(10_000, ge=1)
@@ -52,6 +57,14 @@ class RunnerConfig(StrictModel):
     snapshot_mode: SnapshotMode = "last"
     snapshot_gap: int = Field(1, ge=1)
     stop_at_return: float | None = None
+    world_size: int = Field(2, ge=1, description="ranks (sync kinds only)")
+    backend: Literal["gloo", "nccl"] = "gloo"
+    global_batch: bool = Field(
+        False, description="sync kinds: divide sampler.batch_B and algo.minibatch_size by world_size (else per rank)"
+    )
+    replay_ratio: float = Field(
+        8.0, gt=0, description="async only: ceiling on (updates x batch_size) / env steps sampled"
+    )
 
 
 class TrainConfig(StrictModel):
@@ -69,7 +82,9 @@ def load_train_config(path: str | Path) -> TrainConfig:
 def agent_factory(config: TrainConfig, spaces: EnvSpaces) -> AgentFactory:
     """A picklable factory for the agent this config asks for (workers build their own copy)."""
     factory: AgentFactory
-    if spaces.action_kind == "discrete":
+    if config.algo.name == "dqn":
+        factory = partial(DqnAgent, hidden=config.agent.hidden)
+    elif spaces.action_kind == "discrete":
         factory = partial(CategoricalPgAgent, hidden=config.agent.hidden)
     else:
         factory = partial(GaussianPgAgent, hidden=config.agent.hidden, init_log_std=config.agent.init_log_std)
@@ -80,20 +95,70 @@ def build_sampler(config: TrainConfig) -> Sampler:
     s = config.sampler
     if s.kind == "serial":
         return SerialSampler(config.env, s.batch_T, s.batch_B)
-    raise ConfigError(f"field 'sampler.kind': {s.kind!r} is not available yet")
+    if s.kind == "parallel":
+        factory = agent_factory(config, probe_spaces(config.env))
+        return ParallelSampler(config.env, s.batch_T, s.batch_B, s.n_workers, agent_factory=factory)
+    raise ConfigError(f"field 'sampler.kind': unknown sampler kind {s.kind!r}")
 
 
 def build_algo(config: TrainConfig) -> Any:
     section = config.algo
+    if isinstance(section, DQNSection):
+        return DQN(DQNConfig(**section.model_dump(exclude={"name"})), seed=config.runner.seed)
     return PPO(PPOConfig(**section.model_dump(exclude={"name"})))
 
 
 def build_runner(config: TrainConfig, output_dir: str | Path | None, show_progress: bool = True) -> Any:
-    from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval
-
-    spaces = probe_spaces(config.env)
-    agent: Agent = agent_factory(config, spaces)(spaces)
     r = config.runner
+    if r.kind in ("sync", "sync_eval"):
+        from rlplex.runners.sync import SyncLauncher
+
+        if r.global_batch:
+            config = _global_batch_config(config)
+        build = partial(build_sync_rank, config, None if output_dir is None else str(output_dir), show_progress)
+        return SyncLauncher(build, world_size=r.world_size, backend=r.backend)
+    return build_rank_runner(config, output_dir, show_progress)
+
+
+def build_sync_rank(
+    config: TrainConfig, output_dir: str | None, show_progress: bool, rank: int, world_size: int
+) -> Any:
+    """The runner of one `SyncLauncher` rank (module-level so that a partial of it pickles)."""
+    return build_rank_runner(config, output_dir, show_progress, rank, world_size)
+
+
+def _global_batch_config(config: TrainConfig) -> TrainConfig:
+    w = config.runner.world_size
+    s, a = config.sampler, config.algo
+    if not isinstance(a, PPOSection):
+        raise ConfigError(f"field 'runner.global_batch': supported for algo.name = 'ppo' only (got {a.name!r})")
+    for field, value in (("sampler.batch_B", s.batch_B), ("algo.minibatch_size", a.minibatch_size)):
+        if value % w:
+            raise ConfigError(
+                f"field '{field}': {value} is not divisible by runner.world_size={w} (runner.global_batch = true)"
+            )
+    return config.model_copy(
+        update={
+            "sampler": s.model_copy(update={"batch_B": s.batch_B // w}),
+            "algo": a.model_copy(update={"minibatch_size": a.minibatch_size // w}),
+        }
+    )
+
+
+def build_rank_runner(
+    config: TrainConfig, output_dir: str | Path | None, show_progress: bool = True, rank: int = 0, world_size: int = 1
+) -> Any:
+    from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval
+    from rlplex.runners.sync import SyncRl, SyncRlEval
+
+    r = config.runner
+    if r.kind in ("sync", "sync_eval") and getattr(config.algo, "target_kl", None) is not None:
+        # Ranks would stop their epochs after different numbers of backward passes: DDP deadlock.
+        raise ConfigError("field 'algo.target_kl': not supported with runner.kind sync/sync_eval; leave it unset")
+    spaces = probe_spaces(config.env)
+    if r.kind in ("async", "async_eval"):
+        return _build_async_runner(config, spaces, output_dir, show_progress)
+    agent: Agent = agent_factory(config, spaces)(spaces)
     common: dict[str, Any] = dict(
         n_steps=r.n_steps,
         seed=r.seed,
@@ -103,10 +168,39 @@ def build_runner(config: TrainConfig, output_dir: str | Path | None, show_progre
         snapshot_gap=r.snapshot_gap,
         stop_at_return=r.stop_at_return,
         show_progress=show_progress,
+        rank=rank,
+        world_size=world_size,
     )
     algo, sampler = build_algo(config), build_sampler(config)
-    if r.kind == "minibatch":
-        return MinibatchRl(algo, agent, sampler, **common)
-    return MinibatchRlEval(
-        algo, agent, sampler, evaluator=Evaluator(config.env, r.eval_episodes, seed=r.seed), **common
+    if r.kind in ("minibatch", "sync"):
+        return (SyncRl if r.kind == "sync" else MinibatchRl)(algo, agent, sampler, **common)
+    evaluator = Evaluator(config.env, r.eval_episodes, seed=r.seed)
+    eval_cls = SyncRlEval if r.kind == "sync_eval" else MinibatchRlEval
+    return eval_cls(algo, agent, sampler, evaluator=evaluator, **common)
+
+
+def _build_async_runner(config: TrainConfig, spaces: EnvSpaces, output_dir: str | Path | None, show: bool) -> Any:
+    from rlplex.runners.async_ import AsyncRl, AsyncRlEval
+
+    r = config.runner
+    if config.algo.name != "dqn":
+        raise ConfigError(f"field 'runner.kind': {r.kind!r} needs an off-policy algorithm (algo.name = 'dqn')")
+    args: dict[str, Any] = dict(
+        algo=build_algo(config),
+        agent_factory=agent_factory(config, spaces),
+        env=config.env,
+        batch_T=config.sampler.batch_T,
+        batch_B=config.sampler.batch_B,
+        n_steps=r.n_steps,
+        replay_ratio=r.replay_ratio,
+        seed=r.seed,
+        log_interval_steps=r.log_interval_steps,
+        log_dir=output_dir,
+        snapshot_mode=r.snapshot_mode,
+        snapshot_gap=r.snapshot_gap,
+        stop_at_return=r.stop_at_return,
+        show_progress=show,
     )
+    if r.kind == "async":
+        return AsyncRl(**args)
+    return AsyncRlEval(**args, evaluator=Evaluator(config.env, r.eval_episodes, seed=r.seed))

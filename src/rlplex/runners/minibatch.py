@@ -21,6 +21,7 @@ from rlplex.algos.base import Algo
 from rlplex.diagnostics import MetricsLogger, ProgressLine
 from rlplex.errors import ConfigError, SnapshotError
 from rlplex.models import unwrap_model
+from rlplex.runners.metrics import episode_metrics, evaluation_metrics
 from rlplex.runners.snapshot import (
     SnapshotMode,
     check_compatible,
@@ -220,12 +221,8 @@ class MinibatchRl:
             "charts/env_steps": float(env_steps),
             "charts/env_steps_per_s": steps_per_s,
             "charts/wall_time_s": self._elapsed_before_resume + (time.perf_counter() - self._t0),
-            "charts/episodes": float(len(ep_ret)),
+            **episode_metrics(ep_ret, ep_len),
         }
-        if len(ep_ret):
-            row["charts/online_return_mean"] = float(np.mean(ep_ret))
-            row["charts/online_return_std"] = float(np.std(ep_ret))
-            row["charts/online_length_mean"] = float(np.mean(ep_len))
         row.update({k: float(np.mean(v)) for k, v in opt_info.items()})
         row.update(self.evaluate_performance())
         if self.logger is not None:
@@ -245,14 +242,7 @@ class MinibatchRlEval(MinibatchRl):
     def evaluate_performance(self) -> dict[str, float]:
         if self.rank != 0:
             return {}
-        t0 = time.perf_counter()
-        returns, lengths = self.evaluator.evaluate(self.agent)
-        return {
-            "charts/eval_return_mean": float(np.mean(returns)),
-            "charts/eval_return_min": float(np.min(returns)),
-            "charts/eval_length_mean": float(np.mean(lengths)),
-            "charts/eval_time_s": time.perf_counter() - t0,
-        }
+        return evaluation_metrics(self.evaluator, self.agent)
 
     def shutdown(self) -> None:
         super().shutdown()

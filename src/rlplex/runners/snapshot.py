@@ -66,18 +66,28 @@ def _decode(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return obj
 
 
-def write_snapshot(directory: Path, state: dict[str, Any]) -> None:
-    """Write `state` atomically as directory `directory` (replaced if it exists)."""
+def write_snapshot_into(directory: Path, state: dict[str, Any]) -> None:
+    """Write the snapshot files of `state` into `directory`, which must already exist.
+
+    Not atomic by itself: callers write into a temporary directory and rename it, as
+    `write_snapshot` does (the multi-run checkpoints create that directory themselves so that
+    a deleted run directory is never recreated).
+    """
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _encode(state, "s", tensors)
-    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(tensors, str(tmp / "tensors.safetensors"))
-    with (tmp / "state.json").open("w") as handle:
+    save_file(tensors, str(directory / "tensors.safetensors"))
+    with (directory / "state.json").open("w") as handle:
         json.dump(skeleton, handle)
         handle.flush()
         os.fsync(handle.fileno())
+
+
+def write_snapshot(directory: Path, state: dict[str, Any]) -> None:
+    """Write `state` atomically as directory `directory` (replaced if it exists)."""
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    write_snapshot_into(tmp, state)
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
     if directory.exists():
         directory.rename(old)

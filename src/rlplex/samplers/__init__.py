@@ -2,6 +2,17 @@
 
 from rlplex.samplers.base import Evaluator, Sampler
 from rlplex.samplers.batch import SampleBatch, allocate_batch
+from rlplex.samplers.parallel import ParallelSampler
 from rlplex.samplers.serial import SerialSampler
 
-__all__ = ["Evaluator", "SampleBatch", "Sampler", "SerialSampler", "allocate_batch"]
+from rlplex.samplers.async_ import AsyncSampler  # isort: skip  (after batch: agents import it)
+
+__all__ = [
+    "AsyncSampler",
+    "Evaluator",
+    "ParallelSampler",
+    "SampleBatch",
+    "Sampler",
+    "SerialSampler",
+    "allocate_batch",
+]

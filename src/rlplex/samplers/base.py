@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from rlplex.agents.base import Agent
 from rlplex.envs import EnvConfig, env_seed, make_env, probe_spaces
 from rlplex.samplers.batch import SampleBatch
 from rlplex.samplers.collector import run_episodes
+
+if TYPE_CHECKING:  # agents import samplers.batch; a run-time import here would be circular
+    from rlplex.agents.base import Agent
 
 
 class Sampler(Protocol):

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-from rlplex.agents.base import Agent
+from typing import TYPE_CHECKING
+
 from rlplex.envs import EnvConfig, env_seed, make_env, probe_spaces
 from rlplex.errors import RlplexError
 from rlplex.samplers.batch import SampleBatch, allocate_batch
 from rlplex.samplers.collector import EnvCollector
+
+if TYPE_CHECKING:  # agents import samplers.batch; a run-time import here would be circular
+    from rlplex.agents.base import Agent
 
 
 class SerialSampler:

@@ -1,0 +1,47 @@
+"""GRPO for language models: group-relative advantages and a clipped token-level objective.
+
+`grpo_loss` optionally takes a proximal policy's log-probs (the decoupled PPO objective of
+AReaL): the ratio is taken against the proximal policy and the behaviour policy only
+re-weights, so stale rollouts (sampled several versions ago) stay usable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards_G: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """(r - mean of its group) / (std of its group + eps), for rewards laid out group after group."""
+    grouped = rewards_G.view(-1, group_size)
+    mean = grouped.mean(dim=1, keepdim=True)
+    std = grouped.std(dim=1, keepdim=True, unbiased=False)
+    return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def grpo_loss(
+    logprobs_B_L: torch.Tensor,
+    old_logprobs_B_L: torch.Tensor,
+    advantages_B: torch.Tensor,
+    mask_B_L: torch.Tensor,
+    clip: float = 0.2,
+    proximal_logprobs_B_L: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Mean over completion tokens of the clipped surrogate; returns (loss, stats).
+
+    The loss is normalised by this batch's own token count, so that a run's update does not
+    depend on what else shares the trainer batch.
+    """
+    mask = mask_B_L.float()
+    anchor = old_logprobs_B_L if proximal_logprobs_B_L is None else proximal_logprobs_B_L
+    ratio = torch.exp(logprobs_B_L - anchor)
+    adv = advantages_B[:, None]
+    surrogate = torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
+    if proximal_logprobs_B_L is not None:
+        # Importance weight of the behaviour policy against the proximal one (no gradient).
+        surrogate = surrogate * torch.exp(proximal_logprobs_B_L - old_logprobs_B_L).detach()
+    tokens = mask.sum().clamp(min=1.0)
+    loss = -(surrogate * mask).sum() / tokens
+    with torch.no_grad():
+        clipped = (((ratio - 1).abs() > clip).float() * mask).sum() / tokens
+        approx_kl = (((ratio - 1) - torch.log(ratio)) * mask).sum() / tokens
+    return loss, {"losses/clipfrac": float(clipped), "losses/approx_kl": float(approx_kl)}

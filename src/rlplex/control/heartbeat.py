@@ -1,0 +1,113 @@
+"""The master's end of the heartbeats: a listener on 127.0.0.1 that nodes connect back to.
+
+One thread accepts (with the job token as HMAC key), one thread reads every connection through
+one epoll set, so the cost does not grow with a thread per node. Messages
+become `NodeEvent`s in arrival order; a connection's end becomes a 'closed' event, which is
+ordered after the node's last message (a dead node is seen within one read).
+"""
+
+from __future__ import annotations
+
+import json
+import selectors
+import socket
+import threading
+import time
+from multiprocessing.connection import Connection, Listener
+from typing import Any
+
+from rlplex.control.rpc import format_address
+from rlplex.control.scheduler import NodeEvent
+
+_POLL_S = 0.1
+_COALESCE_S = 0.02
+
+
+class HeartbeatServer:
+    def __init__(self, authkey: bytes) -> None:
+        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        self.address = format_address(self._listener.address)
+        self._lock = threading.Lock()
+        self._new: list[Connection] = []
+        self._who: dict[Connection, tuple[str, int]] = {}
+        self._events: list[NodeEvent] = []
+        self._closed = threading.Event()
+        self._threads = [
+            threading.Thread(target=self._accept_loop, name="heartbeat-accept", daemon=True),
+            threading.Thread(target=self._read_loop, name="heartbeat-read", daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn = self._listener.accept()
+            except Exception:  # wrong key, or the listener closed
+                continue
+            with self._lock:
+                self._new.append(conn)
+
+    def _push(self, kind: str, who: tuple[str, int], payload: dict[str, Any]) -> None:
+        with self._lock:
+            self._events.append(NodeEvent(kind, who[0], who[1], payload, time.monotonic()))
+
+    def _read_loop(self) -> None:
+        # One epoll set kept across reads: `multiprocessing.connection.wait` would rebuild it
+        # for every message, which costs more than the message itself with 64 nodes.
+        selector = selectors.DefaultSelector()
+        while not self._closed.is_set():
+            with self._lock:
+                fresh, self._new = self._new, []
+            for conn in fresh:
+                selector.register(conn, selectors.EVENT_READ, data=conn)
+            if not selector.get_map():
+                self._closed.wait(_POLL_S)
+                continue
+            for key, _ in selector.select(timeout=_POLL_S):
+                conn = key.data
+                try:
+                    message = json.loads(conn.recv_bytes())
+                except (EOFError, OSError, ValueError):
+                    self._drop(conn, selector)
+                    continue
+                if message.get("type") == "hello":
+                    self._who[conn] = (str(message["node_id"]), int(message["incarnation"]))
+                who = self._who.get(conn)
+                if who is None:
+                    self._drop(conn, selector)
+                    continue
+                self._push(str(message.get("type")), who, message)
+                if message.get("type") == "final":
+                    # Closing tells the node its final message was read.
+                    self._drop(conn, selector)
+            # Let messages pile up a little: one wake-up then reads several heartbeats, which
+            # keeps the idle master cheap with many nodes (costs at most this much latency).
+            self._closed.wait(_COALESCE_S)
+        selector.close()
+
+    def _drop(self, conn: Connection, selector: selectors.BaseSelector) -> None:
+        who = self._who.pop(conn, None)
+        if who is not None:
+            self._push("closed", who, {})
+        selector.unregister(conn)
+        conn.close()
+
+    def events(self) -> list[NodeEvent]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    def close(self) -> None:
+        self._closed.set()
+        # A blocked accept() does not wake when its socket closes: knock once so it returns.
+        host, _, port = self.address.rpartition(":")
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+        except OSError:
+            pass
+        for thread in self._threads:
+            thread.join(timeout=2.0)
+        self._listener.close()
+        for conn in list(self._who):
+            conn.close()

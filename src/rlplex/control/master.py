@@ -1,0 +1,153 @@
+"""`PrimeMaster`: the user's handle on a job, as in the seed.
+
+    master = PrimeMaster.create(spec_or_toml)   # store + job token + backend; nothing runs yet
+    master.start()                              # PrimeManager.prepare() then start()
+    master.wait()                               # monitor() until the drivers finish / the job fails
+    master.stop()
+
+`PrimeMaster.resume(output_dir)` is master failover: a new master process reloads the job from
+`<output_dir>/job.sqlite`, re-attaches to the nodes that are alive (they kept running in
+their own sessions), restarts the lost ones and goes on. The job token (HMAC key of every
+control connection) lives in `<output_dir>/job.token`, readable by the owner only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+import uuid
+from pathlib import Path
+from types import TracebackType
+
+from rlplex.control.health import FailurePolicy
+from rlplex.control.manager import PrimeManager
+from rlplex.control.scheduler import Scheduler
+from rlplex.control.slot import NodeInfo
+from rlplex.control.spec import JobSpec, load_job, parse_job
+from rlplex.control.states import TERMINAL_JOB_STATES, JobState
+from rlplex.control.store import SqliteStateStore
+from rlplex.errors import ConfigError, JobFailedError, JobSpecError, WaitTimeoutError
+
+TOKEN_FILE = "job.token"
+
+
+def write_token(output_dir: Path) -> bytes:
+    token = secrets.token_bytes(32)
+    path = output_dir / TOKEN_FILE
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to an existing file
+        os.write(fd, token.hex().encode())
+    finally:
+        os.close(fd)
+    return token
+
+
+def read_token(output_dir: Path) -> bytes:
+    try:
+        return bytes.fromhex((output_dir / TOKEN_FILE).read_text().strip())
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{output_dir / TOKEN_FILE}: cannot read the job token: {error}") from None
+
+
+def make_scheduler(spec: JobSpec, job_id: str, token: bytes) -> Scheduler:
+    if spec.backend == "local":
+        from rlplex.control.local_scheduler import LocalScheduler
+
+        return LocalScheduler(spec.output_dir, job_id, token, spec.rpc_timeout_s)
+    raise JobSpecError(f"job '{spec.name}': field 'backend': backend '{spec.backend}' is not available yet")
+
+
+class PrimeMaster:
+    def __init__(self, manager: PrimeManager, store: SqliteStateStore) -> None:
+        self.manager, self.store = manager, store
+
+    @property
+    def job_id(self) -> str:
+        return self.manager.job_id
+
+    @property
+    def state(self) -> JobState:
+        return self.manager.job.state
+
+    @classmethod
+    def create(
+        cls, config: JobSpec | str | Path, policy: FailurePolicy | None = None, backend: str | None = None
+    ) -> PrimeMaster:
+        spec = config if isinstance(config, JobSpec) else load_job(config)
+        updates: dict[str, object] = {"output_dir": spec.output_dir.resolve()}
+        if backend is not None:
+            updates["backend"] = backend
+        spec = parse_job(spec.model_dump(mode="json") | {k: str(v) for k, v in updates.items()}, f"job '{spec.name}'")
+        spec.output_dir.mkdir(parents=True, exist_ok=True)
+        token = write_token(spec.output_dir)
+        store = SqliteStateStore.in_dir(spec.output_dir)
+        job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+        store.create_job(job_id, spec.name, spec.model_dump_json())
+        scheduler = make_scheduler(spec, job_id, token)
+        store.set_master(job_id, scheduler.master_address, os.getpid())
+        return cls(PrimeManager(spec, job_id, store, scheduler, policy), store)
+
+    @classmethod
+    def resume(cls, output_dir: str | Path, policy: FailurePolicy | None = None) -> PrimeMaster:
+        output_dir = Path(output_dir).resolve()
+        store = SqliteStateStore.in_dir(output_dir, create=False)
+        job_id = store.latest_job_id()
+        if job_id is None:
+            raise ConfigError(f"{output_dir}: no job to resume")
+        record = store.job(job_id)
+        if JobState(record.state) in TERMINAL_JOB_STATES:
+            raise ConfigError(f"{output_dir}: job {job_id} is already {record.state}; nothing to resume")
+        data = json.loads(record.spec_json) | {"output_dir": str(output_dir)}
+        spec = parse_job(data, f"job '{record.name}' in {output_dir}")
+        scheduler = make_scheduler(spec, job_id, read_token(output_dir))
+        store.set_master(job_id, scheduler.master_address, os.getpid())
+        manager = PrimeManager(spec, job_id, store, scheduler, policy, state=JobState(record.state))
+        manager.reattach()
+        return cls(manager, store)
+
+    def start(self) -> None:
+        """prepare() (place, create, check every node) then start(); raises if prepare fails."""
+        if self.state == JobState.INIT:
+            self.manager.prepare()
+        if self.state == JobState.READY and not self.manager.failover_pending:
+            self.manager.start()
+
+    def wait(self, timeout: float | None = None, raise_on_failure: bool = True) -> JobState:
+        """Run the control loop until the job ends; FAILED raises `JobFailedError` with the cause."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        interval = self.manager.spec.monitor_interval_s
+        while self.manager.monitor() not in TERMINAL_JOB_STATES:
+            if deadline is not None and time.monotonic() > deadline:
+                raise WaitTimeoutError(f"job {self.job_id} still {self.state.value} after {timeout} s")
+            time.sleep(interval)
+        if self.state == JobState.FAILED and raise_on_failure:
+            raise JobFailedError(f"job {self.job_id} failed: {self.store.job(self.job_id).cause}")
+        return self.state
+
+    def monitor(self) -> JobState:
+        return self.manager.monitor()
+
+    def stop(self, cause: str = "stopped by the user") -> None:
+        self.manager.stop(cause)
+
+    def close(self) -> None:
+        self.manager.close()
+        self.store.close()
+
+    def get_nodes_by_role(self) -> dict[str, list[NodeInfo]]:
+        return self.manager.get_nodes_by_role()
+
+    def scale_role(self, role: str, count: int) -> None:
+        self.manager.scale_role(role, count)
+
+    def __enter__(self) -> PrimeMaster:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            self.stop("master closed" if error is None else f"master closed after {error!r}")
+        finally:
+            self.close()

@@ -1,0 +1,183 @@
+"""The node process: `python -m rlplex.control.node --output-dir D --job-id J --node-id N --incarnation I`.
+
+It reads its role from the job's store, builds the entry point's worker, serves the control
+RPC on 127.0.0.1 (authkey = the job token from RLPLEX_JOB_TOKEN) and pushes heartbeats with
+the worker's status and progress to the master's listener. When the master goes away the
+node keeps working and reconnects to whatever address the store names next (a resumed
+master); it delivers its final message (FINISHED, FAILED, STOPPED) before exiting, and stops
+itself if no master shows up within `master_lost_timeout_s`.
+
+Messages to the master: hello {pid, address}, heartbeat {status, progress, error}, final.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from multiprocessing.connection import Connection, Listener
+from pathlib import Path
+from typing import Any
+
+from rlplex.control.rpc import connect, format_address, parse_address, send_json, serve
+from rlplex.control.store import SqliteStateStore
+from rlplex.control.worker import FAILED, FINISHED, SubMaster, Worker, WorkerContext, load_entrypoint
+
+TOKEN_ENV = "RLPLEX_JOB_TOKEN"
+
+
+class NodeRuntime:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.output_dir = Path(args.output_dir)
+        self.job_id, self.node_id, self.incarnation = args.job_id, args.node_id, args.incarnation
+        self.token = bytes.fromhex(os.environ[TOKEN_ENV])
+        self.store = SqliteStateStore.in_dir(self.output_dir, create=False)
+        self.spec: dict[str, Any] = json.loads(self.store.job(self.job_id).spec_json)
+        record = next(n for n in self.store.nodes(self.job_id) if n.node_id == self.node_id)
+        self.role, self.rank = record.role, record.rank
+        self.role_spec: dict[str, Any] = self.spec["roles"][self.role]
+        self.interval = float(self.spec["heartbeat_interval_s"])
+        self.stop_requested = threading.Event()
+        self.worker: Worker | None = None
+        self.listener = Listener(("127.0.0.1", 0), authkey=self.token)
+        self.master: Connection | None = None
+
+    def build_worker(self) -> Worker:
+        world: dict[str, int] = {}
+        for node in self.store.nodes(self.job_id):
+            if node.state != "STOPPED":
+                world[node.role] = world.get(node.role, 0) + 1
+        context = WorkerContext(
+            job_id=self.job_id,
+            role=self.role,
+            rank=self.rank,
+            node_id=self.node_id,
+            world=world,
+            config=dict(self.role_spec.get("config", {})),
+            output_dir=self.output_dir,
+            incarnation=self.incarnation,
+            token=self.token,
+        )
+        return load_entrypoint(self.role_spec["entrypoint"], self.role_spec["kind"])(context)
+
+    def handle(self, method: str, args: list[Any], kwargs: dict[str, Any]) -> Any:
+        worker = self.worker
+        if worker is None:
+            raise RuntimeError(f"{self.node_id}: worker not built yet")
+        if method == "status":
+            return worker.status()
+        if method in ("self_check", "start"):
+            return getattr(worker, method)()
+        if method == "check_child":
+            if not isinstance(worker, SubMaster):
+                raise TypeError(f"{self.node_id} is not a SubMaster")
+            return worker.check_child()
+        if method == "stop":
+            self.stop_requested.set()
+            return None
+        if method == "call":
+            name, *rest = args
+            if name.startswith("_") or not callable(getattr(worker, name, None)):
+                raise AttributeError(f"{type(worker).__name__} has no public method '{name}'")
+            return getattr(worker, name)(*rest, **kwargs)
+        raise AttributeError(f"unknown control method '{method}'")
+
+    def serve_rpc(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+            except Exception:  # a peer with the wrong key, or the listener closed at exit
+                continue
+            threading.Thread(target=serve, args=(conn, self.handle), daemon=True).start()
+
+    def send(self, message: dict[str, Any]) -> bool:
+        """Send to the master, (re)connecting first; False when no master can be reached now."""
+        if self.master is None:
+            try:
+                address = self.store.job(self.job_id).master_address
+                if not address:
+                    return False
+                self.master = connect(parse_address(address), self.token, max(self.interval, 1.0), "master")
+                send_json(
+                    self.master,
+                    {
+                        "type": "hello",
+                        "node_id": self.node_id,
+                        "incarnation": self.incarnation,
+                        "pid": os.getpid(),
+                        "address": format_address(self.listener.address),
+                    },
+                )
+            except Exception:
+                self.master = None
+                return False
+        try:
+            send_json(self.master, {"node_id": self.node_id, "incarnation": self.incarnation, **message})
+            return True
+        except OSError:
+            self.master = None
+            return False
+
+    def run(self) -> int:
+        threading.Thread(target=self.serve_rpc, name="rpc", daemon=True).start()
+        try:
+            self.worker = self.build_worker()
+        except BaseException as error:
+            traceback.print_exc()
+            return self.finish({"type": "final", "status": FAILED, "error": f"__init__ failed: {error!r}"}, 3)
+        worker = self.worker
+        lost_since: float | None = None
+        lost_timeout = float(self.spec["master_lost_timeout_s"])
+        while True:
+            status = worker.status()
+            message = {"type": "heartbeat", "status": status, "progress": worker.context.progress()}
+            if self.stop_requested.is_set():
+                worker.stop()
+                return self.finish({**message, "type": "final", "status": "STOPPED"}, 0)
+            if status in (FINISHED, FAILED):
+                code = 0 if status == FINISHED else 1
+                return self.finish({**message, "type": "final", "error": worker.error}, code)
+            if self.send(message):
+                lost_since = None
+            else:
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > lost_timeout:
+                    print(f"{self.node_id}: no master for {lost_timeout:g} s; stopping", file=sys.stderr)
+                    worker.stop()
+                    return 4
+            self.stop_requested.wait(self.interval)
+
+    def finish(self, message: dict[str, Any], code: int) -> int:
+        """Deliver the final message, waiting for a (resumed) master up to the lost-master deadline."""
+        deadline = time.monotonic() + float(self.spec["master_lost_timeout_s"])
+        while not self.send(message) and time.monotonic() < deadline:
+            time.sleep(self.interval)
+        if self.master is not None:
+            # Wait for the master to close its side: it has read everything we sent.
+            self.master.poll(2.0)
+        return code
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="rlplex.control.node")
+    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--job-id", required=True)
+    parser.add_argument("--node-id", required=True)
+    parser.add_argument("--incarnation", type=int, default=0)
+    args = parser.parse_args(argv)
+    runtime = NodeRuntime(args)
+    signal.signal(signal.SIGTERM, lambda *_: runtime.stop_requested.set())
+    code = runtime.run()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # os._exit: user threads (non-daemon loops) must not keep a stopped node alive.
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

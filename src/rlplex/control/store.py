@@ -1,0 +1,266 @@
+"""The job's state, kept transactionally: `StateStore` protocol and the SQLite implementation.
+
+`<output_dir>/job.sqlite` (WAL mode, so `rlplex job status` and the nodes read while the
+master writes) holds, keyed by job id: the job row (spec JSON, state, restarts, cause, the
+master's address), one row per node, the restarts spent per role, every state transition
+with time and cause, and every failure decision with its cause. A restarted master rebuilds
+itself from these rows alone.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+STORE_FILE = "job.sqlite"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    job_id TEXT PRIMARY KEY, name TEXT, spec_json TEXT, state TEXT, restarts INTEGER DEFAULT 0,
+    cause TEXT DEFAULT '', master_address TEXT DEFAULT '', master_pid INTEGER DEFAULT 0,
+    created_at REAL, updated_at REAL);
+CREATE TABLE IF NOT EXISTS nodes (
+    job_id TEXT, node_id TEXT, role TEXT, rank INTEGER, state TEXT, pid INTEGER DEFAULT 0,
+    create_time REAL DEFAULT 0, address TEXT DEFAULT '', restarts INTEGER DEFAULT 0,
+    incarnation INTEGER DEFAULT 0, last_heartbeat REAL DEFAULT 0, progress_json TEXT DEFAULT '{}',
+    cause TEXT DEFAULT '', PRIMARY KEY (job_id, node_id));
+CREATE TABLE IF NOT EXISTS roles (
+    job_id TEXT, role TEXT, restarts INTEGER DEFAULT 0, PRIMARY KEY (job_id, role));
+CREATE TABLE IF NOT EXISTS transitions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT, entity TEXT, old TEXT, new TEXT, cause TEXT, at REAL);
+CREATE TABLE IF NOT EXISTS decisions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT, job_id TEXT, action TEXT, target TEXT, cause TEXT, at REAL);
+"""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    job_id: str
+    name: str
+    spec_json: str
+    state: str
+    restarts: int
+    cause: str
+    master_address: str
+    master_pid: int
+    created_at: float
+    updated_at: float
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    job_id: str
+    node_id: str
+    role: str
+    rank: int
+    state: str
+    pid: int
+    create_time: float
+    address: str
+    restarts: int
+    incarnation: int
+    last_heartbeat: float
+    progress_json: str
+    cause: str
+
+    @property
+    def progress(self) -> dict[str, Any]:
+        return dict(json.loads(self.progress_json or "{}"))
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    """A transition (entity, old -> new) or a decision (entity = target, old = action)."""
+
+    entity: str
+    old: str
+    new: str
+    cause: str
+    at: float
+
+
+class StateStore(Protocol):
+    def create_job(self, job_id: str, name: str, spec_json: str) -> None: ...
+    def job(self, job_id: str) -> JobRecord: ...
+    def latest_job_id(self) -> str | None: ...
+    def record_transition(self, job_id: str, entity: str, old: str, new: str, cause: str) -> None: ...
+    def set_master(self, job_id: str, address: str, pid: int) -> None: ...
+    def add_node(self, job_id: str, node_id: str, role: str, rank: int, state: str) -> None: ...
+    def update_node(self, job_id: str, node_id: str, **fields: Any) -> None: ...
+    def update_heartbeats(self, job_id: str, rows: Sequence[tuple[str, float, dict[str, Any]]]) -> None: ...
+    def nodes(self, job_id: str) -> list[NodeRecord]: ...
+    def spend_restart(self, job_id: str, role: str) -> tuple[int, int]: ...
+    def role_restarts(self, job_id: str) -> dict[str, int]: ...
+    def record_decision(self, job_id: str, action: str, target: str, cause: str) -> None: ...
+    def transitions(self, job_id: str) -> list[LogRecord]: ...
+    def decisions(self, job_id: str) -> list[LogRecord]: ...
+    def close(self) -> None: ...
+
+
+_NODE_FIELDS = frozenset(
+    {"pid", "create_time", "address", "restarts", "incarnation", "last_heartbeat", "progress_json", "cause"}
+)
+
+
+class SqliteStateStore:
+    """`StateStore` on one SQLite file. Safe to share between threads of one process (one lock)."""
+
+    def __init__(self, path: str | Path, create: bool = True) -> None:
+        self.path = Path(path)
+        if not create and not self.path.exists():
+            from rlplex.errors import ConfigError
+
+            raise ConfigError(f"{self.path}: no job state here (is this a job's output folder?)")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # isolation_level=None: we open every transaction ourselves with BEGIN IMMEDIATE.
+        self._db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
+        self._lock = threading.RLock()
+        self._db.execute("PRAGMA journal_mode=WAL")
+        # In WAL mode NORMAL never corrupts, and avoids an fsync per heartbeat flush.
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        # Also when only reading: a reader racing a new job's master must see empty tables, not none.
+        self._db.executescript(_SCHEMA)
+
+    @classmethod
+    def in_dir(cls, output_dir: str | Path, create: bool = True) -> SqliteStateStore:
+        return cls(Path(output_dir) / STORE_FILE, create=create)
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._db
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            self._db.execute("COMMIT")
+
+    def _query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:
+        with self._lock:
+            return list(self._db.execute(sql, args).fetchall())
+
+    def create_job(self, job_id: str, name: str, spec_json: str) -> None:
+        now = time.time()
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO jobs (job_id, name, spec_json, state, created_at, updated_at) VALUES (?,?,?,?,?,?)",
+                (job_id, name, spec_json, "INIT", now, now),
+            )
+
+    def job(self, job_id: str) -> JobRecord:
+        rows = self._query(
+            "SELECT job_id, name, spec_json, state, restarts, cause, master_address, master_pid, created_at, "
+            "updated_at FROM jobs WHERE job_id = ?",
+            (job_id,),
+        )
+        if not rows:
+            from rlplex.errors import ConfigError
+
+            raise ConfigError(f"{self.path}: no job with id '{job_id}'")
+        return JobRecord(*rows[0])
+
+    def latest_job_id(self) -> str | None:
+        rows = self._query("SELECT job_id FROM jobs ORDER BY created_at DESC LIMIT 1")
+        return str(rows[0][0]) if rows else None
+
+    def record_transition(self, job_id: str, entity: str, old: str, new: str, cause: str) -> None:
+        now = time.time()
+        with self.transaction() as db:
+            if entity == "job":
+                db.execute(
+                    "UPDATE jobs SET state = ?, cause = CASE WHEN ? = 'FAILED' THEN ? ELSE cause END, updated_at = ? "
+                    "WHERE job_id = ?",
+                    (new, new, cause, now, job_id),
+                )
+            else:
+                db.execute(
+                    "UPDATE nodes SET state = ?, cause = ? WHERE job_id = ? AND node_id = ?",
+                    (new, cause, job_id, entity),
+                )
+            db.execute(
+                "INSERT INTO transitions (job_id, entity, old, new, cause, at) VALUES (?,?,?,?,?,?)",
+                (job_id, entity, old, new, cause, now),
+            )
+
+    def set_master(self, job_id: str, address: str, pid: int) -> None:
+        with self.transaction() as db:
+            db.execute("UPDATE jobs SET master_address = ?, master_pid = ? WHERE job_id = ?", (address, pid, job_id))
+
+    def add_node(self, job_id: str, node_id: str, role: str, rank: int, state: str) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT OR REPLACE INTO nodes (job_id, node_id, role, rank, state) VALUES (?,?,?,?,?)",
+                (job_id, node_id, role, rank, state),
+            )
+            db.execute("INSERT OR IGNORE INTO roles (job_id, role) VALUES (?, ?)", (job_id, role))
+
+    def update_node(self, job_id: str, node_id: str, **fields: Any) -> None:
+        unknown = set(fields) - _NODE_FIELDS
+        if unknown:
+            raise ValueError(f"update_node: unknown node fields {sorted(unknown)}")
+        columns = ", ".join(f"{name} = ?" for name in fields)
+        with self.transaction() as db:
+            db.execute(
+                f"UPDATE nodes SET {columns} WHERE job_id = ? AND node_id = ?", (*fields.values(), job_id, node_id)
+            )
+
+    def update_heartbeats(self, job_id: str, rows: Sequence[tuple[str, float, dict[str, Any]]]) -> None:
+        if not rows:
+            return
+        with self.transaction() as db:
+            db.executemany(
+                "UPDATE nodes SET last_heartbeat = ?, progress_json = ? WHERE job_id = ? AND node_id = ?",
+                [(at, json.dumps(progress), job_id, node_id) for node_id, at, progress in rows],
+            )
+
+    def nodes(self, job_id: str) -> list[NodeRecord]:
+        rows = self._query(
+            "SELECT job_id, node_id, role, rank, state, pid, create_time, address, restarts, incarnation, "
+            "last_heartbeat, progress_json, cause FROM nodes WHERE job_id = ? ORDER BY role, rank",
+            (job_id,),
+        )
+        return [NodeRecord(*row) for row in rows]
+
+    def spend_restart(self, job_id: str, role: str) -> tuple[int, int]:
+        """Count one restart against `role` and the job; returns (role restarts, job restarts)."""
+        with self.transaction() as db:
+            db.execute("INSERT OR IGNORE INTO roles (job_id, role) VALUES (?, ?)", (job_id, role))
+            db.execute("UPDATE roles SET restarts = restarts + 1 WHERE job_id = ? AND role = ?", (job_id, role))
+            db.execute("UPDATE jobs SET restarts = restarts + 1 WHERE job_id = ?", (job_id,))
+            role_n = db.execute("SELECT restarts FROM roles WHERE job_id = ? AND role = ?", (job_id, role)).fetchone()
+            job_n = db.execute("SELECT restarts FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        return int(role_n[0]), int(job_n[0])
+
+    def role_restarts(self, job_id: str) -> dict[str, int]:
+        return {str(r): int(n) for r, n in self._query("SELECT role, restarts FROM roles WHERE job_id = ?", (job_id,))}
+
+    def record_decision(self, job_id: str, action: str, target: str, cause: str) -> None:
+        with self.transaction() as db:
+            db.execute(
+                "INSERT INTO decisions (job_id, action, target, cause, at) VALUES (?,?,?,?,?)",
+                (job_id, action, target, cause, time.time()),
+            )
+
+    def transitions(self, job_id: str) -> list[LogRecord]:
+        rows = self._query(
+            "SELECT entity, old, new, cause, at FROM transitions WHERE job_id = ? ORDER BY id", (job_id,)
+        )
+        return [LogRecord(*row) for row in rows]
+
+    def decisions(self, job_id: str) -> list[LogRecord]:
+        rows = self._query(
+            "SELECT target, action, '', cause, at FROM decisions WHERE job_id = ? ORDER BY id", (job_id,)
+        )
+        return [LogRecord(*row) for row in rows]
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()

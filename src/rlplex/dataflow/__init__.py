@@ -1,0 +1,30 @@
+"""The dataflow layer: an RL step as a graph of model function calls over a metadata buffer."""
+
+from rlplex.dataflow.buffer import BatchMeta, BufferClosedError, SequenceBuffer
+from rlplex.dataflow.dataplane import DataPlane, LocalTensorStore, TensorStore
+from rlplex.dataflow.executor import FunctionExecutor, MFCExecutionError
+from rlplex.dataflow.mfc import GraphError, MFCDef, MFCGraph, ModelInterfaceType, build_graph, grpo_graph, ppo_graph
+from rlplex.dataflow.process_worker import ProcessModelWorker
+from rlplex.dataflow.workers import LocalModelWorker, ModelInterface, ModelWorker
+
+__all__ = [
+    "BatchMeta",
+    "BufferClosedError",
+    "DataPlane",
+    "FunctionExecutor",
+    "GraphError",
+    "LocalModelWorker",
+    "LocalTensorStore",
+    "MFCDef",
+    "MFCExecutionError",
+    "MFCGraph",
+    "ModelInterface",
+    "ModelInterfaceType",
+    "ModelWorker",
+    "ProcessModelWorker",
+    "SequenceBuffer",
+    "TensorStore",
+    "build_graph",
+    "grpo_graph",
+    "ppo_graph",
+]

@@ -1,0 +1,334 @@
+"""Model workers in processes of their own: the model, its interface and its tensor store
+live in the child; the master sends ids and locations, never tensors.
+
+    master (executor) --call: mfc, ids, where each input lives--> worker child
+    worker child --get(ids, key)--> peer worker's store server (inputs it lacks)
+    worker child: interface call -> outputs into its own store -> ValueInfo per value back
+
+Inputs held by stores in the master process (the dataset's prompts) are sent inline; all
+others are fetched peer to peer. Connections are `multiprocessing.connection` on 127.0.0.1
+with a per-executor HMAC key; payloads are msgpack with raw array bytes (no pickle).
+
+A child that dies during a call (SIGKILL, OOM) is started again and the call is issued
+again, up to `max_restarts` times, so no datapoint is lost or run twice: a call's outputs
+are recorded only when it returns. Values the dead child held for other datapoints are
+gone; a later call needing them fails naming the keys. Under a job, the control plane's
+restart policy plays this role; this handle restarts its child itself when used alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any
+
+from rlplex.control.channel import decode_item, encode_item
+from rlplex.dataflow.dataplane import DataPlane, DataPlaneError, LocalTensorStore
+from rlplex.dataflow.mfc import MFCDef, MFCExecutionError, ModelInterfaceType
+from rlplex.dataflow.workers import Outputs
+from rlplex.errors import WorkerDiedError
+
+CONTEXT = mp.get_context("spawn")  # forking a process that runs torch threads can deadlock
+
+InterfaceFactory = Callable[[], object]
+"""Builds the model interface inside the child; must be picklable (a class or a partial)."""
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """What the master learns of a value a process worker keeps: enough to validate it."""
+
+    dtype: str
+    ndim: int
+
+
+def send(conn: Connection, message: Any) -> None:
+    encoded = encode_item(message)
+    buffer = bytearray(encoded.size)
+    encoded.write(memoryview(buffer))
+    conn.send_bytes(buffer)
+
+
+def receive(conn: Connection) -> Any:
+    return decode_item(memoryview(conn.recv_bytes()))
+
+
+def _info(value: Any) -> list[Any]:
+    dtype = getattr(value, "dtype", None)
+    if dtype is not None:
+        return [str(dtype), int(getattr(value, "ndim", 0))]
+    return [type(value).__name__, 0]
+
+
+# ----- the child ------------------------------------------------------------------------
+def _serve_store(listener: Listener, store: LocalTensorStore, lock: threading.Lock) -> None:
+    while True:
+        try:
+            conn = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=_store_session, args=(conn, store, lock), daemon=True).start()
+
+
+def _store_session(conn: Connection, store: LocalTensorStore, lock: threading.Lock) -> None:
+    with conn:
+        while True:
+            try:
+                request = receive(conn)
+            except (EOFError, OSError):
+                return
+            with lock:
+                if request["op"] == "get":
+                    try:
+                        reply: Any = {"values": store.get_many(request["ids"], request["key"])}
+                    except DataPlaneError as error:
+                        reply = {"error": str(error)}
+                elif request["op"] == "drop":
+                    store.drop(request["ids"])
+                    reply = {"ok": True}
+                else:
+                    reply = {"size": len(store)}
+            send(conn, reply)
+
+
+def _child_main(name: str, factory: InterfaceFactory, authkey: bytes, ready: Connection) -> None:
+    import torch
+
+    torch.set_num_threads(1)
+    interface = factory()
+    store, lock = LocalTensorStore(name), threading.Lock()
+    control = Listener(("127.0.0.1", 0), authkey=authkey)
+    store_listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    threading.Thread(target=_serve_store, args=(store_listener, store, lock), daemon=True).start()
+    ready.send((control.address, store_listener.address))
+    peers: dict[str, Connection] = {}
+    with control.accept() as conn:
+        while True:
+            try:
+                request = receive(conn)
+            except (EOFError, OSError):
+                return
+            try:
+                reply = _handle_call(request, interface, store, lock, peers, authkey)
+            except Exception as error:  # the master names the MFC and worker around this text
+                import traceback
+
+                reply = {"error": "".join(traceback.format_exception(error))}
+            send(conn, reply)
+
+
+def _handle_call(
+    request: dict[str, Any],
+    interface: object,
+    store: LocalTensorStore,
+    lock: threading.Lock,
+    peers: dict[str, Connection],
+    authkey: bytes,
+) -> dict[str, Any]:
+    mfc = MFCDef(
+        request["name"],
+        request["model"],
+        ModelInterfaceType(request["interface"]),
+        tuple(request["input_keys"]),
+        tuple(request["output_keys"]),
+        int(request["n_seqs"]),
+    )
+    ids: list[int] = request["ids"]
+    inputs: dict[str, list[Any]] = {}
+    for key, spec in request["inputs"].items():
+        if "inline" in spec:
+            inputs[key] = spec["inline"]
+            continue
+        fetched: dict[int, Any] = {}
+        for address, store_ids in spec["from"]:
+            if address is None:
+                with lock:
+                    values = store.get_many(store_ids, key)
+            else:
+                values = _peer_get(peers, tuple(address), store_ids, key, authkey)
+            fetched.update(zip(store_ids, values, strict=True))
+        inputs[key] = [fetched[i] for i in ids]
+    method = getattr(interface, mfc.interface_type.value, None)
+    if method is None:
+        raise MFCExecutionError(f"{type(interface).__name__} has no {mfc.interface_type.value!r} call")
+    outputs: Outputs = method(mfc, inputs)
+    infos: dict[str, list[Any]] = {}
+    with lock:
+        for key, values in outputs.items():
+            if len(values) == len(ids):
+                store.put_many(ids, key, values)
+            infos[key] = [_info(v) for v in values]
+    return {"outputs": infos}
+
+
+def _peer_get(
+    peers: dict[str, Connection], address: tuple[str, int], ids: list[int], key: str, authkey: bytes
+) -> list[Any]:
+    label = f"{address[0]}:{address[1]}"
+    if label not in peers:
+        peers[label] = Client(address, authkey=authkey)
+    send(peers[label], {"op": "get", "ids": ids, "key": key})
+    reply = receive(peers[label])
+    if "error" in reply:
+        raise DataPlaneError(reply["error"])
+    return list(reply["values"])
+
+
+# ----- the master's handle --------------------------------------------------------------
+class RemoteTensorStore:
+    """The master's view of a child's store: drop and size over the store connection."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.address: tuple[str, int] | None = None
+        self._conn: Connection | None = None
+        self._authkey = b""
+        self._lock = threading.Lock()
+
+    def connect(self, address: tuple[str, int], authkey: bytes) -> None:
+        self.address, self._authkey, self._conn = address, authkey, None
+
+    def _request(self, message: dict[str, Any]) -> Any:
+        with self._lock:
+            if self.address is None:
+                raise DataPlaneError(f"store {self.name!r} is not running")
+            if self._conn is None:
+                self._conn = Client(self.address, authkey=self._authkey)
+            send(self._conn, message)
+            return receive(self._conn)
+
+    def get_many(self, ids: Sequence[int], key: str) -> list[Any]:
+        reply = self._request({"op": "get", "ids": list(ids), "key": key})
+        if "error" in reply:
+            raise DataPlaneError(reply["error"])
+        return list(reply["values"])
+
+    def put_many(self, ids: Sequence[int], key: str, values: Sequence[Any]) -> None:
+        raise DataPlaneError(f"store {self.name!r} is written only by its worker")
+
+    def drop(self, ids: Iterable[int]) -> None:
+        try:
+            self._request({"op": "drop", "ids": list(ids)})
+        except (OSError, EOFError):
+            pass  # a dead worker's values are gone already
+
+    def __len__(self) -> int:
+        return int(self._request({"op": "size"})["size"])
+
+    def reset(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn, self.address = None, None
+
+
+class ProcessModelWorker:
+    def __init__(
+        self,
+        name: str,
+        factory: InterfaceFactory,
+        authkey: bytes | None = None,
+        max_restarts: int = 3,
+        start_timeout_s: float = 120.0,
+    ) -> None:
+        self.name = name
+        self.factory = factory
+        self.authkey = authkey or os.urandom(32)
+        self.max_restarts = max_restarts
+        self.start_timeout_s = start_timeout_s
+        self.store = RemoteTensorStore(name)
+        self.restarts = 0
+        self.process: Any = None
+        self._conn: Connection | None = None
+
+    def start(self) -> ProcessModelWorker:
+        parent, child = CONTEXT.Pipe()
+        self.process = CONTEXT.Process(
+            target=_child_main,
+            args=(self.name, self.factory, self.authkey, child),
+            name=f"model-worker-{self.name}",
+            daemon=True,
+        )
+        self.process.start()
+        child.close()
+        if not parent.poll(self.start_timeout_s):
+            self.close()
+            raise WorkerDiedError(f"model worker {self.name!r} did not start within {self.start_timeout_s}s")
+        control_address, store_address = parent.recv()
+        self._conn = Client(control_address, authkey=self.authkey)
+        self.store.connect(store_address, self.authkey)
+        return self
+
+    def _request(self, mfc: MFCDef, ids: Sequence[int], plane: DataPlane) -> dict[str, Any]:
+        inputs: dict[str, Any] = {}
+        for key in mfc.input_keys:
+            located = plane.locate(ids, key)
+            sources: list[tuple[tuple[str, int] | None, list[int]]] = []
+            inline = True
+            for store_name in located:
+                store = plane.stores[store_name]
+                if store is self.store:
+                    sources.append((None, located[store_name]))
+                    inline = False
+                elif isinstance(store, RemoteTensorStore):
+                    sources.append((store.address, located[store_name]))
+                    inline = False
+            inputs[key] = {"inline": plane.gather(ids, key)} if inline else {"from": sources}
+            if not inline and sum(len(i) for _, i in sources) != len(ids):
+                raise MFCExecutionError(
+                    f"MFC {mfc.name!r}: key {key!r} is split between in-process and "
+                    f"worker stores, which a process worker cannot fetch"
+                )
+        return {
+            "name": mfc.name,
+            "model": mfc.model_name,
+            "interface": mfc.interface_type.value,
+            "input_keys": list(mfc.input_keys),
+            "output_keys": list(mfc.output_keys),
+            "n_seqs": mfc.n_seqs,
+            "ids": list(ids),
+            "inputs": inputs,
+        }
+
+    def _call_blocking(self, request: dict[str, Any]) -> dict[str, Any]:
+        while True:
+            try:
+                assert self._conn is not None
+                send(self._conn, request)
+                reply: dict[str, Any] = receive(self._conn)
+                return reply
+            except (EOFError, OSError) as error:
+                if self.restarts >= self.max_restarts:
+                    raise WorkerDiedError(
+                        f"model worker {self.name!r} died ({error!r}); restart budget of {self.max_restarts} spent"
+                    ) from None
+                self.restarts += 1
+                self._restart()
+
+    def _restart(self) -> None:
+        if self.process is not None:
+            self.process.join(timeout=5)
+        self.store.reset()
+        self.start()
+
+    async def run(self, mfc: MFCDef, ids: Sequence[int], plane: DataPlane) -> Outputs:
+        request = self._request(mfc, ids, plane)
+        reply = await asyncio.to_thread(self._call_blocking, request)
+        if "error" in reply:
+            raise MFCExecutionError(f"MFC {mfc.name!r} failed on worker {self.name!r}:\n{reply['error']}")
+        return {key: [ValueInfo(d, n) for d, n in infos] for key, infos in reply["outputs"].items()}
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        if self.process is not None:
+            self.process.join(timeout=5)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(timeout=5)

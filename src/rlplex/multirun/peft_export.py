@@ -1,0 +1,164 @@
+"""Write one run's adapter as a PEFT LoRA folder that ``peft.PeftModel.from_pretrained`` loads.
+
+Layout (as ``PeftModel.save_pretrained`` writes it for peft 0.21)::
+
+    directory/
+      adapter_model.safetensors   keys base_model.model.<module>.lora_A.weight [r, in]
+                                       base_model.model.<module>.lora_B.weight [out, r]
+      adapter_config.json         peft_type LORA, r, lora_alpha, target_modules, ...
+      STABLE                      written last: readers take only folders that have it
+
+The folder is assembled in a hidden sibling and renamed into place, so a reader never sees
+half an adapter; STABLE comes after the rename. Only the immediate parent (``broadcast/``)
+is created, never a deleted run directory above it. peft is not imported: it is a dev
+dependency, and the inference side may be another tool that reads the same layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from rlplex.errors import AdapterError
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+STABLE_MARKER = "STABLE"
+PEFT_PREFIX = "base_model.model."
+_SUFFIXES = (".lora_A.weight", ".lora_B.weight")
+
+
+def peft_key(name: str) -> str:
+    """``model.layers.0.self_attn.q_proj.lora_A.weight`` -> the key peft stores it under."""
+    return name if name.startswith(PEFT_PREFIX) else PEFT_PREFIX + name
+
+
+def _base_model_name(base: Any) -> str | None:
+    if base is None or isinstance(base, str | os.PathLike):
+        return None if base is None else str(base)
+    name = getattr(base, "name_or_path", None)  # a transformers PretrainedConfig
+    return str(name) if name else None
+
+
+def _checked_tensors(adapter_state: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    if not adapter_state:
+        raise AdapterError("adapter_state is empty: nothing to export")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in adapter_state.items():
+        if not name.endswith(_SUFFIXES):
+            raise AdapterError(f"adapter_state key {name!r}: expected a name ending in {' or '.join(_SUFFIXES)}")
+        is_a = name.endswith(_SUFFIXES[0])
+        if tensor.dim() != 2 or tensor.shape[0 if is_a else 1] != rank:
+            raise AdapterError(f"adapter_state[{name!r}] has shape {tuple(tensor.shape)}, which is not of rank {rank}")
+        if not torch.isfinite(tensor).all():
+            raise AdapterError(f"adapter_state[{name!r}] holds NaN or inf values")
+        tensors[peft_key(name)] = tensor.detach().to("cpu").contiguous().clone()
+    modules = {key[: -len(_SUFFIXES[0])] for key in tensors if key.endswith(_SUFFIXES[0])}
+    modules_b = {key[: -len(_SUFFIXES[1])] for key in tensors if key.endswith(_SUFFIXES[1])}
+    if modules != modules_b:
+        raise AdapterError(f"adapter_state: modules without both lora_A and lora_B: {sorted(modules ^ modules_b)}")
+    return tensors
+
+
+def peft_adapter_config(
+    base_model_name_or_config: Any,
+    rank: int,
+    alpha: float,
+    target_modules: Iterable[str],
+    task_type: str | None = None,
+) -> dict[str, Any]:
+    """The ``adapter_config.json`` fields a plain LoRA needs; peft fills the rest with defaults."""
+    return {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": _base_model_name(base_model_name_or_config),
+        "revision": None,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": 0.0,
+        "target_modules": sorted(set(target_modules)),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+        "inference_mode": True,
+    }
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with path.open("wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_peft_adapter(
+    directory: str | Path,
+    adapter_state: dict[str, torch.Tensor],
+    base_model_name_or_config: Any,
+    rank: int,
+    alpha: float,
+    target_modules: Iterable[str],
+    task_type: str | None = None,
+) -> Path:
+    """Write ``directory`` as a STABLE PEFT LoRA adapter (replacing it if present); return it.
+
+    ``adapter_state`` maps model module names (``model.layers.0.self_attn.q_proj.lora_A.weight``,
+    with or without the ``base_model.model.`` prefix) to tensors of the run's real ``rank``.
+    """
+    directory = Path(directory)
+    tensors = _checked_tensors(adapter_state, rank)
+    config = peft_adapter_config(base_model_name_or_config, rank, alpha, target_modules, task_type)
+    try:
+        directory.parent.mkdir(exist_ok=True)  # one level only: never recreate a deleted run directory
+    except FileNotFoundError:
+        raise AdapterError(
+            f"{directory}: parent {directory.parent.parent} no longer exists; adapter not written"
+        ) from None
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        with (tmp / ADAPTER_WEIGHTS).open("rb") as handle:
+            os.fsync(handle.fileno())
+        _write_synced(tmp / ADAPTER_CONFIG, json.dumps(config, indent=2).encode())
+        if directory.exists():
+            directory.rename(old)
+        tmp.rename(directory)
+        _write_synced(directory / STABLE_MARKER, b"")
+        _fsync_dir(directory.parent)
+    except OSError as error:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not directory.exists():
+            old.rename(directory)  # the previous adapter stays the one readers see
+        raise AdapterError(f"{directory}: adapter not written ({error})") from error
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def is_stable_adapter(directory: str | Path) -> bool:
+    directory = Path(directory)
+    return (directory / STABLE_MARKER).is_file() and (directory / ADAPTER_WEIGHTS).is_file()

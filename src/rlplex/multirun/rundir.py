@@ -1,0 +1,172 @@
+"""The run directory protocol: the only contract between an orchestrator and the trainer.
+
+```
+{output_dir}/run_<id>/
+    control/orch.toml                    written by the orchestrator
+    control/config_validation_error.txt  written by the trainer when orch.toml is rejected
+    control/evicted.txt                  eviction reason (trainer or the orchestrator itself)
+    checkpoints/step_N/                  per-run trainer checkpoints (STABLE marker last)
+    rollouts/step_N/                     rollouts written by the orchestrator
+    broadcast/step_N/                    adapter weights for inference (STABLE marker last)
+```
+
+Writes never recreate a run directory: the run directory itself is never created here, and
+each missing level below it is made with a single `mkdir` (no `parents=True`), which fails
+if the level above has been deleted. A run deleted during a checkpoint therefore stays
+deleted instead of coming back as a zombie. Writes refuse to go through symlinks so that a
+run directory cannot redirect the trainer's writes outside `output_dir`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlplex.errors import MultiRunError, RunDirGoneError
+
+RUN_PREFIX = "run_"
+STEP_PREFIX = "step_"
+STABLE_MARKER = "STABLE"
+# A name with a slash, a NUL or only dots cannot reach scandir, but a name such as
+# "run_../x" can reach an API that takes run ids from users; refuse anything odd outright.
+_RUN_NAME = re.compile(r"^run_[A-Za-z0-9][A-Za-z0-9_.\-]{0,200}$")
+
+
+def is_valid_run_name(name: str) -> bool:
+    return bool(_RUN_NAME.fullmatch(name)) and ".." not in name
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step}"
+
+
+def parse_step(name: str) -> int | None:
+    suffix = name[len(STEP_PREFIX) :]
+    if name.startswith(STEP_PREFIX) and suffix.isdigit():
+        return int(suffix)
+    return None
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run and writes that stay inside directories that still exist."""
+
+    output_dir: Path
+    run_id: str
+
+    def __post_init__(self) -> None:
+        if not is_valid_run_name(self.run_id):
+            raise MultiRunError(f"{self.run_id!r} is not a valid run id (expected run_<letters, digits, _ . ->)")
+
+    @property
+    def root(self) -> Path:
+        return self.output_dir / self.run_id
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def orch_config(self) -> Path:
+        return self.control / "orch.toml"
+
+    @property
+    def config_error(self) -> Path:
+        return self.control / "config_validation_error.txt"
+
+    @property
+    def evicted(self) -> Path:
+        return self.control / "evicted.txt"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def rollouts(self) -> Path:
+        return self.root / "rollouts"
+
+    @property
+    def broadcast(self) -> Path:
+        return self.root / "broadcast"
+
+    def checkpoint_step(self, step: int) -> Path:
+        return self.checkpoints / step_dir_name(step)
+
+    def rollout_step(self, step: int) -> Path:
+        return self.rollouts / step_dir_name(step)
+
+    def broadcast_step(self, step: int) -> Path:
+        return self.broadcast / step_dir_name(step)
+
+    def exists(self) -> bool:
+        """True if the run directory is a real directory (a symlink does not count)."""
+        try:
+            return stat.S_ISDIR(os.lstat(self.root).st_mode)
+        except OSError:
+            return False
+
+    def is_evicted(self) -> bool:
+        return os.path.exists(self.evicted)
+
+    def eviction_reason(self) -> str | None:
+        try:
+            return self.evicted.read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            return None
+
+    def ensure_dir(self, *parts: str) -> Path:
+        """Make `root/parts...` one level at a time; raise `RunDirGoneError` if the run is gone."""
+        if not self.exists():
+            raise RunDirGoneError(f"{self.root}: run directory does not exist; nothing written")
+        current = self.root
+        for part in parts:
+            if part in ("", ".", "..") or "/" in part:
+                raise MultiRunError(f"{self.root}: refusing path component {part!r}")
+            current = current / part
+            try:
+                os.mkdir(current)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                raise RunDirGoneError(f"{self.root}: run directory was deleted; {current} not created") from None
+            mode = os.lstat(current).st_mode
+            if not stat.S_ISDIR(mode):
+                raise MultiRunError(f"{current}: exists but is not a directory (or is a symlink); not writing into it")
+        return current
+
+    def write_text(self, path: Path, text: str) -> None:
+        """Atomically write `text` to `path`, a file below the run directory."""
+        relative = path.relative_to(self.root)
+        parent = self.ensure_dir(*relative.parent.parts)
+        write_file_atomic(parent / relative.name, text.encode("utf-8"))
+
+    def remove_file(self, path: Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary sibling, fsync, rename over `path`; never follow a symlink."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    except FileNotFoundError:
+        raise RunDirGoneError(f"{path.parent}: directory was deleted; {path.name} not written") from None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise

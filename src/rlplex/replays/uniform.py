@@ -1,0 +1,179 @@
+"""A uniform replay buffer of transitions as fixed numpy arrays, optionally in shared memory.
+
+Each slot holds one whole transition (observation, action, reward, next_observation,
+terminated). Because `next_observation` is stored rather than taken from the following
+slot, a time-limit truncation needs no special case: the bootstrap target uses the
+observation the episode really ended on, and only `terminated` cuts the bootstrap.
+
+The cursor, the size and the total number of transitions ever appended live in a small
+counter array that is shared too, so that memory-copier processes (AsyncRl) and the
+optimizer agree on them. Appends and samples hold `lock` when one is given (a
+multiprocessing lock for the shared case): a sample never sees a half-written slot.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from rlplex.envs import EnvSpaces
+from rlplex.errors import RlplexError, SnapshotError, WaitTimeoutError
+from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle, allocate
+
+FIELDS = ("observation", "action", "reward", "next_observation", "terminated")
+_CURSOR, _SIZE, _TOTAL = 0, 1, 2
+LOCK_TIMEOUT_S = 30.0
+_LOCK_POLL_S = 0.2
+
+
+def replay_layout(spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    return {
+        "observation": ((capacity, *spaces.obs_shape), np.float32),
+        "action": ((capacity, *spaces.action_shape), spaces.action_dtype),
+        "reward": ((capacity,), np.float32),
+        "next_observation": ((capacity, *spaces.obs_shape), np.float32),
+        "terminated": ((capacity,), np.bool_),
+        "counters": ((3,), np.int64),
+    }
+
+
+@dataclass(frozen=True)
+class ReplayHandle:
+    """Picklable: pass it to a child process (as a Process argument, because of the lock)."""
+
+    arrays: SharedArraysHandle
+    capacity: int
+    lock: Any
+
+
+class UniformReplayBuffer:
+    def __init__(self, arrays: dict[str, np.ndarray], capacity: int, lock: Any = None, block: Any = None) -> None:
+        self.capacity = capacity
+        self._arrays = arrays
+        self._counters = arrays["counters"]
+        self._lock = lock
+        self._block: SharedArrays | None = block
+        # Called while waiting for the lock: a process that died holding it never releases it,
+        # so the waiter's owner (AsyncRl checks its children here) must get a say.
+        self.wait_check: Callable[[], None] | None = None
+
+    @classmethod
+    def create(cls, spaces: EnvSpaces, capacity: int, shared: bool = False, lock: Any = None) -> UniformReplayBuffer:
+        if capacity <= 0:
+            raise RlplexError(f"replay buffer capacity must be positive (got {capacity})")
+        arrays, block = allocate(replay_layout(spaces, capacity), shared)
+        return cls(arrays, capacity, lock, block)
+
+    @property
+    def handle(self) -> ReplayHandle:
+        if self._block is None:
+            raise RlplexError("this replay buffer is not in shared memory; create it with shared=True")
+        return ReplayHandle(self._block.handle, self.capacity, self._lock)
+
+    @classmethod
+    def attach(cls, handle: ReplayHandle) -> UniformReplayBuffer:
+        block = SharedArrays.attach(handle.arrays)
+        return cls(block.arrays, handle.capacity, handle.lock, block)
+
+    def close(self) -> None:
+        if self._block is not None:
+            self._arrays, self._counters = {}, np.zeros(3, dtype=np.int64)
+            self._block.close()
+            self._block = None
+        self._lock = None  # a named semaphore: unlinked once the last reference goes
+
+    def _locked(self) -> AbstractContextManager[Any]:
+        if self._lock is None:
+            return nullcontext()
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while not self._lock.acquire(timeout=_LOCK_POLL_S):
+            if self.wait_check is not None:
+                self.wait_check()
+            if time.monotonic() > deadline:
+                raise WaitTimeoutError(f"replay buffer write lock not acquired within {LOCK_TIMEOUT_S} s")
+        return _Release(self._lock)
+
+    # ----- counters -------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        return int(self._counters[_SIZE])
+
+    @property
+    def cursor(self) -> int:
+        return int(self._counters[_CURSOR])
+
+    @property
+    def total_appended(self) -> int:
+        return int(self._counters[_TOTAL])
+
+    # ----- data -----------------------------------------------------------------------------
+    def append_samples(self, samples: dict[str, np.ndarray]) -> int:
+        """Append transitions with any leading dims ([T, B, ...] or [N, ...]); returns how many.
+
+        Past `capacity` the oldest transitions are overwritten (a ring buffer). If one call
+        brings more than `capacity`, only its last `capacity` transitions are kept.
+        """
+        n_dims = samples["reward"].ndim
+        flat = {name: samples[name].reshape(-1, *samples[name].shape[n_dims:]) for name in FIELDS}
+        n = len(flat["reward"])
+        keep = min(n, self.capacity)
+        with self._locked():
+            cursor = int(self._counters[_CURSOR])
+            idx = (cursor + np.arange(n - keep, n)) % self.capacity
+            for name in FIELDS:
+                self._arrays[name][idx] = flat[name][n - keep :]
+            self._counters[_CURSOR] = (cursor + n) % self.capacity
+            self._counters[_SIZE] = min(self.capacity, int(self._counters[_SIZE]) + n)
+            self._counters[_TOTAL] += n
+        return n
+
+    def sample(self, batch_size: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+        """`batch_size` transitions drawn uniformly with replacement (copies)."""
+        with self._locked():
+            size = int(self._counters[_SIZE])
+            if size == 0:
+                raise RlplexError("cannot sample from an empty replay buffer")
+            idx = rng.integers(0, size, size=batch_size)
+            return {name: self._arrays[name][idx] for name in FIELDS}
+
+    # ----- snapshots ------------------------------------------------------------------------
+    def state_dict(self, include_data: bool = True) -> dict[str, Any]:
+        with self._locked():
+            state: dict[str, Any] = {"capacity": self.capacity, "counters": self._counters.copy()}
+            if include_data:
+                size = int(self._counters[_SIZE])
+                # Slots [0, size) are exactly the filled ones, whether or not the ring wrapped.
+                state["data"] = {name: self._arrays[name][:size].copy() for name in FIELDS}
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["capacity"]) != self.capacity:
+            raise SnapshotError(
+                f"replay buffer capacity is {state['capacity']} in the snapshot but {self.capacity} now (buffer_size)"
+            )
+        counters = np.asarray(state["counters"], dtype=np.int64)
+        with self._locked():
+            if "data" in state:
+                size = int(counters[_SIZE])
+                for name in FIELDS:
+                    self._arrays[name][:size] = state["data"][name]
+                self._counters[:] = counters
+            else:
+                # Without the data, keep the step count (schedules depend on it) but start empty.
+                self._counters[:] = (0, 0, int(counters[_TOTAL]))
+
+
+class _Release:
+    def __init__(self, lock: Any) -> None:
+        self._lock = lock
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()

@@ -1,0 +1,339 @@
+"""`AsyncRl` and `AsyncRlEval`: sampling and optimization in separate processes.
+
+```
+ AsyncSampler (rlplex.samplers.async_): sampler process -> double buffer -> copiers -> replay
+ master = this runner = the optimizer:
+   loop: allowed = floor(replay_ratio * env_steps / batch_size) - updates_done
+         allowed > 0 -> algo.optimize_agent(itr, None, n_updates=min(allowed, chunk))
+                        -> publish weights (version + 1)
+         else        -> wait on the copiers' progress condition (timeout, then check children)
+```
+
+| where backpressure comes from | what it bounds |
+| --- | --- |
+| the replay-ratio throttle (here) | updates never exceed `replay_ratio` x env steps / batch size |
+| the double buffer's "copied" semaphores | the sampler is at most two batches ahead of the copiers |
+| nothing else | a slow optimizer does not slow the sampler: the achieved ratio drops, and is logged |
+
+`replay_ratio` is a ceiling, not a target (the seed's example: with a sampler at 1,000
+steps/s, batch size 100 and ratio 1 the optimizer does at most 10 updates/s; if it manages
+only 5, both sides run at full speed and the logged ratio is 0.5). The log has the ratio of
+each interval, the cumulative ratio and the fraction of time the optimizer was busy.
+
+Resuming restores parameters, the algorithm (optimizer, replay buffer, counters) and the
+step counters; it cannot be bit-exact, because the interleaving of the processes is not.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from rlplex.agents.base import Agent, AgentFactory
+from rlplex.diagnostics import MetricsLogger, ProgressLine
+from rlplex.envs import EnvConfig, probe_spaces
+from rlplex.errors import ConfigError, WaitTimeoutError
+from rlplex.models import unwrap_model
+from rlplex.runners.metrics import episode_metrics, evaluation_metrics
+from rlplex.runners.minibatch import TrainResult
+from rlplex.runners.snapshot import SnapshotMode, check_compatible, read_snapshot, rng_state, save_by_mode
+from rlplex.samplers.async_ import POLL_S, AsyncSampler
+from rlplex.samplers.base import Evaluator
+
+
+class ReplayAlgo(Protocol):
+    """What AsyncRl needs of an off-policy algorithm (DQN is one). Its class must be
+    constructible as `type(algo)(algo.config)`: that is how copiers get their own."""
+
+    config: Any
+    update_count: int
+    replay: Any
+
+    @property
+    def batch_size(self) -> int: ...
+
+    @property
+    def learning_starts(self) -> int: ...
+
+    def initialize(self, agent: Any, n_itr: int, world_size: int = 1, shared_replay: bool = False) -> None: ...
+
+    def sampler_to_buffer(self, samples: Any) -> dict[str, np.ndarray]: ...
+
+    def optimize_agent(self, itr: int, samples: Any, n_updates: int | None = None) -> dict[str, float]: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+@dataclass
+class _Interval:
+    t0: float
+    env_steps: int
+    updates: int
+    wait_s: float = 0.0
+
+
+class AsyncRl:
+    performance_source = "online"
+
+    def __init__(
+        self,
+        algo: ReplayAlgo,
+        agent_factory: AgentFactory,
+        env: EnvConfig,
+        batch_T: int,
+        batch_B: int,
+        n_steps: int,
+        replay_ratio: float,
+        seed: int = 0,
+        log_interval_steps: int = 10_000,
+        log_dir: str | Path | None = None,
+        snapshot_mode: SnapshotMode = "last",
+        snapshot_gap: int = 1,
+        stop_at_return: float | None = None,
+        show_progress: bool = True,
+        max_updates_per_chunk: int = 32,
+    ) -> None:
+        if n_steps <= 0 or replay_ratio <= 0:
+            raise ConfigError(
+                f"field 'runner': n_steps and replay_ratio must be positive (got {n_steps}, {replay_ratio})"
+            )
+        self.algo, self.agent_factory, self.env_config = algo, agent_factory, env
+        self.batch_T, self.batch_B = batch_T, batch_B
+        self.itr_batch_size = batch_T * batch_B
+        self.n_itr = max(1, -(-n_steps // self.itr_batch_size))
+        self.replay_ratio = replay_ratio
+        self.seed = seed
+        self.log_interval_steps = max(1, log_interval_steps)
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.snapshot_mode: SnapshotMode = snapshot_mode if self.log_dir is not None else "none"
+        self.snapshot_gap = snapshot_gap
+        self.stop_at_return = stop_at_return
+        self.show_progress = show_progress
+        # Small chunks keep the master responsive: it re-checks children and logs between them.
+        self.max_updates_per_chunk = max_updates_per_chunk
+        self._resume_state: dict[str, Any] | None = None
+        self.start_env_steps = 0
+        self.logger: MetricsLogger | None = None
+
+    # ----- setup and teardown -------------------------------------------------------------
+    def startup(self) -> None:
+        torch.manual_seed(self.seed)
+        np.random.seed(self.seed % 2**32)
+        torch.set_num_threads(1)
+        self.spaces = probe_spaces(self.env_config)
+        self.agent: Agent = self.agent_factory(self.spaces)
+        self.algo.initialize(self.agent, n_itr=self.n_itr, world_size=1, shared_replay=True)
+        if self._resume_state is not None:
+            self._load_resume_state(self._resume_state)
+        self.sampler = AsyncSampler(self.env_config, self.batch_T, self.batch_B)
+        algo_class: Any = type(self.algo)
+        algo_factory = partial(algo_class, self.algo.config)
+        start_batches = self.start_env_steps // self.itr_batch_size
+        self.sampler.start(
+            self.agent_factory,
+            self.spaces,
+            unwrap_model(self.agent.model),
+            algo_factory,
+            self.algo.replay.handle,
+            n_batches=self.n_itr - start_batches,
+            seed=self.seed + start_batches,  # a resumed run's envs start from fresh, distinct seeds
+            start_env_steps=self.start_env_steps,
+        )
+        self.algo.replay.wait_check = self.sampler.check_alive
+        self.logger = MetricsLogger(self.log_dir) if self.log_dir is not None else None
+
+    def shutdown(self) -> None:
+        if hasattr(self, "sampler"):
+            self.sampler.shutdown()
+        self.algo.shutdown()
+        if self.logger is not None:
+            self.logger.close()
+
+    # ----- snapshots ----------------------------------------------------------------------
+    def get_itr_snapshot(self, itr: int) -> dict[str, Any]:
+        model = unwrap_model(self.agent.model)
+        return {
+            "itr": itr,
+            "env_steps": (itr + 1) * self.itr_batch_size,
+            "agent": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "algo": self.algo.state_dict(),
+            "rng": rng_state(),
+            "seed": self.seed,
+            "itr_batch_size": self.itr_batch_size,
+        }
+
+    def save_itr_snapshot(self, itr: int) -> Path | None:
+        if self.log_dir is None:
+            return None
+        state = self.get_itr_snapshot(itr)
+        return save_by_mode(self.log_dir / "snapshots", itr, state, self.snapshot_mode, self.snapshot_gap)
+
+    def resume_from(self, snapshot_dir: str | Path) -> None:
+        state = read_snapshot(snapshot_dir)
+        state["__source__"] = str(snapshot_dir)
+        self._resume_state = state
+        self.start_env_steps = int(state["env_steps"])
+
+    def _load_resume_state(self, state: dict[str, Any]) -> None:
+        inner = unwrap_model(self.agent.model)
+        check_compatible(inner.state_dict(), state["agent"], Path(state["__source__"]))
+        inner.load_state_dict(state["agent"])
+        self.algo.load_state_dict(state["algo"])
+
+    # ----- the loop -----------------------------------------------------------------------
+    def evaluate_performance(self) -> dict[str, float]:
+        return {}
+
+    def train(self) -> TrainResult:
+        try:
+            self.startup()
+            return self._loop()
+        except WaitTimeoutError:
+            if hasattr(self, "sampler"):
+                self.sampler.check_alive()  # a dead child is the better explanation of a timeout
+            raise
+        finally:
+            self.shutdown()
+
+    def _allowed_updates(self, env_steps: int) -> int:
+        if self.algo.replay.size < max(1, self.algo.learning_starts):
+            return 0
+        ceiling = int(self.replay_ratio * env_steps / self.algo.batch_size)
+        return ceiling - self.algo.update_count
+
+    def _wait_first_batch(self, timeout_s: float = 120.0) -> None:
+        # Process start-up (spawn, imports) is not sampling: rates are measured from here.
+        deadline = time.monotonic() + timeout_s
+        while not self.sampler.wait_for_steps(self.start_env_steps + 1, timeout=POLL_S):
+            self.sampler.check_alive()
+            if time.monotonic() > deadline:
+                raise WaitTimeoutError(f"AsyncRl: no sample batch from the sampler process within {timeout_s} s")
+
+    def _loop(self) -> TrainResult:
+        self._wait_first_batch()
+        self._t0 = time.perf_counter()
+        sampler, total = self.sampler, self.n_itr * self.itr_batch_size
+        result = TrainResult(itr=0, env_steps=self.start_env_steps, wall_time_s=0.0)
+        progress = ProgressLine(total, "async", enabled=self.show_progress)
+        self._start_updates = self.algo.update_count
+        interval = _Interval(self._t0, sampler.env_steps, self.algo.update_count)
+        opt_info: dict[str, list[float]] = {}
+        next_log = self.start_env_steps + self.log_interval_steps
+        last_itr = -2
+        try:
+            while True:
+                sampler.check_alive()
+                env_steps = sampler.env_steps
+                finished = env_steps >= total
+                allowed = self._allowed_updates(env_steps)
+                # After the last batch, finish its share of updates only if keeping up (a slow
+                # optimizer's backlog is the shortfall the log reports, not work to do now).
+                per_batch = self.replay_ratio * self.itr_batch_size / self.algo.batch_size
+                if finished and (allowed <= 0 or allowed > 2 * per_batch + 1):
+                    break
+                itr = env_steps // self.itr_batch_size - 1
+                if allowed > 0 or itr != last_itr:
+                    # With nothing to update yet (learning_starts), a new batch still moves the
+                    # schedules on (epsilon), and the sampler must see them.
+                    n_updates = min(max(allowed, 0), self.max_updates_per_chunk)
+                    info = self.algo.optimize_agent(itr, None, n_updates=n_updates)
+                    last_itr = itr
+                    if n_updates:
+                        for key, value in info.items():
+                            opt_info.setdefault(key, []).append(value)
+                    sampler.publish_weights(unwrap_model(self.agent.model))
+                else:
+                    t_wait = time.perf_counter()
+                    sampler.wait_for_steps(env_steps + 1, timeout=POLL_S)
+                    interval.wait_s += time.perf_counter() - t_wait
+                if sampler.env_steps >= next_log:
+                    row = self._log_row(interval, opt_info)
+                    result.history.append(row)
+                    result.env_steps = int(row["charts/env_steps"])
+                    result.itr = result.env_steps // self.itr_batch_size - 1
+                    interval, opt_info = _Interval(time.perf_counter(), result.env_steps, self.algo.update_count), {}
+                    next_log = (result.env_steps // self.log_interval_steps + 1) * self.log_interval_steps
+                    if self._advance_schedules(result.itr, last_itr):
+                        last_itr = result.itr
+                        sampler.publish_weights(unwrap_model(self.agent.model))
+                    self.save_itr_snapshot(result.itr)
+                    progress.update(result.env_steps, {k: row[k] for k in self._status_keys(row)})
+                    perf = row.get(f"charts/{self.performance_source}_return_mean")
+                    if self.stop_at_return is not None and perf is not None and perf >= self.stop_at_return:
+                        result.target_reached_at_steps = result.env_steps
+                        result.target_reached_at_s = row["charts/wall_time_s"]
+                        return result
+            if sampler.env_steps > interval.env_steps or not result.history:
+                result.history.append(self._log_row(interval, opt_info))
+            result.env_steps = sampler.env_steps
+            result.itr = result.env_steps // self.itr_batch_size - 1
+            self._advance_schedules(result.itr, last_itr)
+            self.save_itr_snapshot(result.itr)
+            return result
+        finally:
+            result.wall_time_s = time.perf_counter() - self._t0
+            progress.close()
+
+    def _advance_schedules(self, itr: int, last_itr: int) -> bool:
+        """Bring the algorithm's schedules (epsilon) to `itr` with no updates, so a snapshot holds
+        the values of its own iteration even when a lagging optimizer never reached it."""
+        if itr <= last_itr:
+            return False
+        self.algo.optimize_agent(itr, None, n_updates=0)
+        return True
+
+    @staticmethod
+    def _status_keys(row: dict[str, float]) -> list[str]:
+        keys = ("charts/online_return_mean", "charts/eval_return_mean", "charts/env_steps_per_s", "charts/replay_ratio")
+        return [k for k in keys if k in row]
+
+    def _log_row(self, interval: _Interval, opt_info: dict[str, list[float]]) -> dict[str, float]:
+        now = time.perf_counter()
+        env_steps, updates = self.sampler.env_steps, self.algo.update_count
+        elapsed = max(now - interval.t0, 1e-9)
+        d_steps, d_updates = env_steps - interval.env_steps, updates - interval.updates
+        batch = self.algo.batch_size
+        row: dict[str, float] = {
+            "charts/env_steps": float(env_steps),
+            "charts/updates": float(updates),
+            "charts/env_steps_per_s": d_steps / elapsed,
+            "charts/updates_per_s": d_updates / elapsed,
+            "charts/replay_ratio": d_updates * batch / max(d_steps, 1),
+            "charts/replay_ratio_cumulative": updates * batch / max(env_steps, 1),
+            "charts/replay_ratio_set_point": self.replay_ratio,
+            "charts/optimizer_busy_fraction": 1.0 - min(1.0, interval.wait_s / elapsed),
+            "charts/wall_time_s": now - self._t0,
+        }
+        row.update(episode_metrics(*self.sampler.new_episodes()))
+        row.update({k: float(np.mean(v)) for k, v in opt_info.items()})
+        row.update(self.evaluate_performance())
+        if self.logger is not None:
+            self.logger.log(env_steps, row)
+        return row
+
+
+class AsyncRlEval(AsyncRl):
+    """Like `AsyncRl`, with deterministic evaluation episodes in the master every log interval."""
+
+    performance_source = "eval"
+
+    def __init__(self, *args: Any, evaluator: Evaluator, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.evaluator = evaluator
+
+    def evaluate_performance(self) -> dict[str, float]:
+        return evaluation_metrics(self.evaluator, self.agent)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        self.evaluator.close()

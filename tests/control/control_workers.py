@@ -1,0 +1,92 @@
+"""Workers for the control-plane tests. Faults come from RLPLEX_TEST_FAULTS="kind@node_id,..."
+(never from product code): stall (incarnation 0 stops progressing), crash (every incarnation
+fails after one item), self_check, check_child (the hook raises)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from rlplex.control import SubMaster, Worker, WorkerContext, WorkerLoad
+
+
+def faults(context: WorkerContext) -> set[str]:
+    out = set()
+    for item in os.environ.get("RLPLEX_TEST_FAULTS", "").split(","):
+        kind, _, node = item.partition("@")
+        if node == context.node_id:
+            out.add(kind)
+    return out
+
+
+class Counter(WorkerLoad):
+    """Processes items i with i % world == rank, one line per item in items/<node_id>.txt; resumes from it."""
+
+    def self_check(self) -> None:
+        if "self_check" in faults(self.context):
+            raise RuntimeError("injected self_check failure: disk not writable")
+
+    def run(self) -> None:
+        cfg = self.context.config
+        n_items, delay = int(cfg.get("items", 10)), float(cfg.get("delay_s", 0.01))
+        world = self.context.world[self.context.role]
+        path = Path(self.context.output_dir) / "items" / f"{self.context.node_id}.txt"
+        path.parent.mkdir(exist_ok=True)
+        done = {int(x) for x in path.read_text().split()} if path.exists() else set()
+        my_faults = faults(self.context)
+        with path.open("a") as out:
+            for item in range(self.context.rank, n_items, world):
+                if self.context.should_stop():
+                    return
+                if item in done:
+                    continue
+                time.sleep(delay)
+                out.write(f"{item}\n")
+                out.flush()
+                done.add(item)
+                self.context.report_progress(items=len(done))
+                if "crash" in my_faults:
+                    raise RuntimeError("injected crash")
+                if "stall" in my_faults and self.context.incarnation == 0 and len(done) >= 2:
+                    while not self.context.should_stop():
+                        time.sleep(0.05)  # alive and beating, but no progress
+                    return
+
+
+class Idle(Worker):
+    """Runs until stopped; answers calls (trainer-driven tests)."""
+
+    def double(self, x: float) -> float:
+        return 2 * x
+
+    def add(self, x: float, y: float) -> float:
+        return x + y
+
+    def whoami(self) -> dict[str, Any]:
+        return {"rank": self.context.rank, "pid": os.getpid()}
+
+
+class Sub(SubMaster):
+    def check_child(self) -> None:
+        if "check_child" in faults(self.context):
+            raise RuntimeError("injected check_child failure: child rank 1 unreachable")
+
+
+def drive(context: WorkerContext) -> None:
+    """A trainer-driven driver: scatter work over the 'idle' role and record the results."""
+    group = context.role_group("idle")
+    results = [f.result(timeout=10) for f in group.scatter("double", [1, 2, 3, 4])]
+    who = [f.result(timeout=10) for f in group.call("whoami")]
+    rank0 = group.call_rank(0, "add", 10, 20).result(timeout=10)
+    group.close()
+    Path(context.output_dir, "driver.txt").write_text(repr((results, who, rank0)))
+
+
+def quick(context: WorkerContext) -> None:
+    """A function entry point that finishes at once."""
+    context.report_progress(done=1)
+
+
+NOT_A_WORKER = 42

@@ -1,0 +1,312 @@
+"""LocalDataChannel across real `spawn` processes: order, backpressure, close, payloads, leaks, SIGKILL."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from rlplex.control import ChannelClosedError, ChannelTimeoutError, DataChannel, LocalDataChannel
+from rlplex.control import channel_local as cl
+
+CTX = mp.get_context("spawn")
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def shm_files(name: str) -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob(f"rlplex-ch-{name}*"))
+
+
+@pytest.fixture
+def name() -> Iterator[str]:
+    name = f"test-{uuid.uuid4().hex[:10]}"
+    yield name
+    LocalDataChannel.cleanup(name)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[Any]]:
+    started: list[Any] = []
+    yield started
+    for proc in started:
+        if proc.is_alive():
+            proc.kill()
+        proc.join(10)
+    pids = {proc.pid for proc in started}
+    orphans = [child.pid for child in psutil.Process().children(recursive=True) if child.pid in pids]
+    assert not orphans, f"child processes left behind: {orphans}"
+
+
+def start(procs: list[Any], target: Callable[..., Any], *args: Any) -> Any:
+    proc = CTX.Process(target=target, args=args, daemon=True)
+    proc.start()
+    procs.append(proc)
+    return proc
+
+
+# ---- child processes (top level, so `spawn` can import them) --------------------------------
+
+
+def echo(source_name: str, sink_name: str) -> None:
+    source, sink = LocalDataChannel.attach(source_name), LocalDataChannel.attach(sink_name)
+    while True:
+        try:
+            sink.put(source.get(timeout=30), timeout=30)
+        except ChannelClosedError:
+            sink.close()
+            return
+
+
+def produce(channel: LocalDataChannel, producer: int, count: int) -> None:
+    for seq in range(count):
+        payload = np.full(40_000 if seq % 7 == 0 else 8, seq, dtype=np.int64)  # some items take the large path
+        channel.put({"producer": producer, "seq": seq, "payload": payload}, timeout=30)
+
+
+def put_with_progress(channel: LocalDataChannel, count: int, progress: Any) -> None:
+    for i in range(count):
+        channel.put(i, timeout=30)
+        progress.value = i + 1
+
+
+def get_until_closed(channel: LocalDataChannel, results: Any) -> None:
+    got = []
+    try:
+        while True:
+            got.append(channel.get(timeout=30))
+    except ChannelClosedError:
+        results.put(("closed", got))
+    except ChannelTimeoutError:
+        results.put(("timeout", got))
+
+
+def put_until_closed(channel: LocalDataChannel, results: Any) -> None:
+    try:
+        channel.put("blocked", timeout=30)
+        results.put(("put", []))
+    except ChannelClosedError:
+        results.put(("closed", []))
+
+
+def claim_and_hang(channel: LocalDataChannel, claimed: Any) -> None:
+    # Stops between taking an item off the ring and freeing its slot, as a reader killed mid-copy.
+    channel._acquire()
+    channel._claim(None, None)
+    channel._release()
+    claimed.set()
+    time.sleep(60)
+
+
+def reserve_and_hang(channel: LocalDataChannel, reserved: Any) -> None:
+    # Stops after reserving a slot and before publishing it, as a writer killed mid-copy.
+    channel._acquire()
+    index = channel._reserve(None, None)
+    channel._set_slot(index, cl._WRITING, os.getpid())
+    channel._set(cl._TAIL, channel._u64(cl._TAIL) + 1)
+    channel._release()
+    reserved.set()
+    time.sleep(60)
+
+
+def consume_forever(channel: LocalDataChannel) -> None:
+    while True:
+        channel.get(timeout=30)
+
+
+# ---- tests ----------------------------------------------------------------------------------
+
+
+def test_items_round_trip_exactly_through_another_process(name: str, procs: list[Any]) -> None:
+    out = LocalDataChannel.create(f"{name}-out", capacity=4, slot_bytes=2 << 20)
+    back = LocalDataChannel.create(f"{name}-back", capacity=4, slot_bytes=2 << 20)
+    start(procs, echo, out.name, back.name)
+    rng = np.random.default_rng(0)
+    big = rng.integers(0, 255, size=1 << 20, dtype=np.uint8)  # 1 MB
+    items: list[Any] = [
+        {"step": 3, "ok": True, "loss": 0.25, "tags": ["a", "b"], "none": None, "raw": b"\x00\xff"},
+        big,
+        torch.randn(64, 33),
+        torch.arange(12, dtype=torch.bfloat16).reshape(3, 4).T,  # non-contiguous, no numpy dtype
+        {"obs": rng.standard_normal((5, 7)).astype(np.float32), "mask": np.array([True, False])},
+        rng.standard_normal((700, 1000)),  # 5.6 MB: larger than a slot, goes through an overflow segment
+    ]
+    for item in items:
+        out.put(item, timeout=10)
+    out.close()
+    got = [back.get(timeout=20) for _ in items]
+    assert got[0] == items[0]
+    assert got[1].dtype == np.uint8 and np.array_equal(got[1], big)
+    assert isinstance(got[2], torch.Tensor) and torch.equal(got[2], items[2])
+    assert got[3].dtype == torch.bfloat16 and torch.equal(got[3], items[3])
+    assert np.array_equal(got[4]["obs"], items[4]["obs"]) and got[4]["mask"].tolist() == [True, False]
+    assert np.array_equal(got[5], items[5])
+    with pytest.raises(ChannelClosedError):
+        back.get(timeout=10)  # echo closed its sink after draining
+    assert out.stats()["lost"] == 0
+    assert shm_files(name) == [f"rlplex-ch-{name}-back", f"rlplex-ch-{name}-out"]  # overflow segment gone
+
+
+def test_one_handle_shared_by_threads_and_the_protocol(name: str) -> None:
+    channel = LocalDataChannel.create(name, capacity=3, slot_bytes=1 << 20)
+    assert isinstance(channel, DataChannel)
+
+    def produce_in_thread(producer: int) -> None:
+        for seq in range(200):
+            channel.put((producer, seq, np.full(20_000 if seq % 5 == 0 else 4, seq)), timeout=30)
+
+    threads = [threading.Thread(target=produce_in_thread, args=(p,)) for p in range(2)]
+    for thread in threads:
+        thread.start()
+    got: dict[int, list[int]] = {0: [], 1: []}
+    for _ in range(400):
+        producer, seq, data = channel.get(timeout=30)
+        assert np.all(data == seq)
+        got[producer].append(seq)
+    for thread in threads:
+        thread.join(10)
+    assert got == {0: list(range(200)), 1: list(range(200))}
+
+
+def test_order_per_producer_with_three_producers(name: str, procs: list[Any]) -> None:
+    channel = LocalDataChannel.create(name, capacity=4, slot_bytes=1 << 20)
+    count = 150
+    for producer in range(3):
+        start(procs, produce, channel, producer, count)
+    seen: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    for _ in range(3 * count):
+        item = channel.get(timeout=30)
+        seen[item["producer"]].append(item["seq"])
+        assert int(item["payload"][0]) == item["seq"]
+    assert all(seqs == list(range(count)) for seqs in seen.values()), "items out of order or missing"
+    assert channel.qsize() == 0
+
+
+def test_put_blocks_at_capacity_until_a_get(name: str, procs: list[Any]) -> None:
+    channel = LocalDataChannel.create(name, capacity=2, slot_bytes=4096)
+    progress = CTX.Value("i", 0)
+    start(procs, put_with_progress, channel, 4, progress)
+    # The third put is blocked inside the channel (a waiting putter), not merely slow.
+    wait_for(lambda: progress.value == 2 and channel.stats()["waiting_putters"] == 1, what="producer blocked")
+    assert channel.qsize() == 2
+    assert channel.get(timeout=5) == 0
+    wait_for(lambda: progress.value == 3, what="third put to complete after a get")
+    assert channel.get(timeout=5) == 1
+    assert channel.get(timeout=5) == 2
+    wait_for(lambda: progress.value == 4, what="fourth put")
+    channel.put(4, timeout=0)
+    with pytest.raises(ChannelTimeoutError, match=name):
+        channel.put(5, timeout=0)
+    assert [channel.get(timeout=5), channel.get(timeout=5)] == [3, 4]
+
+
+def test_put_times_out_naming_the_channel(name: str) -> None:
+    channel = LocalDataChannel.create(name, capacity=1, slot_bytes=4096)
+    channel.put("a")
+    started = time.monotonic()
+    with pytest.raises(ChannelTimeoutError, match=f"{name}.*full"):
+        channel.put("b", timeout=0.2)
+    assert time.monotonic() - started >= 0.2
+    assert channel.get() == "a"
+    with pytest.raises(ChannelTimeoutError, match=f"{name}.*empty"):
+        channel.get(timeout=0.05)
+
+
+def test_close_wakes_blocked_getters_and_putters_in_other_processes(name: str, procs: list[Any]) -> None:
+    empty = LocalDataChannel.create(f"{name}-empty", capacity=2, slot_bytes=4096)
+    full = LocalDataChannel.create(f"{name}-full", capacity=1, slot_bytes=4096)
+    full.put("occupant")
+    results = CTX.Queue()
+    for _ in range(2):
+        start(procs, get_until_closed, empty, results)
+    start(procs, put_until_closed, full, results)
+    wait_for(lambda: empty.stats()["waiting_getters"] == 2, what="two blocked getters")
+    wait_for(lambda: full.stats()["waiting_putters"] == 1, what="one blocked putter")
+    started = time.monotonic()
+    empty.close()
+    full.close()
+    outcomes = sorted(results.get(timeout=10)[0] for _ in range(3))
+    assert outcomes == ["closed", "closed", "closed"]
+    assert time.monotonic() - started < 2.0, "close did not wake the waiters promptly"
+    assert full.get(timeout=1) == "occupant"  # items queued before close are still delivered
+    with pytest.raises(ChannelClosedError):
+        full.get(timeout=1)
+    with pytest.raises(ChannelClosedError):
+        empty.put("late")
+
+
+def test_no_shared_memory_left_after_unlink(name: str) -> None:
+    with LocalDataChannel.create(name, capacity=4, slot_bytes=4096):
+        other = LocalDataChannel.attach(name)
+        other.put(np.zeros(100_000))  # larger than a slot: an overflow segment, left unread
+        other.put({"x": 1})
+        assert len(shm_files(name)) == 2
+        other.detach()
+    assert shm_files(name) == []
+    with pytest.raises(Exception, match="does not exist"):
+        LocalDataChannel.attach(name)
+
+
+def test_reader_killed_mid_item_loses_only_that_item(name: str, procs: list[Any]) -> None:
+    channel = LocalDataChannel.create(name, capacity=2, slot_bytes=4096)
+    channel.put(0)
+    channel.put(1)
+    claimed = CTX.Event()
+    victim = start(procs, claim_and_hang, channel, claimed)
+    assert claimed.wait(20)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+    channel.put(2, timeout=5)  # needs the dead reader's slot: reclaimed, not blocked forever
+    assert [channel.get(timeout=5), channel.get(timeout=5)] == [1, 2]
+    assert channel.stats()["lost"] == 1
+
+
+def test_writer_killed_mid_item_loses_only_that_item(name: str, procs: list[Any]) -> None:
+    channel = LocalDataChannel.create(name, capacity=4, slot_bytes=4096)
+    channel.put("before")
+    reserved = CTX.Event()
+    victim = start(procs, reserve_and_hang, channel, reserved)
+    assert reserved.wait(20)
+    channel.put("after")
+    assert channel.get(timeout=5) == "before"
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+    assert channel.get(timeout=5) == "after"  # the getter skipped the dead writer's slot
+    assert channel.stats()["lost"] == 1
+
+
+def test_consumer_sigkilled_while_streaming_leaves_the_channel_usable(name: str, procs: list[Any]) -> None:
+    channel = LocalDataChannel.create(name, capacity=4, slot_bytes=1 << 20)
+    victim = start(procs, consume_forever, channel)
+    for seq in range(4):
+        channel.put({"seq": seq, "data": np.full(100_000, seq)}, timeout=10)
+    wait_for(lambda: channel.stats()["head"] >= 1, what="victim consuming")
+    os.kill(victim.pid, signal.SIGKILL)  # most likely while it copies an 800 kB item out
+    victim.join(10)
+    received = []
+    for seq in range(4, 40):  # wraps the ring over whatever slot the victim held
+        channel.put({"seq": seq, "data": np.full(100_000, seq)}, timeout=10)
+        item = channel.get(timeout=10)
+        assert np.all(item["data"] == item["seq"])
+        received.append(item["seq"])
+    received += [channel.get(timeout=10)["seq"] for _ in range(channel.qsize())]
+    assert received == sorted(set(received)), "duplicates or reordering after the kill"
+    assert set(range(4, 40)) <= set(received)
+    assert channel.stats()["lost"] <= 1  # at most the item it was copying; what it had returned is its own

@@ -1,0 +1,121 @@
+"""Master failover through the CLI: SIGKILL the master, `rlplex job resume`, the job goes on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import node_processes, wait_for
+from rlplex.control import SqliteStateStore
+
+JOB = """
+name = "failover"
+output_dir = "{out}"
+heartbeat_interval_s = 0.1
+capacity = {{ cpu = 2 }}
+[roles.counter]
+count = 3
+entrypoint = "control_workers:Counter"
+resources = {{ cpu = 0.5 }}
+config = {{ items = 90, delay_s = 0.04 }}
+"""
+
+
+def rlplex(*args: str, env: dict[str, str]) -> list[str]:
+    return [sys.executable, "-m", "rlplex.cli", "job", *args]
+
+
+def start_master(job_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], SqliteStateStore, str]:
+    """`rlplex job run` in a subprocess, returned once every node is RUNNING and has made progress."""
+    job_file = job_dir.parent / "job.toml"
+    job_file.write_text(JOB.format(out=job_dir))
+    master = subprocess.Popen(rlplex("run", str(job_file), env=env), env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    wait_for(lambda: (job_dir / "job.sqlite").exists(), 30, "the job's store")
+    store = SqliteStateStore.in_dir(job_dir, create=False)
+
+    def progressed() -> bool:
+        job_id = store.latest_job_id()
+        if job_id is None or store.job(job_id).state != "RUNNING":
+            return False
+        return all(n.state == "RUNNING" and n.progress.get("items", 0) >= 3 for n in store.nodes(job_id))
+
+    wait_for(progressed, 30, "every node RUNNING with progress")
+    job_id = store.latest_job_id()
+    assert job_id is not None
+    return master, store, job_id
+
+
+def test_killed_master_is_resumed_without_restarting_live_nodes(job_dir: Path, child_env: dict[str, str]) -> None:
+    master, store, job_id = start_master(job_dir, child_env)
+    try:
+        before = {n.node_id: n.pid for n in store.nodes(job_id)}
+        os.kill(master.pid, signal.SIGKILL)
+        master.wait(timeout=10)
+        assert all(p.is_running() for p in node_processes(job_dir)) and len(node_processes(job_dir)) == 3
+
+        resumed = subprocess.run(rlplex("resume", str(job_dir), env=child_env), env=child_env,
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert "STOPPED" in resumed.stdout
+        job = store.job(job_id)
+        assert job.state == "STOPPED" and job.restarts == 0
+        after = store.nodes(job_id)
+        assert {n.node_id: n.pid for n in after} == before
+        assert all(n.restarts == 0 and n.state == "FINISHED" for n in after)
+        done = {int(x) for f in (job_dir / "items").glob("*.txt") for x in f.read_text().split()}
+        assert done == set(range(90))
+        job_steps = [r.new for r in store.transitions(job_id) if r.entity == "job"]
+        assert job_steps == ["READY", "RUNNING", "READY", "RUNNING", "STOPPING", "STOPPED"]
+
+        status = subprocess.run(rlplex("status", str(job_dir), env=child_env), env={**child_env, "COLUMNS": "200"},
+                                capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert status.returncode == 0
+        assert "STOPPED" in status.stdout and "counter" in status.stdout and "items=30" in status.stdout
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
+
+
+def test_master_failover_during_a_worker_failure(job_dir: Path, child_env: dict[str, str]) -> None:
+    """The master and a worker die together: the resumed master restarts only the lost worker."""
+    master, store, job_id = start_master(job_dir, child_env)
+    try:
+        before = {n.node_id: n.pid for n in store.nodes(job_id)}
+        os.kill(master.pid, signal.SIGKILL)
+        os.kill(before["counter-0"], signal.SIGKILL)
+        master.wait(timeout=10)
+        resumed = subprocess.run(rlplex("resume", str(job_dir), env=child_env), env=child_env,
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        nodes = {n.node_id: n for n in store.nodes(job_id)}
+        assert nodes["counter-0"].restarts == 1 and nodes["counter-0"].pid != before["counter-0"]
+        assert {k: (n.pid, n.restarts) for k, n in nodes.items() if k != "counter-0"} == {
+            k: (pid, 0) for k, pid in before.items() if k != "counter-0"
+        }
+        assert store.job(job_id).state == "STOPPED"
+        ((action, target, cause),) = [(d.old, d.entity, d.cause) for d in store.decisions(job_id)]
+        assert (action, target) == ("RESTART_WORKER", "counter-0") and "process exited" in cause
+        done = {int(x) for f in (job_dir / "items").glob("*.txt") for x in f.read_text().split()}
+        assert done == set(range(90))
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
+
+
+def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path: Path, child_env: dict[str, str]) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(f'name = "x"\noutput_dir = "{tmp_path}"\n[roles.w]\ncount = -1\nentrypoint = "m:f"\n')
+    for args in (("run", str(bad)), ("status", str(tmp_path / "none")), ("resume", str(tmp_path / "none"))):
+        result = subprocess.run(rlplex(*args, env=child_env), env={**child_env, "COLUMNS": "300"},
+                                capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert result.returncode == 2, (args, result.stdout, result.stderr)
+        assert result.stdout.startswith("error:") and len(result.stdout.strip().splitlines()) <= 3
+    result = subprocess.run(rlplex("run", str(bad), env=child_env), env={**child_env, "COLUMNS": "300"},
+                            capture_output=True, text=True, timeout=30)  # fmt: skip
+    assert "roles.w.count" in result.stdout

@@ -1,0 +1,97 @@
+"""Real local jobs: OS processes, sockets on 127.0.0.1, a real SQLite file."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import node_processes, wait_for
+from rlplex.control import JobBuilder, JobState, NodeState, PrimeMaster, SqliteStateStore
+
+
+def items_done(job_dir: Path) -> list[int]:
+    return sorted(int(x) for f in (job_dir / "items").glob("*.txt") for x in f.read_text().split())
+
+
+def test_a_job_of_workers_runs_to_the_end(job_dir: Path) -> None:
+    spec = (
+        JobBuilder("count", job_dir, capacity={"cpu": 2})
+        .role("counter", entrypoint="control_workers:Counter", count=3, resources={"cpu": 0.5},
+              config={"items": 45, "delay_s": 0.01})
+        .build()
+    )  # fmt: skip
+    master = PrimeMaster.create(spec)
+    master.start()
+    assert master.state == JobState.RUNNING
+    nodes = master.get_nodes_by_role()["counter"]
+    assert [n.rank for n in nodes] == [0, 1, 2] and all(n.pid > 0 and n.address for n in nodes)
+    assert master.wait(timeout=30) == JobState.STOPPED
+    assert items_done(job_dir) == list(range(45))
+    store = SqliteStateStore.in_dir(job_dir, create=False)
+    states = [(n.node_id, n.state, n.restarts) for n in store.nodes(master.job_id)]
+    assert states == [(f"counter-{i}", "FINISHED", 0) for i in range(3)]
+    assert [n.progress["items"] for n in store.nodes(master.job_id)] == [15, 15, 15]
+    journey = [r.new for r in store.transitions(master.job_id) if r.entity == "counter-1"]
+    assert journey == ["CREATED", "CHECKED", "RUNNING", "FINISHED"]
+    assert [r.new for r in store.transitions(master.job_id) if r.entity == "job"] == [
+        "READY", "RUNNING", "STOPPING", "STOPPED"
+    ]  # fmt: skip
+    assert node_processes(job_dir) == []
+    master.close()
+
+
+def test_trainer_driven_driver_calls_role_groups(job_dir: Path) -> None:
+    spec = (
+        JobBuilder("drive", job_dir, capacity={"cpu": 2})
+        .role("idle", entrypoint="control_workers:Idle", count=2, resources={"cpu": 0.5})
+        .role("trainer", kind="driver", entrypoint="control_workers:drive", resources={"cpu": 0.5})
+        .build()
+    )
+    with PrimeMaster.create(spec) as master:
+        master.start()
+        assert master.wait(timeout=30) == JobState.STOPPED
+        results, who, rank0 = ast.literal_eval((job_dir / "driver.txt").read_text())
+        assert results == [2, 4, 6, 8]
+        pids = {n.rank: n.pid for n in master.get_nodes_by_role()["idle"]}
+        assert [w["rank"] for w in who] == [0, 1] and [w["pid"] for w in who] == [pids[0], pids[1]]
+        assert rank0 == 30
+        states = {n.node_id: n.state for ns in master.get_nodes_by_role().values() for n in ns}
+        assert states == {"idle-0": NodeState.STOPPED, "idle-1": NodeState.STOPPED, "trainer-0": NodeState.FINISHED}
+
+
+def test_a_role_scales_up_and_down_while_running(job_dir: Path) -> None:
+    spec = (
+        JobBuilder("scale", job_dir, capacity={"cpu": 2})
+        .role("idle", entrypoint="control_workers:Idle", count=1, resources={"cpu": 0.5})
+        .build()
+    )
+    with PrimeMaster.create(spec) as master:
+        master.start()
+
+        def running() -> list[str]:
+            master.monitor()
+            return [n.node_id for n in master.get_nodes_by_role()["idle"] if n.state == NodeState.RUNNING]
+
+        master.scale_role("idle", 3)
+        wait_for(lambda: len(running()) == 3, 20, "3 idle nodes RUNNING")
+        first_pid = master.get_nodes_by_role()["idle"][0].pid
+        master.scale_role("idle", 1)
+        assert running() == ["idle-0"]
+        assert master.get_nodes_by_role()["idle"][0].pid == first_pid
+        assert len(node_processes(job_dir)) == 1
+        master.stop()
+        assert master.state == JobState.STOPPED
+
+
+def test_nodes_stop_themselves_when_no_master_comes_back(job_dir: Path) -> None:
+    spec = (
+        JobBuilder("orphan", job_dir, capacity={"cpu": 2}, heartbeat_interval_s=0.1, master_lost_timeout_s=1.0)
+        .role("idle", entrypoint="control_workers:Idle", count=2, resources={"cpu": 0.5})
+        .build()
+    )
+    master = PrimeMaster.create(spec)
+    master.start()
+    assert len(node_processes(job_dir)) == 2
+    master.manager.scheduler.detach()  # type: ignore[attr-defined]  # the master "dies": its listener is gone
+    wait_for(lambda: node_processes(job_dir) == [], 10, "nodes without a master to exit")
+    master.close()

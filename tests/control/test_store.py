@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlplex.control import SqliteStateStore
+from rlplex.errors import ConfigError
+
+
+def test_transaction_rolls_back_on_error(tmp_path: Path) -> None:
+    store = SqliteStateStore(tmp_path / "job.sqlite")
+    store.create_job("j1", "demo", '{"a": 1}')
+    with pytest.raises(RuntimeError), store.transaction() as db:
+        db.execute("UPDATE jobs SET state = 'RUNNING' WHERE job_id = 'j1'")
+        raise RuntimeError("boom")
+    assert store.job("j1").state == "INIT"
+
+
+def test_state_survives_reopening_from_another_connection(tmp_path: Path) -> None:
+    store = SqliteStateStore.in_dir(tmp_path)
+    store.create_job("j1", "demo", '{"a": 1}')
+    store.set_master("j1", "127.0.0.1:1234", 42)
+    store.add_node("j1", "w-0", "w", 0, "PENDING")
+    store.update_node("j1", "w-0", pid=99, address="127.0.0.1:5", restarts=2, incarnation=2)
+    store.update_heartbeats("j1", [("w-0", 123.5, {"items": 7})])
+    store.record_transition("j1", "w-0", "PENDING", "CREATED", "launched")
+    assert store.spend_restart("j1", "w") == (1, 1)
+    assert store.spend_restart("j1", "w") == (2, 2)
+    store.record_decision("j1", "RESTART_WORKER", "w-0", "exited (code -9)")
+    store.close()
+
+    again = SqliteStateStore.in_dir(tmp_path, create=False)
+    assert again.latest_job_id() == "j1"
+    job = again.job("j1")
+    assert (job.master_address, job.master_pid, job.restarts, job.spec_json) == ("127.0.0.1:1234", 42, 2, '{"a": 1}')
+    (node,) = again.nodes("j1")
+    assert (node.state, node.pid, node.address, node.restarts, node.incarnation) == ("CREATED", 99, "127.0.0.1:5", 2, 2)
+    assert (node.last_heartbeat, node.progress, node.cause) == (123.5, {"items": 7}, "launched")
+    assert again.role_restarts("j1") == {"w": 2}
+    (decision,) = again.decisions("j1")
+    assert (decision.entity, decision.old, decision.cause) == ("w-0", "RESTART_WORKER", "exited (code -9)")
+
+
+def test_missing_store_and_unknown_fields_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no job state here"):
+        SqliteStateStore.in_dir(tmp_path / "nothing", create=False)
+    store = SqliteStateStore.in_dir(tmp_path)
+    with pytest.raises(ConfigError, match="no job with id 'nope'"):
+        store.job("nope")
+    store.create_job("j1", "demo", "{}")
+    store.add_node("j1", "w-0", "w", 0, "PENDING")
+    with pytest.raises(ValueError, match="unknown node fields"):
+        store.update_node("j1", "w-0", state="RUNNING")  # states change only through a transition

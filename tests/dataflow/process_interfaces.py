@@ -1,0 +1,45 @@
+"""Model interfaces for process-worker tests (importable by spawned children)."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlplex.dataflow import MFCDef
+
+
+class Generator:
+    """Generates arange sequences; with `block_first_call_in`, the first call of the first
+    process writes its pid there and blocks, so a test can kill it mid-call."""
+
+    def __init__(self, block_first_call_in: str | None = None) -> None:
+        self.block = Path(block_first_call_in) if block_first_call_in else None
+
+    def generate(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        if self.block is not None and not self.block.exists():
+            self.block.write_text(str(os.getpid()))
+            threading.Event().wait(120)  # killed long before this returns
+        return {"seq": [np.arange(int(p) % 5 + 1, dtype=np.int64) + int(p) for p in inputs["prompt"]]}
+
+
+class Reward:
+    def inference(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        return {"reward": [np.float32(seq.sum()) for seq in inputs["seq"]]}
+
+
+class Trainer:
+    """Appends what it trained on to a file, so the test sees every datapoint exactly once."""
+
+    def __init__(self, log: str) -> None:
+        self.log = Path(log)
+
+    def train_step(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        with self.log.open("a") as handle:
+            for seq, reward in zip(inputs["seq"], inputs["reward"], strict=True):
+                assert float(reward) == float(seq.sum())
+                handle.write(f"{int(seq[0])}\n")
+        return {}

@@ -1,0 +1,46 @@
+"""Shared helpers for the multi-run tests (imported by name: tests/multirun is on sys.path)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from rlplex.multirun import OrchestratorConfig, RunDir, create_run
+
+
+def make_config(**overrides: object) -> OrchestratorConfig:
+    data: dict[str, object] = {"task": "reverse", "max_steps": 10, "batch_size": 4}
+    data.update(overrides)
+    return OrchestratorConfig.model_validate(data)
+
+
+def new_run(output_dir: Path, name: str, **overrides: object) -> RunDir:
+    """Create `run_<name>` with a valid orch.toml, as an orchestrator would."""
+    return create_run(output_dir, name, make_config(**overrides))
+
+
+class StandInLora(nn.Module):
+    """The smallest stand-in for MultiLoRALinear (built by the other half of the multi-run work):
+    one A [n, r, in] and B [n, out, r] per slot, with the module interface the manager uses."""
+
+    def __init__(self, n_adapters: int, rank: int, d_in: int = 3, d_out: int = 2) -> None:
+        super().__init__()
+        self.rank = rank
+        self.lora_A = nn.Parameter(torch.zeros(n_adapters, rank, d_in))
+        self.lora_B = nn.Parameter(torch.ones(n_adapters, d_out, rank))
+        self.ranks: torch.Tensor | None = None
+
+    def named_parameters_for_adapter(self, idx: int) -> Iterator[tuple[str, torch.Tensor]]:
+        yield "lora_A.weight", self.lora_A[idx]
+        yield "lora_B.weight", self.lora_B[idx]
+
+    def adapter_state_dict(self, idx: int) -> dict[str, torch.Tensor]:
+        return {name: p.detach().clone() for name, p in self.named_parameters_for_adapter(idx)}
+
+    def reset_adapter(self, idx: int) -> None:
+        nn.init.kaiming_uniform_(self.lora_A[idx], a=math.sqrt(5))
+        self.lora_B[idx].zero_()

@@ -1,0 +1,228 @@
+"""AsyncRl with real processes: a tiny run, the replay-ratio throttle, a SIGKILLed child."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import threading
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlplex.agents import DqnAgent
+from rlplex.algos import DQN, DQNConfig
+from rlplex.config import validate_config
+from rlplex.envs import EnvConfig
+from rlplex.errors import WorkerDiedError
+from rlplex.runners.async_ import AsyncRl, AsyncRlEval
+from rlplex.runners.config import TrainConfig, build_runner
+from rlplex.runners.snapshot import latest_snapshot, read_snapshot
+from rlplex.samplers import Evaluator
+
+CARTPOLE = EnvConfig(id="CartPole-v1")
+
+
+class Watched(AsyncRl):
+    """Records, once training is under way, the /dev/shm names and processes it created."""
+
+    started: threading.Event
+    names: list[str]
+    pids: list[int]
+
+    def evaluate_performance(self) -> dict[str, float]:
+        if not self.started.is_set():
+            self.names = [*self.sampler.shared_names(), *self.replay_names()]
+            self.pids = [p.pid for p in self.sampler.processes if p.pid is not None]
+            self.started.set()
+        return super().evaluate_performance()
+
+    def replay_names(self) -> list[str]:
+        replay = self.algo.replay
+        return [name for _, name, _, _ in replay.handle.arrays.arrays] + ["sem." + replay._lock._semlock.name[1:]]
+
+
+class WatchedEval(Watched, AsyncRlEval):
+    pass
+
+
+def watch(run: Watched) -> Watched:
+    run.started, run.names, run.pids = threading.Event(), [], []
+    return run
+
+
+def assert_cleaned_up(run: Watched) -> None:
+    assert run.names and run.pids, "the run never reached its first log row"
+    assert [n for n in run.names if os.path.exists(f"/dev/shm/{n}")] == [], "shared memory left behind"
+    assert not [p for p in mp.active_children() if p.is_alive()], "child processes left behind"
+    for pid in run.pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def runner(
+    replay_ratio: float,
+    n_steps: int,
+    hidden: tuple[int, ...] = (16,),
+    batch_size: int = 16,
+    batch_B: int = 2,
+    **kwargs: Any,
+) -> Watched:
+    config = DQNConfig(batch_size=batch_size, learning_starts=0, buffer_size=50_000, updates_per_itr=1)
+    return watch(
+        Watched(
+            DQN(config, seed=0),
+            partial(DqnAgent, hidden=hidden),
+            CARTPOLE,
+            batch_T=64,
+            batch_B=batch_B,
+            n_steps=n_steps,
+            replay_ratio=replay_ratio,
+            seed=0,
+            show_progress=False,
+            **kwargs,
+        )
+    )
+
+
+def test_async_eval_runs_a_tiny_budget_and_snapshots_the_replay(tmp_path: Path) -> None:
+    config = DQNConfig(batch_size=16, learning_starts=0, buffer_size=4096)
+    run = watch(
+        WatchedEval(
+            DQN(config, seed=0),
+            partial(DqnAgent, hidden=(16,)),
+            CARTPOLE,
+            batch_T=32,
+            batch_B=2,
+            n_steps=2048,
+            replay_ratio=2.0,
+            seed=0,
+            log_interval_steps=512,
+            log_dir=tmp_path,
+            show_progress=False,
+            evaluator=Evaluator(CARTPOLE, n_episodes=2, seed=0),
+        )
+    )
+    result = run.train()
+    assert_cleaned_up(run)
+    assert result.env_steps == 2048
+    last = result.history[-1]
+    for key in ("charts/replay_ratio", "charts/replay_ratio_cumulative", "charts/optimizer_busy_fraction",
+                "charts/env_steps_per_s", "charts/updates_per_s", "charts/eval_return_mean", "losses/td"):  # fmt: skip
+        assert key in last, key
+    assert last["charts/replay_ratio_cumulative"] <= 2.0 + 1e-9
+    assert sum(row["charts/episodes"] for row in result.history) > 20  # CartPole episodes of ~20 steps
+    snap = read_snapshot(latest_snapshot(tmp_path / "snapshots"))
+    assert int(snap["algo"]["replay"]["counters"][1]) == len(snap["algo"]["replay"]["data"]["reward"]) > 0
+    assert (tmp_path / "progress.csv").exists()
+
+
+def test_throttle_reaches_the_set_point_when_the_optimizer_is_fast() -> None:
+    # One env per policy call keeps the sampler at a few thousand steps/s, and batch 64 at
+    # ratio 1 asks for one update per 64 steps: well within this optimizer's reach.
+    run = runner(replay_ratio=1.0, n_steps=16_384, batch_size=64, batch_B=1, log_interval_steps=4096)
+    result = run.train()
+    assert_cleaned_up(run)
+    final = result.history[-1]
+    assert result.env_steps == 16_384
+    assert 0.95 <= final["charts/replay_ratio_cumulative"] <= 1.0 + 1e-9, final
+    assert all(row["charts/replay_ratio_cumulative"] <= 1.0 + 1e-9 for row in result.history)
+
+
+def test_a_slow_optimizer_gets_a_lower_ratio_and_both_sides_keep_running() -> None:
+    # 512x512 network, batch 512, set point 64: far more than this optimizer can do.
+    run = runner(replay_ratio=64.0, n_steps=8192, hidden=(512, 512), batch_size=512, log_interval_steps=2048)
+    result = run.train()
+    assert_cleaned_up(run)
+    final = result.history[-1]
+    assert result.env_steps == 8192  # the sampler ran to the end without waiting for the optimizer
+    assert final["charts/updates"] > 0
+    assert final["charts/replay_ratio_cumulative"] < 0.5 * 64.0
+    assert final["charts/optimizer_busy_fraction"] > 0.8
+
+
+@pytest.mark.parametrize("victim", [0, 1])  # the sampler process, then a copier
+def test_sigkill_of_a_child_raises_worker_died_promptly(victim: int) -> None:
+    run = runner(replay_ratio=1.0, n_steps=10_000_000, log_interval_steps=512)
+    outcome: dict[str, Any] = {}
+
+    def train() -> None:
+        try:
+            outcome["result"] = run.train()
+        except BaseException as error:
+            outcome["error"] = error
+            outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    try:
+        assert run.started.wait(timeout=120), "AsyncRl did not start"
+        process = run.sampler.processes[victim]
+        name = process.name
+        killed_at = time.monotonic()
+        os.kill(run.pids[victim], signal.SIGKILL)
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "AsyncRl did not stop after its child was killed"
+    finally:
+        if thread.is_alive():
+            run.sampler.sync.stop.set()
+            thread.join(timeout=30)
+    error = outcome.get("error")
+    assert isinstance(error, WorkerDiedError), outcome
+    assert name in str(error) and "-9" in str(error)
+    # detection takes at most one poll (0.2 s); the rest is the orderly shutdown of the others
+    assert outcome["at"] - killed_at < 2.5
+    assert_cleaned_up(run)
+
+
+def test_config_builds_async_runners() -> None:
+    data = {
+        "env": {"id": "CartPole-v1"},
+        "algo": {"name": "dqn"},
+        "sampler": {"batch_T": 16, "batch_B": 2},
+        "runner": {"kind": "async_eval", "replay_ratio": 4.0, "n_steps": 1000},
+    }
+    built = build_runner(validate_config(TrainConfig, data), output_dir=None, show_progress=False)
+    assert isinstance(built, AsyncRlEval) and built.replay_ratio == 4.0 and built.itr_batch_size == 32
+
+
+def test_resume_continues_counters_epsilon_and_replay(tmp_path: Path) -> None:
+    def make(n_steps: int) -> Watched:
+        config = DQNConfig(batch_size=16, learning_starts=0, buffer_size=8192, exploration_fraction=0.9)
+        return watch(
+            Watched(
+                DQN(config, seed=0),
+                partial(DqnAgent, hidden=(16,)),
+                CARTPOLE,
+                batch_T=32,
+                batch_B=2,
+                n_steps=n_steps,
+                replay_ratio=1.0,
+                seed=0,
+                log_interval_steps=512,
+                log_dir=tmp_path,
+                snapshot_mode="all",
+                show_progress=False,
+            )
+        )
+
+    make(1024).train()
+    snap_dir = latest_snapshot(tmp_path / "snapshots")
+    saved = read_snapshot(snap_dir)
+    assert int(saved["env_steps"]) == 1024
+    resumed = make(2048)
+    resumed.resume_from(snap_dir)
+    result = resumed.train()
+    assert_cleaned_up(resumed)
+    assert result.env_steps == 2048
+    final = read_snapshot(latest_snapshot(tmp_path / "snapshots"))
+    assert int(final["algo"]["replay"]["counters"][2]) == 2048  # 1024 restored + 1024 new
+    assert int(final["algo"]["update_count"]) > int(saved["algo"]["update_count"]) > 0
+    # Each snapshot holds the epsilon of its own iteration, whatever the optimizer's lag; the
+    # resumed run's schedule went on from iteration 16 (a restart at 0 would end it at ~0.47).
+    eps_final = DQNConfig().eps_final
+    assert float(saved["agent"]["epsilon"]) == pytest.approx(eps_final)
+    assert float(final["agent"]["epsilon"]) == pytest.approx(eps_final)

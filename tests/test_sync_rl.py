@@ -1,0 +1,172 @@
+"""SyncRl / SyncRlEval: real spawned ranks in a real gloo group of world size 2, tiny budgets."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from rlplex.agents import CategoricalPgAgent
+from rlplex.algos import PPO, PPOConfig
+from rlplex.diagnostics.metrics import read_metrics_csv
+from rlplex.envs import EnvConfig, probe_spaces
+from rlplex.errors import WorkerDiedError
+from rlplex.runners import SyncLauncher, SyncRl, TrainResult
+from rlplex.runners.config import TrainConfig, build_runner, build_sync_rank
+from rlplex.runners.snapshot import latest_snapshot, read_snapshot
+from rlplex.samplers import Evaluator, SerialSampler
+from rlplex.samplers.batch import SampleBatch
+
+CARTPOLE = EnvConfig(id="CartPole-v1")
+
+
+def tiny_config(kind: str, n_steps: int, **runner: Any) -> TrainConfig:
+    return TrainConfig.model_validate(
+        {
+            "env": {"id": "CartPole-v1"},
+            "sampler": {"batch_T": 32, "batch_B": 2},
+            "algo": {"name": "ppo", "n_epochs": 2, "minibatch_size": 32},
+            "runner": {"kind": kind, "n_steps": n_steps, "log_interval_steps": 256, "world_size": 2, **runner},
+        }
+    )
+
+
+# ----- rank builders (module level: they are pickled into spawned ranks) -----------------------
+def build_seeded(config: TrainConfig, output_dir: str, rank: int, world_size: int) -> Any:
+    """Ranks build different initial weights, so identical ones at start prove the broadcast."""
+    torch.manual_seed(1000 + rank)
+    return build_sync_rank(config, output_dir, False, rank, world_size)
+
+
+class ExplodingEvaluator(Evaluator):
+    def evaluate(self, agent: Any) -> tuple[np.ndarray, np.ndarray]:
+        raise AssertionError("evaluation ran on a rank other than 0")
+
+
+def build_eval_rank0_only(config: TrainConfig, output_dir: str, rank: int, world_size: int) -> Any:
+    runner = build_sync_rank(config, output_dir, False, rank, world_size)
+    if rank != 0:
+        runner.evaluator.close()
+        runner.evaluator = ExplodingEvaluator(config.env, n_episodes=1)
+    return runner
+
+
+class FaultySampler(SerialSampler):
+    """Fails on rank 1 at iteration `at_itr`: SIGKILL (after writing the time) or an exception."""
+
+    def __init__(self, fault: str, marker: str, at_itr: int = 3) -> None:
+        super().__init__(CARTPOLE, batch_T=32, batch_B=2)
+        self.fault, self.marker, self.at_itr = fault, marker, at_itr
+
+    def obtain_samples(self, itr: int) -> SampleBatch:
+        if itr == self.at_itr:
+            if self.fault == "kill":
+                Path(self.marker).write_text(json.dumps({"killed_at": time.time()}))
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise ValueError(f"boom at itr {itr}")
+        return super().obtain_samples(itr)
+
+
+def build_faulty(fault: str, marker: str, rank: int, world_size: int) -> SyncRl:
+    sampler = SerialSampler(CARTPOLE, 32, 2) if rank == 0 else FaultySampler(fault, marker)
+    agent = CategoricalPgAgent(probe_spaces(CARTPOLE))
+    algo = PPO(PPOConfig(n_epochs=1, minibatch_size=32))
+    return SyncRl(algo, agent, sampler, n_steps=10_000_000, show_progress=False, rank=rank, world_size=world_size)
+
+
+# ----- tests -----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SyncLauncher, TrainResult]:
+    out = tmp_path_factory.mktemp("sync")
+    launcher = SyncLauncher(partial(build_seeded, tiny_config("sync", 1024), str(out)), world_size=2, timeout_s=120)
+    return out, launcher, launcher.train()
+
+
+def test_ranks_start_equal_and_stay_in_sync(first_run: tuple[Path, SyncLauncher, TrainResult]) -> None:
+    _, launcher, result = first_run
+    assert result.env_steps == 1024  # 32 x 2 per rank x 2 ranks = 128 per iteration, 8 iterations
+    r0, r1 = (o.digests or {} for o in launcher.rank_outcomes)
+    assert r0["built"] != r1["built"], "the test builder should give the ranks different initial weights"
+    assert r0["start"] == r1["start"] == r0["built"], "DDP should broadcast rank 0's weights"
+    assert r0["final"] == r1["final"], "all-reduced gradients should keep the replicas identical"
+    assert r0["final"] != r0["start"], "training should change the weights"
+
+
+def test_rank0_log_holds_the_episodes_of_every_rank(first_run: tuple[Path, SyncLauncher, TrainResult]) -> None:
+    out, launcher, result = first_run
+    local = [o.local_episodes for o in launcher.rank_outcomes]
+    assert min(local) > 0
+    rows = read_metrics_csv(out / "progress.csv")
+    assert len(rows) == len(result.history) == 4
+    assert sum(row["charts/episodes"] for row in rows) == sum(local)
+
+
+@pytest.fixture(scope="module")
+def resumed_eval_run(
+    tmp_path_factory: pytest.TempPathFactory, first_run: tuple[Path, SyncLauncher, TrainResult]
+) -> tuple[int, SyncLauncher, TrainResult]:
+    """Resumes `first_run` as SyncRlEval; any return reaches the target, so the first log row stops it."""
+    out = first_run[0]
+    snapshot = latest_snapshot(out / "snapshots")
+    config = tiny_config("sync_eval", 100_000, eval_episodes=2, stop_at_return=0.0)
+    launcher = SyncLauncher(partial(build_eval_rank0_only, config, str(tmp_path_factory.mktemp("resumed"))))
+    launcher.timeout_s = 120
+    launcher.resume_from(snapshot)
+    return int(read_snapshot(snapshot)["itr"]), launcher, launcher.train()
+
+
+def test_resume_continues_the_step_counter_from_rank0s_snapshot(
+    first_run: tuple[Path, SyncLauncher, TrainResult], resumed_eval_run: tuple[int, SyncLauncher, TrainResult]
+) -> None:
+    saved_itr, launcher, result = resumed_eval_run
+    assert saved_itr == 7
+    # Iterations 8 and 9 run (128 steps each); the log row after them stops the run.
+    assert [row["charts/env_steps"] for row in result.history] == [1280.0]
+    final_before = (first_run[1].rank_outcomes[0].digests or {})["final"]
+    assert {(o.digests or {})["start"] for o in launcher.rank_outcomes} == {final_before}
+
+
+def test_sync_eval_evaluates_on_rank0_and_stops_all_ranks_together(
+    resumed_eval_run: tuple[int, SyncLauncher, TrainResult],
+) -> None:
+    _, launcher, result = resumed_eval_run  # rank 1 has an evaluator that raises if called
+    assert result.target_reached_at_steps == 1280
+    assert "charts/eval_return_mean" in result.history[0]
+    assert [o.result["env_steps"] for o in launcher.rank_outcomes if o.result] == [1280, 1280]
+
+
+@pytest.mark.parametrize("fault", ["kill", "raise"])
+def test_a_failed_rank_ends_the_run_without_orphans(tmp_path: Path, fault: str) -> None:
+    marker = tmp_path / "killed.json"
+    launcher = SyncLauncher(partial(build_faulty, fault, str(marker)), collective_timeout_s=30, timeout_s=120)
+    with pytest.raises(WorkerDiedError) as caught:
+        launcher.train()
+    noticed_at = time.time()
+    message = str(caught.value)
+    assert message.startswith("rank 1 ")
+    if fault == "kill":
+        assert "exit code -9" in message
+        assert noticed_at - json.loads(marker.read_text())["killed_at"] < 5.0
+    else:
+        assert "exit code 1" in message and "ValueError: boom at itr 3" in message
+    for process in launcher.processes:
+        assert not process.is_alive()
+        with pytest.raises(ProcessLookupError):
+            os.kill(process.pid or -1, 0)
+
+
+def test_config_builds_a_launcher_and_global_batch_divides_per_rank_sizes(tmp_path: Path) -> None:
+    launcher = build_runner(tiny_config("sync", 1024, world_size=2, global_batch=True), tmp_path)
+    assert isinstance(launcher, SyncLauncher) and launcher.world_size == 2
+    runner = launcher.build(1, 2)
+    assert isinstance(runner, SyncRl)
+    assert runner.sampler.batch_B == 1 and runner.algo.config.minibatch_size == 16  # type: ignore[attr-defined]
+    assert runner.itr_batch_size == 64  # the global batch of the config: 32 x 2
