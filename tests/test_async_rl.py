@@ -111,8 +111,10 @@ def test_async_eval_runs_a_tiny_budget_and_snapshots_the_replay(tmp_path: Path) 
     assert result.env_steps == 2048
     last = result.history[-1]
     for key in ("charts/replay_ratio", "charts/replay_ratio_cumulative", "charts/optimizer_busy_fraction",
-                "charts/env_steps_per_s", "charts/updates_per_s", "charts/eval_return_mean", "losses/td"):  # fmt: skip
+                "charts/env_steps_per_s", "charts/updates_per_s", "charts/eval_return_mean"):  # fmt: skip
         assert key in last, key
+    # Losses appear in the intervals that had updates; which ones depends on the two processes' pace.
+    assert any("losses/td" in row for row in result.history), result.history
     assert last["charts/replay_ratio_cumulative"] <= 2.0 + 1e-9
     assert sum(row["charts/episodes"] for row in result.history) > 20  # CartPole episodes of ~20 steps
     snap = read_snapshot(latest_snapshot(tmp_path / "snapshots"))
