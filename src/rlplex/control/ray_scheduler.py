@@ -1,0 +1,342 @@
+"""The Ray backend: every node is a detached, named Ray actor in a placement group.
+
+`create_nodes(bundles)` makes one placement group for the bundles it is given (one Ray bundle
+per `Placement` bundle: the sum of its members' cpu, gpu, memory and custom resources) and one
+actor per member, `rlplex-<job_id>-<node_id>` in the "rlplex" namespace, scheduled into its
+bundle. The actor hosts the same `NodeRuntime` as a node process: heartbeats and the control
+RPC use the same authenticated sockets, so the manager cannot tell the backends apart.
+
+Liveness is Ray's: each actor answers `wait_exit()` when its runtime ends, with the exit code;
+an actor that dies (SIGKILL, node loss) fails that call. Actors and placement groups are
+detached so that a master actor restarted by Ray (master failover) finds the nodes still
+running; `cleanup()` removes every actor and placement group of the job by name.
+
+Multi-machine clusters: the job's output folder (SQLite store, logs, token) must be on a
+filesystem every Ray node sees at the same path, and the master and nodes then bind their
+sockets to the machine's IP (reported by Ray) instead of 127.0.0.1; peers still authenticate
+with the job token. Variables named RLPLEX_* in the master's environment are set in every node.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import PlacementGroupID
+from ray.exceptions import GetTimeoutError, RayError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from rlplex.control.heartbeat import HeartbeatServer
+from rlplex.control.placement import Bundle, Member
+from rlplex.control.rpc import RpcClient, parse_address
+from rlplex.control.scheduler import NodeEvent, NodeHandle
+from rlplex.control.spec import JobSpec, Resources
+from rlplex.errors import PlacementError
+
+NAMESPACE = "rlplex"
+ENV_PREFIX = "RLPLEX_"
+# A finished actor waits this long for the master to collect and kill it, then exits on its own
+# (a detached actor whose master is gone for good must not hold its resources forever).
+_LINGER_S = 10.0
+_KILL_WAIT_S = 5.0
+
+
+def child_pythonpath() -> str:
+    """rlplex's own source first (a worktree must beat an installed copy), then this process's sys.path."""
+    import rlplex
+
+    entries = [str(Path(rlplex.__file__).resolve().parents[1]), *(p for p in sys.path if p)]
+    return os.pathsep.join(dict.fromkeys(entries))
+
+
+def connect_ray(address: str | None, capacity: Resources) -> bool:
+    """Join `address`, or start a local Ray sized by the job's capacity; True when Ray runs on this machine only."""
+    if not ray.is_initialized():
+        options: dict[str, Any] = {"include_dashboard": False, "namespace": NAMESPACE, "log_to_driver": False}
+        options["runtime_env"] = {"env_vars": {"PYTHONPATH": child_pythonpath()}}
+        if address is None:
+            options["num_cpus"] = max(1, math.ceil(capacity.cpu))
+            options["num_gpus"] = math.ceil(capacity.gpu)
+        ray.init(address=address, **options)
+    return len([n for n in ray.nodes() if n.get("Alive")]) <= 1 and address is None
+
+
+def forwarded_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+
+
+def ray_resources(cpu: float, gpu: float, memory_mb: int, custom: dict[str, float]) -> dict[str, float]:
+    out = {"CPU": cpu, "GPU": gpu, "memory": float(memory_mb) * 2**20, **custom}
+    out = {k: v for k, v in out.items() if v > 0}
+    # Ray refuses an empty bundle; a role that asks for nothing still gets a sliver of a CPU.
+    return out or {"CPU": 0.001}
+
+
+class NodeActor:
+    """One node inside Ray: the `NodeRuntime` in a thread; its stdout and stderr go to the node's log file."""
+
+    def __init__(
+        self, output_dir: str, job_id: str, node_id: str, incarnation: int, token_hex: str, host: str,
+        env: dict[str, str],
+    ) -> None:  # fmt: skip
+        from rlplex.control.node import NodeRuntime
+
+        os.environ.update(env)
+        log_dir = Path(output_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = os.open(log_dir / f"{node_id}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.write(log, f"--- {node_id} incarnation {incarnation} (ray actor, pid {os.getpid()})\n".encode())
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        if host != "127.0.0.1":
+            host = ray.util.get_node_ip_address()
+        self._runtime = NodeRuntime(output_dir, job_id, node_id, incarnation, bytes.fromhex(token_hex), host)
+        self._done = threading.Event()
+        self._code = -1
+        threading.Thread(target=self._main, name="node-runtime", daemon=True).start()
+
+    def _main(self) -> None:
+        try:
+            self._code = self._runtime.run()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self._done.set()
+        time.sleep(_LINGER_S)
+        os._exit(self._code)
+
+    def wait_exit(self) -> int:
+        self._done.wait()
+        return self._code
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+RemoteNode: Any = ray.remote(NodeActor)
+
+
+@dataclass
+class ActorRef:
+    """What `NodeHandle.ref` holds on Ray: the actor, the pending `wait_exit()`, and its bundle."""
+
+    actor: Any
+    exit_ref: Any
+    pg: PlacementGroup | None = None
+    bundle_index: int = -1
+    code: int | None = None
+    dead: bool = False
+
+
+class RayScheduler:
+    def __init__(
+        self, spec: JobSpec, job_id: str, token: bytes, rpc_timeout_s: float = 10.0, connect: bool = True
+    ) -> None:
+        self.spec, self.job_id, self._token, self._rpc_timeout_s = spec, job_id, token, rpc_timeout_s
+        self.output_dir = Path(spec.output_dir)
+        self.log_dir = self.output_dir / "logs"
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        local = connect_ray(spec.ray_address, spec.capacity) if connect else True
+        self.host = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        self._server = HeartbeatServer(token, self.host)
+        self.master_address = self._server.address
+        self._handles: dict[str, NodeHandle] = {}
+        self._pgs: list[PlacementGroup] = []
+        self._env = forwarded_env()
+
+    # ---- names ------------------------------------------------------------------------------
+    def actor_name(self, node_id: str) -> str:
+        return f"rlplex-{self.job_id}-{node_id}"
+
+    def _pg_name(self) -> str:
+        return f"rlplex-{self.job_id}-pg{len(self._pgs)}-{os.getpid()}-{time.monotonic_ns()}"
+
+    # ---- placement --------------------------------------------------------------------------
+    def _member_resources(self, member: Member) -> dict[str, float]:
+        r = self.spec.roles[member.role].resources
+        return ray_resources(r.cpu, r.gpu, r.memory_mb, r.custom)
+
+    def _placement_group(self, bundles: list[dict[str, float]]) -> PlacementGroup:
+        pg = placement_group(bundles, strategy="PACK", name=self._pg_name(), lifetime="detached")
+        self._pgs.append(pg)
+        try:
+            ray.get(pg.ready(), timeout=self.spec.start_timeout_s)
+        except GetTimeoutError:
+            remove_placement_group(pg)
+            raise PlacementError(
+                f"job '{self.spec.name}': Ray could not place bundles {bundles} within {self.spec.start_timeout_s:g} s "
+                f"(cluster resources: {ray.cluster_resources()})"
+            ) from None
+        return pg
+
+    def create_nodes(self, bundles: list[Bundle], incarnations: dict[str, int]) -> list[NodeHandle]:
+        # Ad-hoc bundles (index -1: scale-up, a node without a bundle) carry no resources: one
+        # Ray bundle per member, sized by its role.
+        shapes: list[dict[str, float]] = []
+        where: list[tuple[Member, int]] = []
+        for bundle in bundles:
+            if bundle.index < 0:
+                for member in bundle.members:
+                    where.append((member, len(shapes)))
+                    shapes.append(self._member_resources(member))
+                continue
+            for member in bundle.members:
+                where.append((member, len(shapes)))
+            shapes.append(ray_resources(bundle.cpu, bundle.gpu, bundle.memory_mb, dict(bundle.custom)))
+        if not shapes:
+            return []
+        pg = self._placement_group(shapes)
+        return [
+            self._launch(m.node_id, m.role, m.rank, incarnations.get(m.node_id, 0), pg, index) for m, index in where
+        ]
+
+    def _launch(
+        self, node_id: str, role: str, rank: int, incarnation: int, pg: PlacementGroup | None, index: int
+    ) -> NodeHandle:
+        if pg is None:  # a re-attached node restarts into a placement group of its own
+            pg = self._placement_group([self._member_resources(Member(role, rank))])
+            index = 0
+        r = self.spec.roles[role].resources
+        options: dict[str, Any] = {
+            "name": self.actor_name(node_id),
+            "namespace": NAMESPACE,
+            "lifetime": "detached",
+            "max_restarts": 0,  # restarts are the failure policy's decision, with a new incarnation
+            "max_concurrency": 16,  # wait_exit() blocks a thread; a resumed master asks again
+            "num_cpus": r.cpu,
+            "num_gpus": r.gpu,
+            "resources": dict(r.custom),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+        }
+        if r.memory_mb:
+            options["memory"] = r.memory_mb * 2**20
+        host = self.host
+        for attempt in range(50):
+            try:
+                actor = RemoteNode.options(**options).remote(
+                    str(self.output_dir), self.job_id, node_id, incarnation, self._token.hex(), host, self._env
+                )
+                break
+            except ValueError:  # the name of the killed incarnation is not released yet
+                if attempt == 49:
+                    raise
+                time.sleep(0.05)
+        ref = ActorRef(actor, actor.wait_exit.remote(), pg, index)
+        handle = NodeHandle(node_id, role, rank, incarnation, 0, 0.0, index, ref)
+        self._handles[node_id] = handle
+        return handle
+
+    # ---- the Scheduler protocol -------------------------------------------------------------
+    def restart(self, handle: NodeHandle, incarnation: int) -> NodeHandle:
+        self.kill(handle)
+        ref = handle.ref if isinstance(handle.ref, ActorRef) else None
+        pg, index = (ref.pg, ref.bundle_index) if ref is not None else (None, -1)
+        return self._launch(handle.node_id, handle.role, handle.rank, incarnation, pg, index)
+
+    def attach(self, node_id: str, role: str, rank: int, incarnation: int, pid: int, create_time: float) -> NodeHandle:
+        handle = NodeHandle(node_id, role, rank, incarnation, pid, create_time)
+        try:
+            actor = ray.get_actor(self.actor_name(node_id), namespace=NAMESPACE)
+            handle.ref = ActorRef(actor, actor.wait_exit.remote())
+        except ValueError:
+            handle.ref = None  # no such actor: the node is lost
+        self._handles[node_id] = handle
+        return handle
+
+    def _settle(self, ref: ActorRef, timeout: float) -> bool:
+        """True once the actor's runtime has ended; records its exit code (None when the actor died)."""
+        if ref.dead:
+            return True
+        ready, _ = ray.wait([ref.exit_ref], timeout=timeout)
+        if not ready:
+            return False
+        try:
+            ref.code = int(ray.get(ref.exit_ref))
+        except RayError:
+            ref.code = None
+        ref.dead = True
+        try:
+            ray.kill(ref.actor, no_restart=True)  # a finished node gives its resources back now
+        except RayError:
+            pass
+        return True
+
+    def is_alive(self, handle: NodeHandle) -> bool:
+        ref = handle.ref
+        return isinstance(ref, ActorRef) and not self._settle(ref, 0)
+
+    def exit_code(self, handle: NodeHandle) -> int | None:
+        return handle.ref.code if isinstance(handle.ref, ActorRef) else None
+
+    def kill(self, handle: NodeHandle) -> None:
+        ref = handle.ref
+        if not isinstance(ref, ActorRef) or ref.dead:
+            return
+        try:
+            ray.kill(ref.actor, no_restart=True)
+        except RayError:
+            pass
+        # Wait for Ray to see the death: the actor's name is free again after it.
+        self._settle(ref, _KILL_WAIT_S)
+
+    def client(self, handle: NodeHandle, address: str) -> RpcClient:
+        return RpcClient(parse_address(address), self._token, handle.node_id, self._rpc_timeout_s)
+
+    def events(self) -> list[NodeEvent]:
+        return self._server.events()
+
+    def log_tail(self, handle: NodeHandle, lines: int = 5) -> str:
+        try:
+            text = (self.log_dir / f"{handle.node_id}.log").read_text(errors="replace").strip().splitlines()
+        except OSError:
+            return ""
+        return " | ".join(text[-lines:])
+
+    def cleanup(self) -> None:
+        for handle in self._handles.values():
+            self.kill(handle)
+        self._handles.clear()
+        prefix = f"rlplex-{self.job_id}-"
+        # Also what a previous master of this job created (after a master failover).
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry.get("namespace") == NAMESPACE and str(entry.get("name", "")).startswith(prefix):
+                try:
+                    ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
+                except (ValueError, RayError):
+                    pass
+        for pg_id, info in ray.util.placement_group_table().items():
+            if str(info.get("name", "")).startswith(prefix) and info.get("state") != "REMOVED":
+                try:
+                    remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
+                except (RayError, ValueError):
+                    pass
+        self._pgs.clear()
+        self._server.close()
+
+    def detach(self) -> None:
+        """Forget the nodes without killing them (tests simulate a master that dies)."""
+        self._handles.clear()
+        self._server.close()
+
+
+def job_leftovers(job_id: str) -> dict[str, list[str]]:
+    """The actors and placement groups of a job that Ray still holds (tests assert there are none)."""
+    prefix = f"rlplex-{job_id}-"
+    actors = [
+        str(e["name"]) for e in ray.util.list_named_actors(all_namespaces=True)
+        if e.get("namespace") == NAMESPACE and str(e.get("name", "")).startswith(prefix)
+    ]  # fmt: skip
+    pgs = [
+        str(info.get("name")) for info in ray.util.placement_group_table().values()
+        if str(info.get("name", "")).startswith(prefix) and info.get("state") != "REMOVED"
+    ]  # fmt: skip
+    return {"actors": actors, "placement_groups": pgs}
