@@ -70,7 +70,9 @@ def connect_ray(address: str | None, capacity: Resources) -> bool:
 
 
 def forwarded_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX)}
+    # Where the job runs is settled by the driver already; a node must not re-decide it.
+    settled = ("RLPLEX_BACKEND", "RLPLEX_RAY_ADDRESS")
+    return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and k not in settled}
 
 
 def ray_resources(cpu: float, gpu: float, memory_mb: int, custom: dict[str, float]) -> dict[str, float]:
