@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import ray
 from ray import PlacementGroupID
 from ray.exceptions import GetTimeoutError, RayError
@@ -95,7 +96,10 @@ class NodeActor:
         log_dir = Path(output_dir) / "logs"
         log_dir.mkdir(parents=True, exist_ok=True)
         log = os.open(log_dir / f"{node_id}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.write(log, f"--- {node_id} incarnation {incarnation} (ray actor, pid {os.getpid()})\n".encode())
+        os.write(
+            log,
+            f"--- {node_id} incarnation {incarnation} (ray actor, pid {os.getpid()}) at {time.time():.3f}\n".encode(),
+        )
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
@@ -287,6 +291,10 @@ class RayScheduler:
             ray.kill(ref.actor, no_restart=True)
         except RayError:
             pass
+        if self.host == "127.0.0.1" and handle.pid > 0:
+            # Ray gives a hung (e.g. SIGSTOPped) actor 5 s of grace before its SIGKILL, and keeps
+            # the bundle's resources meanwhile; on one machine we can end it at once.
+            _kill_ray_worker(handle.pid)
         # Wait for Ray to see the death: the actor's name is free again after it.
         self._settle(ref, _KILL_WAIT_S)
 
@@ -328,6 +336,15 @@ class RayScheduler:
         """Forget the nodes without killing them (tests simulate a master that dies)."""
         self._handles.clear()
         self._server.close()
+
+
+def _kill_ray_worker(pid: int) -> None:
+    try:
+        process = psutil.Process(pid)
+        if any("ray" in part for part in process.cmdline()):  # never a stranger that reused the pid
+            process.kill()
+    except psutil.Error:
+        pass
 
 
 def job_leftovers(job_id: str) -> dict[str, list[str]]:
