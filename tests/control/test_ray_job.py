@@ -71,10 +71,11 @@ def nothing_left_on_ray(ray_address: str) -> Iterator[None]:
         assert not left, f"left on Ray: {left}"
 
 
-def counter_job(job_dir: Path, items: int = 40, delay_s: float = 0.02, **role: Any) -> JobSpec:
+def counter_job(job_dir: Path, items: int = 40, delay_s: float = 0.02, count: int = 2, **role: Any) -> JobSpec:
+    # Every Ray actor is a fresh Python process (about a second each here): the jobs stay small.
     return (
         JobBuilder("rayfaults", job_dir, backend="ray", capacity={"cpu": 2}, heartbeat_interval_s=0.1)
-        .role("counter", entrypoint="control_workers:Counter", count=2, resources={"cpu": 0.5},
+        .role("counter", entrypoint="control_workers:Counter", count=count, resources={"cpu": 0.5},
               config={"items": items, "delay_s": delay_s}, **role)
         .build()
     )  # fmt: skip
@@ -124,14 +125,14 @@ def test_the_same_job_file_runs_on_both_backends(tmp_path: Path, ray_address: st
 
 
 def test_sigkilled_node_actor_is_restarted_and_the_job_finishes(job_dir: Path) -> None:
-    with PrimeMaster.create(counter_job(job_dir, items=60)) as master:
+    with PrimeMaster.create(counter_job(job_dir, items=40, delay_s=0.05)) as master:
         master.start()
         wait_for(lambda: progress_of(master, "counter-1") >= 3, 20, "counter-1 to process 3 items")
         victim = master.get_nodes_by_role()["counter"][1].pid
         assert victim not in (0, os.getpid())
         os.kill(victim, signal.SIGKILL)
         assert master.wait(timeout=40) == JobState.STOPPED
-        assert items_done(job_dir) == list(range(60))
+        assert items_done(job_dir) == list(range(40))
         nodes = {n.node_id: n for n in master.store.nodes(master.job_id)}
         assert nodes["counter-1"].restarts == 1 and nodes["counter-1"].pid not in (0, victim)
         assert nodes["counter-0"].restarts == 0
@@ -142,10 +143,10 @@ def test_sigkilled_node_actor_is_restarted_and_the_job_finishes(job_dir: Path) -
 
 def test_a_hung_worker_is_detected_and_replaced(job_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLPLEX_TEST_FAULTS", "stall@counter-0")
-    with PrimeMaster.create(counter_job(job_dir, items=20, progress_timeout_s=1.0)) as master:
+    with PrimeMaster.create(counter_job(job_dir, items=10, count=1, progress_timeout_s=1.0)) as master:
         master.start()
         assert master.wait(timeout=40) == JobState.STOPPED
-        assert items_done(job_dir) == list(range(20))
+        assert items_done(job_dir) == list(range(10))
         ((action, target, cause),) = decisions(master.store, master.job_id)
         assert (action, target) == ("RESTART_WORKER", "counter-0") and "no progress for" in cause
 
@@ -154,7 +155,7 @@ def test_exhausted_restart_budget_fails_the_job_and_leaves_no_actor(
     job_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("RLPLEX_TEST_FAULTS", "crash@counter-0")
-    with PrimeMaster.create(counter_job(job_dir, restart={"max_restarts": 1})) as master:
+    with PrimeMaster.create(counter_job(job_dir, count=1, restart={"max_restarts": 1})) as master:
         master.start()
         with pytest.raises(JobFailedError, match=r"role 'counter' exhausted its restart budget \(1\)"):
             master.wait(timeout=40)
@@ -166,7 +167,7 @@ def test_exhausted_restart_budget_fails_the_job_and_leaves_no_actor(
 
 def test_failing_self_check_fails_prepare_and_leaves_nothing(job_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLPLEX_TEST_FAULTS", "self_check@counter-1")
-    master = PrimeMaster.create(counter_job(job_dir))
+    master = PrimeMaster.create(counter_job(job_dir, count=2))
     try:
         with pytest.raises(JobFailedError, match="injected self_check failure: disk not writable"):
             master.start()
@@ -179,7 +180,7 @@ def test_failing_self_check_fails_prepare_and_leaves_nothing(job_dir: Path, monk
 
 
 def test_killed_master_actor_resumes_without_restarting_live_nodes(job_dir: Path) -> None:
-    handle = RayMasterHandle.launch(counter_job(job_dir, items=80, delay_s=0.04))
+    handle = RayMasterHandle.launch(counter_job(job_dir, items=60, delay_s=0.04))
     try:
         store = SqliteStateStore.in_dir(job_dir)
 
@@ -202,7 +203,7 @@ def test_killed_master_actor_resumes_without_restarting_live_nodes(job_dir: Path
         nodes = store.nodes(job_id)
         assert {n.node_id: n.pid for n in nodes} == before
         assert all(n.restarts == 0 and n.state == "FINISHED" for n in nodes)
-        assert store.job(job_id).restarts == 0 and items_done(job_dir) == list(range(80))
+        assert store.job(job_id).restarts == 0 and items_done(job_dir) == list(range(60))
         assert [r.new for r in store.transitions(job_id) if r.entity == "job"] == [
             "READY", "RUNNING", "READY", "RUNNING", "STOPPING", "STOPPED"
         ]  # fmt: skip

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 import os
 import sys
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlplex.control.heartbeat import HeartbeatServer
 from rlplex.control.placement import Bundle, Member
+from rlplex.control.ray_node import RemoteNode
 from rlplex.control.rpc import RpcClient, parse_address
 from rlplex.control.scheduler import NodeEvent, NodeHandle
 from rlplex.control.spec import JobSpec, Resources
@@ -44,9 +44,6 @@ from rlplex.errors import PlacementError
 
 NAMESPACE = "rlplex"
 ENV_PREFIX = "RLPLEX_"
-# A finished actor waits this long for the master to collect and kill it, then exits on its own
-# (a detached actor whose master is gone for good must not hold its resources forever).
-_LINGER_S = 10.0
 _KILL_WAIT_S = 5.0
 
 
@@ -81,54 +78,6 @@ def ray_resources(cpu: float, gpu: float, memory_mb: int, custom: dict[str, floa
     out = {k: v for k, v in out.items() if v > 0}
     # Ray refuses an empty bundle; a role that asks for nothing still gets a sliver of a CPU.
     return out or {"CPU": 0.001}
-
-
-class NodeActor:
-    """One node inside Ray: the `NodeRuntime` in a thread; its stdout and stderr go to the node's log file."""
-
-    def __init__(
-        self, output_dir: str, job_id: str, node_id: str, incarnation: int, token_hex: str, host: str,
-        env: dict[str, str],
-    ) -> None:  # fmt: skip
-        from rlplex.control.node import NodeRuntime
-
-        os.environ.update(env)
-        log_dir = Path(output_dir) / "logs"
-        log_dir.mkdir(parents=True, exist_ok=True)
-        log = os.open(log_dir / f"{node_id}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.write(
-            log,
-            f"--- {node_id} incarnation {incarnation} (ray actor, pid {os.getpid()}) at {time.time():.3f}\n".encode(),
-        )
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        if host != "127.0.0.1":
-            host = ray.util.get_node_ip_address()
-        self._runtime = NodeRuntime(output_dir, job_id, node_id, incarnation, bytes.fromhex(token_hex), host)
-        self._done = threading.Event()
-        self._code = -1
-        threading.Thread(target=self._main, name="node-runtime", daemon=True).start()
-
-    def _main(self) -> None:
-        try:
-            self._code = self._runtime.run()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            self._done.set()
-        time.sleep(_LINGER_S)
-        os._exit(self._code)
-
-    def wait_exit(self) -> int:
-        self._done.wait()
-        return self._code
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-RemoteNode: Any = ray.remote(NodeActor)
 
 
 @dataclass
