@@ -179,6 +179,29 @@ def test_failing_self_check_fails_prepare_and_leaves_nothing(job_dir: Path, monk
         master.close()
 
 
+def test_a_role_scales_up_and_down_on_ray(job_dir: Path) -> None:
+    """Scaling down gives the bundle back to Ray (a second scale-up fits in the same cluster)."""
+    spec = (
+        JobBuilder("rayscale", job_dir, backend="ray", capacity={"cpu": 2})
+        .role("idle", entrypoint="control_workers:Idle", count=1, resources={"cpu": 0.75})
+        .build()
+    )
+    with PrimeMaster.create(spec) as master:
+        master.start()
+
+        def running() -> list[str]:
+            master.monitor()
+            return [n.node_id for n in master.get_nodes_by_role()["idle"] if n.state == "RUNNING"]
+
+        for count in (2, 1, 2):
+            master.scale_role("idle", count)
+            wait_for(lambda: len(running()) == count, 30, f"{count} idle nodes RUNNING")  # noqa: B023
+        names = {str(e["name"]) for e in ray.util.list_named_actors(all_namespaces=True)}
+        assert {f"rlplex-{master.job_id}-idle-{i}" for i in range(2)} <= names
+        master.stop()
+        assert master.state == JobState.STOPPED
+
+
 def test_killed_master_actor_resumes_without_restarting_live_nodes(job_dir: Path) -> None:
     handle = RayMasterHandle.launch(counter_job(job_dir, items=60, delay_s=0.04))
     try:

@@ -142,15 +142,25 @@ class RayMasterHandle:
     def wait(self, timeout: float | None = None, raise_on_failure: bool = True) -> JobState:
         """Wait for the job's end across master restarts (a call lost with a dying master is asked again)."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        failures = 0
         while True:
             left = 5.0 if deadline is None else min(5.0, deadline - time.monotonic())
             if left <= 0:
                 raise WaitTimeoutError(f"job '{self.spec.name}' not finished after {timeout} s")
             try:
                 info = ray.get(self.actor.wait.remote(left), timeout=left + 30.0)
-            except (GetTimeoutError, RayError):
-                info = None  # the master is restarting: ask its next incarnation
-                time.sleep(0.1)
+                failures = 0
+            except (GetTimeoutError, RayError) as error:
+                # A call in flight when the master dies fails; calls made while Ray restarts it
+                # wait for the next incarnation. Failing again and again means it is gone for good.
+                failures += 1
+                if failures > 5:
+                    raise JobFailedError(
+                        f"job '{self.spec.name}': the master actor is gone ({type(error).__name__}); "
+                        f"resume with: rlplex job resume {self.spec.output_dir}"
+                    ) from None
+                info = None
+                time.sleep(0.2)
             if info is not None:
                 break
         state = JobState(info["state"])

@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import psutil
 import ray
 from ray import PlacementGroupID
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -82,12 +83,11 @@ def ray_resources(cpu: float, gpu: float, memory_mb: int, custom: dict[str, floa
 
 @dataclass
 class ActorRef:
-    """What `NodeHandle.ref` holds on Ray: the actor, the pending `wait_exit()`, and its bundle."""
+    """What `NodeHandle.ref` holds on Ray: the actor, the pending `wait_exit()`, and its bundle's group."""
 
     actor: Any
     exit_ref: Any
     pg: PlacementGroup | None = None
-    bundle_index: int = -1
     code: int | None = None
     dead: bool = False
 
@@ -105,7 +105,7 @@ class RayScheduler:
         self._server = HeartbeatServer(token, self.host)
         self.master_address = self._server.address
         self._handles: dict[str, NodeHandle] = {}
-        self._pgs: list[PlacementGroup] = []
+        self._pg_count = 0
         self._env = forwarded_env()
 
     # ---- names ------------------------------------------------------------------------------
@@ -113,29 +113,32 @@ class RayScheduler:
         return f"rlplex-{self.job_id}-{node_id}"
 
     def _pg_name(self) -> str:
-        return f"rlplex-{self.job_id}-pg{len(self._pgs)}-{os.getpid()}-{time.monotonic_ns()}"
+        self._pg_count += 1
+        return f"rlplex-{self.job_id}-pg{self._pg_count}-{uuid.uuid4().hex[:8]}"
 
     # ---- placement --------------------------------------------------------------------------
     def _member_resources(self, member: Member) -> dict[str, float]:
         r = self.spec.roles[member.role].resources
         return ray_resources(r.cpu, r.gpu, r.memory_mb, r.custom)
 
-    def _placement_group(self, bundles: list[dict[str, float]]) -> PlacementGroup:
-        pg = placement_group(bundles, strategy="PACK", name=self._pg_name(), lifetime="detached")
-        self._pgs.append(pg)
-        try:
-            ray.get(pg.ready(), timeout=self.spec.start_timeout_s)
-        except GetTimeoutError:
-            remove_placement_group(pg)
+    def _placement_groups(self, shapes: list[dict[str, float]]) -> list[PlacementGroup]:
+        """One placement group per bundle, so that a bundle's resources go back when its nodes stop for good."""
+        groups = [placement_group([shape], name=self._pg_name(), lifetime="detached") for shape in shapes]
+        ready = [pg.ready() for pg in groups]
+        placed, _ = ray.wait(ready, num_returns=len(ready), timeout=self.spec.start_timeout_s)
+        if len(placed) < len(ready):
+            missing = [shape for shape, ref in zip(shapes, ready, strict=True) if ref not in placed]
+            for pg in groups:
+                remove_placement_group(pg)
             raise PlacementError(
-                f"job '{self.spec.name}': Ray could not place bundles {bundles} within {self.spec.start_timeout_s:g} s "
+                f"job '{self.spec.name}': Ray could not place bundles {missing} within {self.spec.start_timeout_s:g} s "
                 f"(cluster resources: {ray.cluster_resources()})"
-            ) from None
-        return pg
+            )
+        return groups
 
     def create_nodes(self, bundles: list[Bundle], incarnations: dict[str, int]) -> list[NodeHandle]:
         # Ad-hoc bundles (index -1: scale-up, a node without a bundle) carry no resources: one
-        # Ray bundle per member, sized by its role.
+        # bundle per member, sized by its role.
         shapes: list[dict[str, float]] = []
         where: list[tuple[Member, int]] = []
         for bundle in bundles:
@@ -149,17 +152,12 @@ class RayScheduler:
             shapes.append(ray_resources(bundle.cpu, bundle.gpu, bundle.memory_mb, dict(bundle.custom)))
         if not shapes:
             return []
-        pg = self._placement_group(shapes)
-        return [
-            self._launch(m.node_id, m.role, m.rank, incarnations.get(m.node_id, 0), pg, index) for m, index in where
-        ]
+        groups = self._placement_groups(shapes)
+        return [self._launch(m.node_id, m.role, m.rank, incarnations.get(m.node_id, 0), groups[i]) for m, i in where]
 
-    def _launch(
-        self, node_id: str, role: str, rank: int, incarnation: int, pg: PlacementGroup | None, index: int
-    ) -> NodeHandle:
+    def _launch(self, node_id: str, role: str, rank: int, incarnation: int, pg: PlacementGroup | None) -> NodeHandle:
         if pg is None:  # a re-attached node restarts into a placement group of its own
-            pg = self._placement_group([self._member_resources(Member(role, rank))])
-            index = 0
+            pg = self._placement_groups([self._member_resources(Member(role, rank))])[0]
         r = self.spec.roles[role].resources
         options: dict[str, Any] = {
             "name": self.actor_name(node_id),
@@ -170,7 +168,7 @@ class RayScheduler:
             "num_cpus": r.cpu,
             "num_gpus": r.gpu,
             "resources": dict(r.custom),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=index),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
         }
         if r.memory_mb:
             options["memory"] = r.memory_mb * 2**20
@@ -185,17 +183,15 @@ class RayScheduler:
                 if attempt == 49:
                     raise
                 time.sleep(0.05)
-        ref = ActorRef(actor, actor.wait_exit.remote(), pg, index)
-        handle = NodeHandle(node_id, role, rank, incarnation, 0, 0.0, index, ref)
+        handle = NodeHandle(node_id, role, rank, incarnation, ref=ActorRef(actor, actor.wait_exit.remote(), pg))
         self._handles[node_id] = handle
         return handle
 
     # ---- the Scheduler protocol -------------------------------------------------------------
     def restart(self, handle: NodeHandle, incarnation: int) -> NodeHandle:
-        self.kill(handle)
+        self._end(handle)  # the placement group stays: the new incarnation goes into the same bundle
         ref = handle.ref if isinstance(handle.ref, ActorRef) else None
-        pg, index = (ref.pg, ref.bundle_index) if ref is not None else (None, -1)
-        return self._launch(handle.node_id, handle.role, handle.rank, incarnation, pg, index)
+        return self._launch(handle.node_id, handle.role, handle.rank, incarnation, ref.pg if ref else None)
 
     def attach(self, node_id: str, role: str, rank: int, incarnation: int, pid: int, create_time: float) -> NodeHandle:
         handle = NodeHandle(node_id, role, rank, incarnation, pid, create_time)
@@ -233,6 +229,26 @@ class RayScheduler:
         return handle.ref.code if isinstance(handle.ref, ActorRef) else None
 
     def kill(self, handle: NodeHandle) -> None:
+        """Kill the node for good: its bundle's placement group goes too once no live node shares it."""
+        self._end(handle)
+        ref = handle.ref
+        if not isinstance(ref, ActorRef) or ref.pg is None:
+            return
+        for other in self._handles.values():
+            if (
+                other is not handle
+                and isinstance(other.ref, ActorRef)
+                and other.ref.pg is ref.pg
+                and not other.ref.dead
+            ):
+                return
+        try:
+            remove_placement_group(ref.pg)
+        except RayError:
+            pass
+        ref.pg = None
+
+    def _end(self, handle: NodeHandle) -> None:
         ref = handle.ref
         if not isinstance(ref, ActorRef) or ref.dead:
             return
@@ -278,7 +294,6 @@ class RayScheduler:
                     remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id))))
                 except (RayError, ValueError):
                     pass
-        self._pgs.clear()
         self._server.close()
 
     def detach(self) -> None:
