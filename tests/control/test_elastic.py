@@ -15,7 +15,7 @@ import pytest
 
 from conftest import node_processes, wait_for
 from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, RendezvousState, SqliteStateStore
-from rlplex.control.elastic import read_elastic_status
+from rlplex.control.elastic import read_elastic_status, rendezvous_summaries
 from rlplex.control.elastic_rdzv import (
     RDZV_TRANSITIONS,
     ElasticConfig,
@@ -33,15 +33,16 @@ STEPS, CKPT_EVERY = 60, 10
 
 def elastic_job(
     job_dir: Path, count: int = 2, step_delay: float = 0.0, entrypoint: str = "rlplex.control.elastic:ElasticWorker",
-    **master: Any,
+    script: dict[str, Any] | None = None, master_restart: dict[str, Any] | None = None, **master: Any,
 ) -> JobSpec:  # fmt: skip
     args = ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--lr", "0.03", "--step-delay", str(step_delay)]
     return (
         JobBuilder("elastic", job_dir, capacity={"cpu": 2}, heartbeat_interval_s=0.1, rpc_timeout_s=90.0)
         .role("trainer", entrypoint=entrypoint, count=count, resources={"cpu": 0.5},
-              config={"script": SCRIPT, "args": args})
+              config=script or {"script": SCRIPT, "args": args})
         .role("elastic", kind="submaster", entrypoint="rlplex.control.elastic:ElasticMaster",
-              resources={"cpu": 0.1}, config={"workers": "trainer", "join_timeout_s": 5.0, **master})
+              resources={"cpu": 0.1}, restart=master_restart or {"scope": "worker", "max_restarts": 3},
+              config={"workers": "trainer", "join_timeout_s": 5.0, **master})
         .build()
     )  # fmt: skip
 
@@ -100,12 +101,15 @@ def test_elastic_job_trains_to_completion(job_dir: Path) -> None:
         status = read_elastic_status(job_dir)
         assert status["state"] == "FINISHED" and set(status["checks"]) == {"trainer-0", "trainer-1"}
         assert all(c["ok"] and c["matmul_s"] > 0 for c in status["checks"].values())
+        assert rendezvous_summaries(job_dir) == [
+            "elastic-0 (role 'trainer'): rendezvous FINISHED, world 2, restarts 0, epoch 0.2"
+        ]
         nodes = master.store.nodes(master.job_id)
         assert {n.state for n in nodes} == {"FINISHED"} and all(n.restarts == 0 for n in nodes)
 
 
 def test_sigkilled_script_then_node_rerendezvous_and_resume_from_checkpoints(job_dir: Path) -> None:
-    with PrimeMaster.create(elastic_job(job_dir, step_delay=0.03, node_check=False)) as master:
+    with PrimeMaster.create(elastic_job(job_dir, step_delay=0.02, node_check=False)) as master:
         master.start()
         # 1. rank 1's script dies: its node stays healthy, the ElasticMaster restarts every script.
         wait_for(lambda: progress(job_dir, "trainer-1").get("step", 0) >= CKPT_EVERY + 2, 40, "rank 1 past step 12")
@@ -135,19 +139,43 @@ def test_sigkilled_script_then_node_rerendezvous_and_resume_from_checkpoints(job
         assert status["members"]["trainer-0"]["incarnation"] == 1
 
 
-def test_scaled_down_role_trains_on_with_the_survivors(job_dir: Path) -> None:
-    spec = elastic_job(job_dir, step_delay=0.03, node_check=False, min_nodes=1)
-    with PrimeMaster.create(spec) as master:
+def test_killed_elastic_master_takes_over_then_a_scaled_down_role_trains_on_with_the_survivor(job_dir: Path) -> None:
+    with PrimeMaster.create(elastic_job(job_dir, step_delay=0.02, node_check=False, min_nodes=1)) as master:
         master.start()
-        wait_for(
-            lambda: progress(job_dir, "trainer-1").get("step", 0) >= CKPT_EVERY + 3, 40, "rank 1 past a checkpoint"
-        )
-        master.scale_role("trainer", 1)  # trainer-1 is gone for good
+        # 1. The ElasticMaster dies: the PrimeManager restarts it; the new one stops the scripts and takes over.
+        wait_for(lambda: progress(job_dir, "trainer-0").get("step", 0) >= CKPT_EVERY + 2, 40, "rank 0 past step 12")
+        (old,) = master.get_nodes_by_role()["elastic"]
+        os.kill(old.pid, signal.SIGKILL)
+        wait_for(lambda: master.monitor() and len(read_elastic_status(job_dir).get("rounds", [])) == 2, 30, "round 2")
+        # 2. trainer-1 goes for good (scale down); min_nodes = 1 lets rank 0 train on alone.
+        wait_for(lambda: progress(job_dir, "trainer-1").get("step", 0) >= 2 * CKPT_EVERY + 2, 40, "rank 1 past 22")
+        master.scale_role("trainer", 1)
         assert master.wait(timeout=60) == JobState.STOPPED
         done = result(job_dir)
-        assert done["steps"] == STEPS and done["world"] == 1 and done["resumed_from"] >= CKPT_EVERY
+        assert done["steps"] == STEPS and done["restarts"] == 2 and done["world"] == 1
+        assert done["resumed_from"] >= 2 * CKPT_EVERY and done["final_loss"] < 0.1
         status = read_elastic_status(job_dir)
-        assert [r["world"] for r in status["rounds"]] == [2, 1]
+        assert [r["world"] for r in status["rounds"]] == [2, 2, 1]
+        nodes = {n.node_id: n for n in master.store.nodes(master.job_id)}
+        assert nodes["elastic-0"].restarts == 1 and nodes["trainer-0"].restarts == 0
+        assert nodes["trainer-1"].state == "STOPPED"
+        steps = rendezvous_steps(master)
+        assert steps == ["WAITING", "READY", "RUNNING"] * 2 + ["RESTARTING", "WAITING", "READY", "RUNNING", "FINISHED"]
+        causes = [r.cause for r in master.store.transitions(master.job_id) if r.entity == "elastic-0:rendezvous"]
+        assert causes[3] == "taking over after restart #1" and "trainer-1 (rank 1) lost: node is STOPPED" in causes[6]
+
+
+def test_a_script_failing_every_time_spends_the_budget_and_fails_the_job(job_dir: Path) -> None:
+    failing = {"module": "json.tool", "args": [str(job_dir / "no-such-input.json")]}
+    spec = elastic_job(job_dir, script=failing, node_check=False, max_restarts=1, master_restart={"scope": "never"})
+    with PrimeMaster.create(spec) as master:
+        master.start()
+        with pytest.raises(JobFailedError, match=r"restart budget spent \(1\); last cause: rank \d \(trainer-\d\): "
+                           r"script exited with code 2"):  # fmt: skip
+            master.wait(timeout=60)
+        assert node_processes(job_dir) == []
+        assert rendezvous_steps(master)[-3:] == ["RUNNING", "RESTARTING", "FAILED"]
+        assert "restart budget spent" in read_elastic_status(job_dir)["error"]
 
 
 def test_failing_node_check_fails_prepare_with_the_reason(job_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:

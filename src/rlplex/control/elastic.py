@@ -88,6 +88,10 @@ class ElasticMaster(SubMaster):
         self._epoch_n: int = int(previous.get("epoch_n", 0))
         self.history: list[dict[str, Any]] = list(previous.get("history", []))
         self.rounds: list[dict[str, Any]] = list(previous.get("rounds", []))
+        if previous.get("state") not in (None, R.FINISHED.value, R.FAILED.value):
+            # A previous master of this role died mid-rendezvous: its scripts are stopped and started
+            # again by this one, which costs a restart like any other loss.
+            self.restarts += 1
         self.checks: dict[str, dict[str, Any]] = {}
         self.slow: dict[str, str] = {}
         self._lock = threading.RLock()
@@ -117,7 +121,10 @@ class ElasticMaster(SubMaster):
 
     def check_child(self) -> None:
         try:
-            self._ready = self._rendezvous("initial rendezvous", initial=True)
+            if self.restarts > self.config.max_restarts:
+                raise RendezvousError(f"restart budget spent ({self.config.max_restarts}) before this master started")
+            cause = "initial rendezvous" if self.restarts == 0 else f"taking over after restart #{self.restarts}"
+            self._ready = self._rendezvous(cause, initial=True)
         except _Stopped:
             raise RendezvousError("stopped during the initial rendezvous") from None
         except Exception as error:
@@ -199,7 +206,7 @@ class ElasticMaster(SubMaster):
             if waited > self.config.join_timeout_s and len(live) >= self.min_nodes:
                 self._log(f"going on with {len(live)} of {expected} expected members after {waited:.1f} s")
                 break
-            if waited > max(self.config.join_timeout_s, self.config.check_timeout_s):
+            if waited > max(self.config.join_timeout_s, self.config.rendezvous_timeout_s):
                 raise RendezvousError(
                     f"only {len(live)} live members of role '{self.config.workers}' after {waited:.0f} s "
                     f"(min_nodes {self.min_nodes}, expected {expected})"
@@ -425,3 +432,23 @@ def read_elastic_status(output_dir: str | Path, node_id: str = "elastic-0") -> d
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def rendezvous_summaries(output_dir: str | Path) -> list[str]:
+    """One line per ElasticMaster of the job in `output_dir` (for `rlplex job status`)."""
+    lines = []
+    for path in sorted(elastic_dir(Path(output_dir)).glob("*.json")):
+        status = read_elastic_status(output_dir, path.stem)
+        if "state" not in status:
+            continue
+        rounds = status.get("rounds") or [{}]
+        line = (
+            f"{status['node_id']} (role '{status.get('workers')}'): rendezvous {status['state']}, "
+            f"world {rounds[-1].get('world', 0)}, restarts {status.get('restarts', 0)}, epoch {status.get('epoch')}"
+        )
+        if status.get("slow"):
+            line += f"; slow nodes: {status['slow']}"
+        if status.get("error"):
+            line += f"; {status['error']}"
+        lines.append(line)
+    return lines

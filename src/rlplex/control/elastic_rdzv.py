@@ -75,9 +75,10 @@ class ElasticConfig(StrictModel):
     matmul_size: int = Field(default=256, ge=8)
     slow_factor: float = Field(default=2.0, gt=1.0, description="a matmul this many times the median is slow")
     join_timeout_s: float = Field(default=10.0, ge=0, description="wait this long for missing members")
+    rendezvous_timeout_s: float = Field(default=60.0, gt=0, description="fail with fewer than min_nodes after this")
     member_timeout_s: float = Field(default=3.0, gt=0, description="a member silent this long is lost")
     stop_timeout_s: float = Field(default=10.0, gt=0)
-    max_restarts: int = Field(default=10, ge=0, description="re-rendezvous budget after failures")
+    max_restarts: int = Field(default=3, ge=0, description="re-rendezvous budget (failures and master take-overs)")
     poll_interval_s: float = Field(default=0.05, gt=0)
 
     @model_validator(mode="after")

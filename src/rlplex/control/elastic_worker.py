@@ -120,6 +120,17 @@ class ElasticWorker(Worker):
                 f"role '{self.context.role}': field 'config.script': no such file '{self.config.script}' "
                 f"(relative to {Path.cwd()})"
             )
+        if self.config.module is not None:
+            import importlib.util
+
+            try:
+                found = importlib.util.find_spec(self.config.module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise JobSpecError(
+                    f"role '{self.context.role}': field 'config.module': cannot find module '{self.config.module}'"
+                )
 
     def stop(self) -> None:
         super().stop()
