@@ -148,3 +148,43 @@ class FakeOrchestrator:
 
     def write(self, step: int) -> None:
         write_rollouts(self.run, self.rollouts(step))
+
+
+# Three runs that differ in everything a run can set: rank, alpha, lr, clipping, weight decay,
+# schedule length, samples per step and sample length.
+RUNS: dict[str, tuple[dict[str, object], dict[str, int]]] = {
+    "run_a": ({"model": {"lora": {"rank": 4, "alpha": 8.0}}, "optim": {"lr": 0.01}, "max_steps": 4}, {"seed": 1}),
+    "run_b": (
+        {"optim": {"lr": 0.003, "max_grad_norm": 0.05, "weight_decay": 0.1}},
+        {"seed": 2, "n": 9, "width": 14},
+    ),
+    "run_c": ({"model": {"lora": {"rank": 2, "alpha": 1.0}}, "optim": {"lr": 0.02}}, {"seed": 3, "n": 3, "width": 8}),
+}
+STEPS = 3
+PACKED = {"micro_tokens": 40, "micro_batches": 2}
+"""Small micro-batches: steps span several micro-batches and iterations, runs share micro-batches."""
+
+
+def make_runs(output_dir: Path, names: list[str], steps: int = STEPS, as_name: dict[str, str] | None = None) -> None:
+    """Create runs from RUNS (optionally under another name) with rollouts for steps [0, steps)."""
+    from mr_helpers import new_run
+
+    for name in names:
+        run_id = (as_name or {}).get(name, name)
+        config, data = RUNS[name]
+        new_run(output_dir, run_id, **config)
+        write_synthetic(output_dir, run_id, range(steps), **data)
+
+
+def train_alone(output_dir: Path, name: str, steps: int = STEPS, run_id: str | None = None) -> dict[str, torch.Tensor]:
+    run_id = run_id or name
+    make_runs(output_dir, [name], steps, {name: run_id})
+    trainer = make_trainer(output_dir, 1)
+    train_until(trainer, {run_id: steps})
+    return broadcast_weights(output_dir, run_id, steps)
+
+
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
+    assert sorted(got) == sorted(want)
+    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    assert worst <= atol, f"max abs difference {worst:.3g} > {atol}"

@@ -16,6 +16,8 @@ so that a run's gradient is the same whether it is packed alone or beside others
 from __future__ import annotations
 
 import logging
+import math
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,13 +101,29 @@ class RunOptimizers:
         self.loss_sums[idx] = 0.0
         self.resume_failures.pop(idx, None)
         path = self.manager.resume_checkpoint_path(idx)
-        if path is not None:
+        if path is None:
+            self._init_adapter(idx, run_id, config.seed)
+        else:
             try:
                 self._load(idx, path)
             except (CheckpointError, AdapterError, KeyError, ValueError, RuntimeError) as error:
                 self.manager.reset_run_parameters(idx)
                 self.resume_failures[idx] = f"cannot resume from {path}: {error}"
                 log.error("run %s (slot %d): %s", run_id, idx, self.resume_failures[idx])
+
+    @torch.no_grad()
+    def _init_adapter(self, idx: int, run_id: str, seed: int) -> None:
+        """A fresh adapter drawn from the run's own seed and id, not from the trainer's RNG:
+        the same run starts from the same weights whatever slot, trainer or rank it lands on."""
+        generator = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{run_id}".encode()))
+        for name in sorted(self.manager.lora_modules):
+            for key, param in self.manager.lora_modules[name].named_parameters_for_adapter(idx):
+                if key.startswith("lora_A"):
+                    bound = 1.0 / math.sqrt(param.shape[1])  # kaiming-uniform with a = sqrt(5), as peft
+                    values = torch.empty(param.shape, dtype=torch.float32).uniform_(-bound, bound, generator=generator)
+                    param.copy_(values)
+                else:
+                    param.zero_()
 
     def _load(self, idx: int, path: Path) -> None:
         checkpoint = load_checkpoint(path)

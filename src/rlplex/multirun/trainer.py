@@ -80,6 +80,13 @@ class StepDone:
 
 
 @dataclass
+class Prepared:
+    stop: bool
+    micro_batches: list[MicroBatch]
+    steps: list[StepDone]
+
+
+@dataclass
 class IterationResult:
     stop: bool
     micro_batches: int
@@ -161,6 +168,10 @@ class MultiRunTrainer:
     # ---- one iteration -----------------------------------------------------------------------
     def iteration(self, master_stop: bool = False) -> IterationResult:
         """One trainer iteration on every rank; `master_stop` (rank 0's say) ends the loop."""
+        return self.execute(self.prepare(master_stop))
+
+    def prepare(self, master_stop: bool = False) -> Prepared:
+        """Steps 1-6: the run table, the stop decision and the packed plan, the same on every rank."""
         if self.is_master:
             self.manager.discover_runs()
         self.manager.synchronize_state()
@@ -173,14 +184,18 @@ class MultiRunTrainer:
         steps: list[StepDone] = []
         if self.is_master and not stop:
             micros, steps = self._plan()
-        if self.world_size > 1:
+        if self.world_size > 1 and not stop:
             micros, steps = self._broadcast_plan(micros, steps)
-        if stop:
+        return Prepared(stop, micros, steps)
+
+    def execute(self, prepared: Prepared) -> IterationResult:
+        """Steps 7-9: this rank's micro-batches, then the runs whose step is whole."""
+        if prepared.stop:
             return IterationResult(True, 0, [])
-        for micro in micros[self.rank :: self.world_size]:
+        for micro in prepared.micro_batches[self.rank :: self.world_size]:
             self._forward_backward(micro)
-        stepped = self._step_runs(steps)
-        return IterationResult(False, len(micros), stepped)
+        stepped = self._step_runs(prepared.steps)
+        return IterationResult(False, len(prepared.micro_batches), stepped)
 
     def _stop_file(self) -> Path:
         return self.config.output_dir / STOP_FILE
