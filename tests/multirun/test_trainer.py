@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from test_sync_multirank import run_world
 
 from rlplex.multirun.checkpoint import latest_stable_checkpoint_path
-from rlplex.multirun.rollout_io import ROLLOUT_FILE, write_rollouts
+from rlplex.multirun.rollout_io import ROLLOUT_FILE
 from rlplex.multirun.rundir import RunDir
 from rlplex.multirun.trainer_log import read_progress_csv
 
