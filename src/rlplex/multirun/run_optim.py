@@ -93,7 +93,7 @@ class RunOptimizers:
             raise AdapterError(f"slot {idx}: the registered LoRA modules must hand out leaf parameters")
         for p in params:
             p.grad = None
-        optimizer = torch.optim.AdamW(params, lr=config.optim.lr, weight_decay=config.optim.weight_decay, foreach=False)
+        optimizer = torch.optim.AdamW(params, lr=config.optim.lr, weight_decay=config.optim.weight_decay, foreach=True)
         scheduler = LambdaLR(optimizer, linear_decay(config.max_steps))
         self.optimizers[idx], self.schedulers[idx] = optimizer, scheduler
         self.params[idx] = params  # type: ignore[assignment]
