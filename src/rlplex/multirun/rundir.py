@@ -172,6 +172,15 @@ def write_file_atomic(path: Path, data: bytes) -> None:
         raise
 
 
+def write_eviction(run: RunDir, reason: str) -> None:
+    """Write `control/evicted.txt` with `reason` atomically: the one way a run gets evicted.
+
+    The trainer's `evict_run` and an orchestrator evicting itself both call this, so the
+    file's format (the reason, one trailing newline) has one definition.
+    """
+    run.write_text(run.evicted, reason.rstrip("\n") + "\n")
+
+
 def stable_steps(parent: Path) -> list[tuple[int, Path]]:
     """The `step_N` directories under `parent` that carry the STABLE marker, oldest first."""
     try:
