@@ -235,6 +235,10 @@ def _print_status(output_dir: Path) -> None:
             node.role, str(node.rank), node.state, str(node.restarts), str(node.pid), age, progress, node.cause
         )
     console.print(table)
+    from rlplex.control.elastic import rendezvous_summaries
+
+    for line in rendezvous_summaries(output_dir):
+        console.print(line, highlight=False)
 
 
 def main() -> None:
