@@ -202,15 +202,17 @@ def test_a_role_scales_up_and_down_on_ray(job_dir: Path) -> None:
         assert master.state == JobState.STOPPED
 
 
-def test_killed_master_actor_resumes_without_restarting_live_nodes(job_dir: Path) -> None:
-    handle = RayMasterHandle.launch(counter_job(job_dir, items=60, delay_s=0.04))
+def test_killed_master_actor_resumes_and_restarts_only_the_lost_node(job_dir: Path) -> None:
+    """The master actor and a node die together: Ray restarts the master, which re-attaches to the live
+    nodes (not restarted) and restarts the lost one into its own bundle."""
+    handle = RayMasterHandle.launch(counter_job(job_dir, items=90, delay_s=0.04, count=3))
     try:
         store = SqliteStateStore.in_dir(job_dir)
 
         def progressed() -> bool:
             job_id = store.latest_job_id()
             nodes = store.nodes(job_id) if job_id else []
-            return len(nodes) == 2 and all(n.state == "RUNNING" and n.progress.get("items", 0) >= 3 for n in nodes)
+            return len(nodes) == 3 and all(n.state == "RUNNING" and n.progress.get("items", 0) >= 3 for n in nodes)
 
         wait_for(progressed, 30, "every node RUNNING with progress")
         job_id = store.latest_job_id()
@@ -219,17 +221,33 @@ def test_killed_master_actor_resumes_without_restarting_live_nodes(job_dir: Path
         first = handle.info()
         assert not first["resumed"]
         os.kill(int(first["pid"]), signal.SIGKILL)
+        os.kill(before["counter-0"], signal.SIGKILL)
+
+        def restarted() -> bool:
+            return any(n.node_id == "counter-0" and n.restarts == 1 and n.pid for n in store.nodes(job_id))
+
+        wait_for(restarted, 30, "counter-0 restarted by the resumed master")
+        # It went back into the bundle the first master made for it: no new placement group.
+        groups = [str(i["name"]) for i in ray.util.placement_group_table().values()
+                  if str(i["name"]).startswith(f"rlplex-{job_id}-pg-") and i["state"] == "CREATED"]  # fmt: skip
+        assert sorted(g.rsplit("-", 1)[0] for g in groups) == [f"rlplex-{job_id}-pg-counter-{i}" for i in range(3)]
 
         assert handle.wait(timeout=60) == JobState.STOPPED
         final = handle.info()
         assert final["resumed"] and final["pid"] != first["pid"] and final["job_id"] == job_id
-        nodes = store.nodes(job_id)
-        assert {n.node_id: n.pid for n in nodes} == before
-        assert all(n.restarts == 0 and n.state == "FINISHED" for n in nodes)
-        assert store.job(job_id).restarts == 0 and items_done(job_dir) == list(range(60))
+        nodes = {n.node_id: n for n in store.nodes(job_id)}
+        assert nodes["counter-0"].restarts == 1 and nodes["counter-0"].pid not in (0, before["counter-0"])
+        assert {k: (n.pid, n.restarts) for k, n in nodes.items() if k != "counter-0"} == {
+            k: (pid, 0) for k, pid in before.items() if k != "counter-0"
+        }
+        assert all(n.state == "FINISHED" for n in nodes.values()) and items_done(job_dir) == list(range(90))
+        ((action, target, cause),) = decisions(store, job_id)
+        assert (action, target) == ("RESTART_WORKER", "counter-0") and "process exited" in cause
         assert [r.new for r in store.transitions(job_id) if r.entity == "job"] == [
             "READY", "RUNNING", "READY", "RUNNING", "STOPPING", "STOPPED"
         ]  # fmt: skip
+        log = (job_dir / "master.log").read_text()
+        assert "re-attached" in log
         store.close()
     finally:
         handle.close()

@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from rlplex.control.manager import PrimeManager
     from rlplex.control.master import PrimeMaster
     from rlplex.control.placement import Bundle, Member, Placement
+    from rlplex.control.ray_master import RayMasterHandle
+    from rlplex.control.ray_scheduler import RayScheduler
     from rlplex.control.role_group import RoleGroup
     from rlplex.control.scheduler import NodeClient, NodeEvent, NodeHandle, Scheduler
     from rlplex.control.selfloop import SelfLoopStats, run_self_loop
@@ -66,6 +68,8 @@ _WHERE = {
     "Bundle": "placement",
     "Member": "placement",
     "Placement": "placement",
+    "RayMasterHandle": "ray_master",
+    "RayScheduler": "ray_scheduler",
     "RoleGroup": "role_group",
     "NodeClient": "scheduler",
     "NodeEvent": "scheduler",
@@ -121,6 +125,8 @@ __all__ = [
     "PrimeManager",
     "PrimeMaster",
     "RayDataChannel",
+    "RayMasterHandle",
+    "RayScheduler",
     "RendezvousError",
     "RendezvousState",
     "Resources",

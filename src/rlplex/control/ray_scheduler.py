@@ -105,25 +105,44 @@ class RayScheduler:
         self._server = HeartbeatServer(token, self.host)
         self.master_address = self._server.address
         self._handles: dict[str, NodeHandle] = {}
-        self._pg_count = 0
+        self._group_table: dict[str, Any] | None = None
         self._env = forwarded_env()
 
     # ---- names ------------------------------------------------------------------------------
     def actor_name(self, node_id: str) -> str:
         return f"rlplex-{self.job_id}-{node_id}"
 
-    def _pg_name(self) -> str:
-        self._pg_count += 1
-        return f"rlplex-{self.job_id}-pg{self._pg_count}-{uuid.uuid4().hex[:8]}"
+    def _pg_prefix(self) -> str:
+        return f"rlplex-{self.job_id}-pg-"
+
+    def _pg_name(self, owners: list[str]) -> str:
+        # The owners' node ids in the name let a resumed master find a lost node's bundle again.
+        return f"{self._pg_prefix()}{'+'.join(owners)}-{uuid.uuid4().hex[:8]}"
+
+    def _find_group(self, node_id: str) -> PlacementGroup | None:
+        """The placement group a previous master made for `node_id`'s bundle, if Ray still holds it."""
+        if self._group_table is None:
+            self._group_table = ray.util.placement_group_table()
+        prefix = self._pg_prefix()
+        for pg_id, info in self._group_table.items():
+            name = str(info.get("name", ""))
+            if name.startswith(prefix) and info.get("state") == "CREATED":
+                owners = name[len(prefix) :].rsplit("-", 1)[0].split("+")
+                if node_id in owners:
+                    return PlacementGroup(PlacementGroupID(bytes.fromhex(pg_id)))
+        return None
 
     # ---- placement --------------------------------------------------------------------------
     def _member_resources(self, member: Member) -> dict[str, float]:
         r = self.spec.roles[member.role].resources
         return ray_resources(r.cpu, r.gpu, r.memory_mb, r.custom)
 
-    def _placement_groups(self, shapes: list[dict[str, float]]) -> list[PlacementGroup]:
+    def _placement_groups(self, shapes: list[dict[str, float]], owners: list[list[str]]) -> list[PlacementGroup]:
         """One placement group per bundle, so that a bundle's resources go back when its nodes stop for good."""
-        groups = [placement_group([shape], name=self._pg_name(), lifetime="detached") for shape in shapes]
+        groups = [
+            placement_group([shape], name=self._pg_name(who), lifetime="detached")
+            for shape, who in zip(shapes, owners, strict=True)
+        ]
         ready = [pg.ready() for pg in groups]
         placed, _ = ray.wait(ready, num_returns=len(ready), timeout=self.spec.start_timeout_s)
         if len(placed) < len(ready):
@@ -140,24 +159,27 @@ class RayScheduler:
         # Ad-hoc bundles (index -1: scale-up, a node without a bundle) carry no resources: one
         # bundle per member, sized by its role.
         shapes: list[dict[str, float]] = []
+        owners: list[list[str]] = []
         where: list[tuple[Member, int]] = []
         for bundle in bundles:
             if bundle.index < 0:
                 for member in bundle.members:
                     where.append((member, len(shapes)))
                     shapes.append(self._member_resources(member))
+                    owners.append([member.node_id])
                 continue
             for member in bundle.members:
                 where.append((member, len(shapes)))
             shapes.append(ray_resources(bundle.cpu, bundle.gpu, bundle.memory_mb, dict(bundle.custom)))
+            owners.append([m.node_id for m in bundle.members])
         if not shapes:
             return []
-        groups = self._placement_groups(shapes)
+        groups = self._placement_groups(shapes, owners)
         return [self._launch(m.node_id, m.role, m.rank, incarnations.get(m.node_id, 0), groups[i]) for m, i in where]
 
     def _launch(self, node_id: str, role: str, rank: int, incarnation: int, pg: PlacementGroup | None) -> NodeHandle:
         if pg is None:  # a re-attached node restarts into a placement group of its own
-            pg = self._placement_groups([self._member_resources(Member(role, rank))])[0]
+            pg = self._placement_groups([self._member_resources(Member(role, rank))], [[node_id]])[0]
         r = self.spec.roles[role].resources
         options: dict[str, Any] = {
             "name": self.actor_name(node_id),
@@ -195,11 +217,12 @@ class RayScheduler:
 
     def attach(self, node_id: str, role: str, rank: int, incarnation: int, pid: int, create_time: float) -> NodeHandle:
         handle = NodeHandle(node_id, role, rank, incarnation, pid, create_time)
+        pg = self._find_group(node_id)
         try:
             actor = ray.get_actor(self.actor_name(node_id), namespace=NAMESPACE)
-            handle.ref = ActorRef(actor, actor.wait_exit.remote())
+            handle.ref = ActorRef(actor, actor.wait_exit.remote(), pg)
         except ValueError:
-            handle.ref = None  # no such actor: the node is lost
+            handle.ref = ActorRef(None, None, pg, dead=True)  # no such actor: the node is lost
         self._handles[node_id] = handle
         return handle
 
@@ -281,6 +304,7 @@ class RayScheduler:
             self.kill(handle)
         self._handles.clear()
         prefix = f"rlplex-{self.job_id}-"
+        self._group_table = None
         # Also what a previous master of this job created (after a master failover).
         for entry in ray.util.list_named_actors(all_namespaces=True):
             if entry.get("namespace") == NAMESPACE and str(entry.get("name", "")).startswith(prefix):
