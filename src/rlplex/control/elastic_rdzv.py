@@ -25,7 +25,7 @@ from __future__ import annotations
 import socket
 import statistics
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -71,6 +71,7 @@ class ElasticConfig(StrictModel):
     min_nodes: int | None = Field(default=None, ge=1, description="fewest members to train with (default: count)")
     max_nodes: int | None = Field(default=None, ge=1, description="most members to train with (default: count)")
     node_check: bool = True
+    dist_backend: Literal["gloo", "nccl"] = Field(default="gloo", description="the node check's backend")
     check_timeout_s: float = Field(default=60.0, gt=0)
     matmul_size: int = Field(default=256, ge=8)
     slow_factor: float = Field(default=2.0, gt=1.0, description="a matmul this many times the median is slow")

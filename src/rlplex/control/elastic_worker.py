@@ -222,7 +222,7 @@ class ElasticWorker(Worker):
         A subclass may return a result at once instead (tests inject failing checks so)."""
         env = {**os.environ, **self._dist_env(assignment), "OMP_NUM_THREADS": str(self.config.omp_num_threads)}
         argv = [sys.executable, "-m", "rlplex.control.elastic_check", "--size", str(assignment["matmul_size"])]
-        argv += ["--timeout-s", str(assignment["check_timeout_s"])]
+        argv += ["--timeout-s", str(assignment["check_timeout_s"]), "--backend", str(assignment.get("backend", "gloo"))]
         self._check = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
         return None
 
