@@ -90,6 +90,7 @@ def run(out: Path, ranks: int, steps: int, ckpt_every: int, step_delay: float, k
         "script_start_to_first_step_s": first["first_step_at"] - first["started_at"],
         "restart_to_first_step_s": second["first_step_at"] - second["started_at"],
         "restarts": status["restarts"],
+        "load_avg_1m_at_end": os.getloadavg()[0],
         "checked_after_kill": sorted(status["checks"]),
     }
 
