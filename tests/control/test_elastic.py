@@ -56,7 +56,8 @@ def elastic_job(
 
 
 def result(job_dir: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((job_dir / "elastic" / "checkpoints" / "result.json").read_text())
+    (path,) = (job_dir / "elastic" / "checkpoints").glob("*/result.json")  # one job: one checkpoint folder
+    data: dict[str, Any] = json.loads(path.read_text())
     return data
 
 

@@ -112,7 +112,8 @@ class ElasticMaster(SubMaster):
             data = json.loads(self.status_file.read_text())
         except (OSError, ValueError):
             return {}
-        return data if isinstance(data, dict) else {}
+        # Only a previous master of this job counts (the folder may hold an earlier job's file).
+        return data if isinstance(data, dict) and data.get("job_id") == self.context.job_id else {}
 
     # ---- hooks -------------------------------------------------------------------------------
     def status(self) -> str:
@@ -424,11 +425,22 @@ class ElasticMaster(SubMaster):
                 for n, m in self._members.items()
             }  # fmt: skip
         status = {
-            "node_id": self.context.node_id, "workers": self.config.workers, "state": self.machine.state.value,
-            "epoch": self._epoch(), "epoch_n": self._epoch_n, "restarts": self.restarts,
-            "min_nodes": self.min_nodes, "max_nodes": self.max_nodes, "members": members, "checks": self.checks,
-            "slow": self.slow, "rounds": self.rounds, "history": self.history, "error": self.error,
-        }  # fmt: skip
+            "job_id": self.context.job_id,
+            "node_id": self.context.node_id,
+            "workers": self.config.workers,
+            "state": self.machine.state.value,
+            "epoch": self._epoch(),
+            "epoch_n": self._epoch_n,
+            "restarts": self.restarts,
+            "min_nodes": self.min_nodes,
+            "max_nodes": self.max_nodes,
+            "members": members,
+            "checks": self.checks,
+            "slow": self.slow,
+            "rounds": self.rounds,
+            "history": self.history,
+            "error": self.error,
+        }
         write_json_atomic(self.status_file, status)
 
 

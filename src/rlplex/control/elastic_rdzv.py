@@ -96,7 +96,7 @@ class ScriptConfig(StrictModel):
     module: str | None = Field(default=None, description="a module run with python -m")
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
-    checkpoint_dir: str | None = Field(default=None, description="default: <output_dir>/elastic/checkpoints")
+    checkpoint_dir: str | None = Field(default=None, description="default: <output_dir>/elastic/checkpoints/<job id>")
     sync_interval_s: float = Field(default=0.1, gt=0)
     stop_grace_s: float = Field(default=1.0, ge=0, description="SIGTERM to SIGKILL when stopping a script")
     omp_num_threads: int = Field(default=1, ge=1)

@@ -77,7 +77,9 @@ class ElasticWorker(Worker):
         self.config: ScriptConfig = parse_role_config(ScriptConfig, context.config, context.role)
         self.dir = elastic_dir(context.output_dir)
         (self.dir / "progress").mkdir(parents=True, exist_ok=True)
-        self.checkpoint_dir = Path(self.config.checkpoint_dir or self.dir / "checkpoints").resolve()
+        # Per job by default: a new job in the same folder trains anew; `rlplex job resume` keeps the job id.
+        default_dir = self.dir / "checkpoints" / context.job_id
+        self.checkpoint_dir = Path(self.config.checkpoint_dir or default_dir).resolve()
         self.progress_file = self.dir / "progress" / f"{context.node_id}.json"
         self.master_role = self._find_master_role()
         self._lock = threading.Lock()
