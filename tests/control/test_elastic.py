@@ -141,7 +141,10 @@ def test_sigkilled_script_then_node_rerendezvous_and_resume_from_checkpoints(job
         # 2. rank 0's node dies: the PrimeManager restarts it, the ElasticMaster takes the replacement in.
         wait_for(lambda: progress(job_dir, "trainer-0").get("step", 0) >= 2 * CKPT_EVERY + 2, 40, "rank 0 past step 22")
         victim = next(n for n in master.get_nodes_by_role()["trainer"] if n.node_id == "trainer-0")
-        os.kill(victim.pid, signal.SIGKILL)
+        orphan = script_of(master, "trainer-0")
+        os.kill(victim.pid, signal.SIGKILL)  # the node alone, not its process group
+        # Its script dies with it by itself (nothing else has acted yet: the master is not monitoring).
+        wait_for(lambda: not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE, 10, "the script to die")
         assert master.wait(timeout=60) == JobState.STOPPED
         done = result(job_dir)
         assert done["steps"] == STEPS and done["restarts"] == 2 and done["world"] == 2
