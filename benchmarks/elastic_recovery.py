@@ -70,10 +70,12 @@ def run(out: Path, ranks: int, steps: int, ckpt_every: int, step_delay: float, k
         state = master.wait(timeout=600)
         transitions = [r for r in master.store.transitions(master.job_id) if r.entity == "elastic-0:rendezvous"]
     status = read_elastic_status(out)
-    result = json.loads((out / "elastic" / "checkpoints" / "result.json").read_text())
+    (result_file,) = (out / "elastic" / "checkpoints").glob("*/result.json")
+    result = json.loads(result_file.read_text())
     first, second = status["rounds"][0], status["rounds"][1]
     detected = min(r.at for r in transitions if r.new == "RESTARTING")
     rerendezvous = min(r.at for r in transitions if r.new == "RUNNING" and r.at > detected)
+    after = {r.new: r.at for r in reversed(transitions) if detected <= r.at <= rerendezvous}
     return {
         "ranks": ranks,
         "kill": kill,
@@ -87,9 +89,13 @@ def run(out: Path, ranks: int, steps: int, ckpt_every: int, step_delay: float, k
         "kill_to_detect_s": detected - killed_at,
         "kill_to_rerendezvous_s": rerendezvous - killed_at,
         "kill_to_resumed_s": second["first_step_at"] - killed_at,
+        "survivors_stopped_s": after["WAITING"] - detected,
+        "members_gathered_s": after.get("CHECKING", after["READY"]) - after["WAITING"],
+        "replacement_checked_s": after["READY"] - after["CHECKING"] if "CHECKING" in after else 0.0,
         "script_start_to_first_step_s": first["first_step_at"] - first["started_at"],
         "restart_to_first_step_s": second["first_step_at"] - second["started_at"],
         "restarts": status["restarts"],
+        "load_avg_1m_at_end": os.getloadavg()[0],
         "checked_after_kill": sorted(status["checks"]),
     }
 
@@ -106,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = [
         ("kill -> detected (RESTARTING)", figures["kill_to_detect_s"], "s"),
         ("kill -> re-rendezvous (RUNNING)", figures["kill_to_rerendezvous_s"], "s"),
+        ("  of which stopping the survivors' scripts", figures["survivors_stopped_s"], "s"),
+        ("  of which waiting for the members", figures["members_gathered_s"], "s"),
+        ("  of which the replacement's node check", figures["replacement_checked_s"], "s"),
         ("kill -> training resumed (first step)", figures["kill_to_resumed_s"], "s"),
         ("  of which script start to first step", figures["restart_to_first_step_s"], "s"),
         ("first start: script start to first step", figures["script_start_to_first_step_s"], "s"),

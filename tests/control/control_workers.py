@@ -94,9 +94,11 @@ NOT_A_WORKER = 42
 
 
 class CheckedElasticWorker(ElasticWorker):
-    """An ElasticWorker whose node check fails when RLPLEX_TEST_FAULTS names it (node_check@trainer-1)."""
+    """An ElasticWorker whose node check fails (node_check@trainer-1) or never ends (hang_check@trainer-1)."""
 
     def start_node_check(self, assignment: dict[str, Any]) -> dict[str, Any] | None:
         if "node_check" in faults(self.context):
             return {"ok": False, "error": "injected node check failure: gloo all-reduce timed out"}
+        if "hang_check" in faults(self.context):
+            return None  # no check process, so no result ever
         return super().start_node_check(assignment)

@@ -14,7 +14,15 @@ import psutil
 import pytest
 
 from conftest import node_processes, wait_for
-from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, RendezvousState, SqliteStateStore
+from rlplex.control import (
+    JobBuilder,
+    JobSpec,
+    JobState,
+    PrimeMaster,
+    RendezvousState,
+    SqliteStateStore,
+    parse_job,
+)
 from rlplex.control.elastic import read_elastic_status, rendezvous_summaries
 from rlplex.control.elastic_rdzv import (
     RDZV_TRANSITIONS,
@@ -48,7 +56,8 @@ def elastic_job(
 
 
 def result(job_dir: Path) -> dict[str, Any]:
-    data: dict[str, Any] = json.loads((job_dir / "elastic" / "checkpoints" / "result.json").read_text())
+    (path,) = (job_dir / "elastic" / "checkpoints").glob("*/result.json")  # one job: one checkpoint folder
+    data: dict[str, Any] = json.loads(path.read_text())
     return data
 
 
@@ -58,6 +67,19 @@ def progress(job_dir: Path, node_id: str) -> dict[str, float]:
         return data
     except (OSError, ValueError):
         return {}
+
+
+def job_processes(job_dir: Path) -> list[int]:
+    """Every live process of this job (nodes, scripts, checks): they carry the job's token in their environment."""
+    token = (job_dir / "job.token").read_text().strip()
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("RLPLEX_JOB_TOKEN") == token and process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process.pid)
+        except psutil.Error:
+            continue
+    return found
 
 
 def rendezvous_steps(master: PrimeMaster) -> list[str]:
@@ -119,7 +141,10 @@ def test_sigkilled_script_then_node_rerendezvous_and_resume_from_checkpoints(job
         # 2. rank 0's node dies: the PrimeManager restarts it, the ElasticMaster takes the replacement in.
         wait_for(lambda: progress(job_dir, "trainer-0").get("step", 0) >= 2 * CKPT_EVERY + 2, 40, "rank 0 past step 22")
         victim = next(n for n in master.get_nodes_by_role()["trainer"] if n.node_id == "trainer-0")
-        os.kill(victim.pid, signal.SIGKILL)
+        orphan = script_of(master, "trainer-0")
+        os.kill(victim.pid, signal.SIGKILL)  # the node alone, not its process group
+        # Its script dies with it by itself (nothing else has acted yet: the master is not monitoring).
+        wait_for(lambda: not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE, 10, "the script to die")
         assert master.wait(timeout=60) == JobState.STOPPED
         done = result(job_dir)
         assert done["steps"] == STEPS and done["restarts"] == 2 and done["world"] == 2
@@ -137,6 +162,7 @@ def test_sigkilled_script_then_node_rerendezvous_and_resume_from_checkpoints(job
         assert nodes["trainer-1"].restarts == 0  # the script's death cost no node restart
         assert nodes["trainer-0"].restarts == 1 and nodes["trainer-0"].pid != victim.pid
         assert status["members"]["trainer-0"]["incarnation"] == 1
+        assert job_processes(job_dir) == []  # no script or check outlived its node
 
 
 def test_killed_elastic_master_takes_over_then_a_scaled_down_role_trains_on_with_the_survivor(job_dir: Path) -> None:
@@ -173,7 +199,7 @@ def test_a_script_failing_every_time_spends_the_budget_and_fails_the_job(job_dir
         with pytest.raises(JobFailedError, match=r"restart budget spent \(1\); last cause: rank \d \(trainer-\d\): "
                            r"script exited with code 2"):  # fmt: skip
             master.wait(timeout=60)
-        assert node_processes(job_dir) == []
+        assert node_processes(job_dir) == [] and job_processes(job_dir) == []
         assert rendezvous_steps(master)[-3:] == ["RUNNING", "RESTARTING", "FAILED"]
         assert "restart budget spent" in read_elastic_status(job_dir)["error"]
 
@@ -184,8 +210,7 @@ def test_failing_node_check_fails_prepare_with_the_reason(job_dir: Path, monkeyp
     try:
         with pytest.raises(JobFailedError, match="node check failed: trainer-1: injected node check failure"):
             master.start()
-        assert node_processes(job_dir) == []
-        assert not [p for p in psutil.process_iter(["cmdline"]) if str(job_dir) in " ".join(p.info["cmdline"] or [])]
+        assert node_processes(job_dir) == [] and job_processes(job_dir) == []
         store = SqliteStateStore.in_dir(job_dir, create=False)
         job = store.job(master.job_id)
         assert job.state == "FAILED" and "elastic-0" in job.cause
@@ -194,6 +219,29 @@ def test_failing_node_check_fails_prepare_with_the_reason(job_dir: Path, monkeyp
         store.close()
     finally:
         master.close()
+
+
+def test_a_hung_node_check_fails_prepare_within_the_rpc_timeout(job_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLPLEX_TEST_FAULTS", "hang_check@trainer-0")
+    spec = elastic_job(job_dir, entrypoint="control_workers:CheckedElasticWorker")
+    spec = parse_job(spec.model_dump(mode="json") | {"rpc_timeout_s": 3.0})
+    master = PrimeMaster.create(spec)
+    try:
+        with pytest.raises(JobFailedError, match=r"initial rendezvous was still CHECKING .* rpc_timeout_s \(3 s\)"):
+            master.start()
+        assert node_processes(job_dir) == [] and job_processes(job_dir) == []
+    finally:
+        master.close()
+
+
+def test_nccl_node_check_needs_cuda() -> None:
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from rlplex.control.elastic_check import run_check
+
+    outcome = run_check(0, 1, "127.0.0.1", 1, 8, 1.0, backend="nccl")
+    assert outcome == {"ok": False, "error": "backend nccl needs CUDA, and torch.cuda.is_available() is False here"}
 
 
 def test_elastic_role_configs_are_validated_naming_role_and_field() -> None:

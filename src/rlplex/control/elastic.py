@@ -77,6 +77,9 @@ class ElasticMaster(SubMaster):
         self.min_nodes = self.config.min_nodes or max(1, count)
         self.max_nodes = self.config.max_nodes or max(1, count)
         self.store = SqliteStateStore.in_dir(context.output_dir, create=False)
+        # check_child() is one control RPC of the PrimeManager: it must answer within the job's timeout.
+        self.rpc_timeout_s = float(json.loads(self.store.job(context.job_id).spec_json)["rpc_timeout_s"])
+        self._prepare_deadline: float | None = None
         self.machine = StateMachine(
             RDZV_TRANSITIONS, R.INIT, self.store, context.job_id, f"{context.node_id}:rendezvous"
         )
@@ -109,7 +112,8 @@ class ElasticMaster(SubMaster):
             data = json.loads(self.status_file.read_text())
         except (OSError, ValueError):
             return {}
-        return data if isinstance(data, dict) else {}
+        # Only a previous master of this job counts (the folder may hold an earlier job's file).
+        return data if isinstance(data, dict) and data.get("job_id") == self.context.job_id else {}
 
     # ---- hooks -------------------------------------------------------------------------------
     def status(self) -> str:
@@ -124,12 +128,15 @@ class ElasticMaster(SubMaster):
             if self.restarts > self.config.max_restarts:
                 raise RendezvousError(f"restart budget spent ({self.config.max_restarts}) before this master started")
             cause = "initial rendezvous" if self.restarts == 0 else f"taking over after restart #{self.restarts}"
+            self._prepare_deadline = time.monotonic() + self.rpc_timeout_s - 1.0
             self._ready = self._rendezvous(cause, initial=True)
         except _Stopped:
             raise RendezvousError("stopped during the initial rendezvous") from None
         except Exception as error:
             self._fail(str(error))
             raise
+        finally:
+            self._prepare_deadline = None
 
     def start(self) -> None:
         super().start()
@@ -221,7 +228,8 @@ class ElasticMaster(SubMaster):
         with self._lock:
             self._assign = {
                 m.node_id: {"epoch": epoch, "action": CHECK, "rank": i, "world": world, "port": port,
-                            "matmul_size": self.config.matmul_size, "check_timeout_s": timeout}
+                            "matmul_size": self.config.matmul_size, "check_timeout_s": timeout,
+                            "backend": self.config.dist_backend}
                 for i, m in enumerate(members)
             }  # fmt: skip
         results: dict[str, dict[str, Any]] = {}
@@ -375,6 +383,12 @@ class ElasticMaster(SubMaster):
     def _pause(self) -> None:
         if self.context.stop_event.wait(self.config.poll_interval_s):
             raise _Stopped
+        if self._prepare_deadline is not None and time.monotonic() > self._prepare_deadline:
+            raise RendezvousError(
+                f"the initial rendezvous was still {self.machine.state.value} at the end of the job's "
+                f"rpc_timeout_s ({self.rpc_timeout_s:g} s), the limit of check_child(); raise rpc_timeout_s "
+                "(the node check imports torch on every rank)"
+            )
 
     def _epoch(self) -> str:
         return f"{self.context.incarnation}.{self._epoch_n}"
@@ -411,11 +425,22 @@ class ElasticMaster(SubMaster):
                 for n, m in self._members.items()
             }  # fmt: skip
         status = {
-            "node_id": self.context.node_id, "workers": self.config.workers, "state": self.machine.state.value,
-            "epoch": self._epoch(), "epoch_n": self._epoch_n, "restarts": self.restarts,
-            "min_nodes": self.min_nodes, "max_nodes": self.max_nodes, "members": members, "checks": self.checks,
-            "slow": self.slow, "rounds": self.rounds, "history": self.history, "error": self.error,
-        }  # fmt: skip
+            "job_id": self.context.job_id,
+            "node_id": self.context.node_id,
+            "workers": self.config.workers,
+            "state": self.machine.state.value,
+            "epoch": self._epoch(),
+            "epoch_n": self._epoch_n,
+            "restarts": self.restarts,
+            "min_nodes": self.min_nodes,
+            "max_nodes": self.max_nodes,
+            "members": members,
+            "checks": self.checks,
+            "slow": self.slow,
+            "rounds": self.rounds,
+            "history": self.history,
+            "error": self.error,
+        }
         write_json_atomic(self.status_file, status)
 
 

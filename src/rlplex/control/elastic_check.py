@@ -2,7 +2,7 @@
 
     RANK=r WORLD_SIZE=n MASTER_ADDR=127.0.0.1 MASTER_PORT=p python -m rlplex.control.elastic_check --size 256
 
-It joins a gloo group with the other members, all-reduces a tensor of ones (the sum must be the
+It joins a gloo (or nccl) group with the other members, all-reduces a tensor of ones (the sum must be the
 world size), times a few matmuls, and prints one JSON line: {"ok", "allreduce_s", "matmul_s",
 "error"}. Torch is imported here only, never by the control plane.
 """
@@ -18,27 +18,43 @@ from datetime import timedelta
 from typing import Any
 
 
-def run_check(rank: int, world: int, addr: str, port: int, size: int, timeout_s: float) -> dict[str, Any]:
+def run_check(
+    rank: int, world: int, addr: str, port: int, size: int, timeout_s: float, backend: str = "gloo", local_rank: int = 0
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            return {"ok": False, "error": "backend nccl needs CUDA, and torch.cuda.is_available() is False here"}
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
     t0 = time.perf_counter()
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
+        backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
     )
     try:
-        ones = torch.ones(1024)
+        ones = torch.ones(1024, device=device)
         t1 = time.perf_counter()
         dist.all_reduce(ones)
+        sync()
         allreduce_s = time.perf_counter() - t1
         if not torch.all(ones == world):
             return {"ok": False, "error": f"all-reduce gave {ones[0].item()} instead of {world}"}
-        a = torch.randn(size, size, generator=torch.Generator().manual_seed(rank))
+        a = torch.randn(size, size, generator=torch.Generator().manual_seed(rank)).to(device)
         torch.mm(a, a)  # warm-up
+        sync()
         t2 = time.perf_counter()
         for _ in range(4):
             b = torch.mm(a, a)
+        sync()
         matmul_s = (time.perf_counter() - t2) / 4
         if not torch.isfinite(b).all():
             return {"ok": False, "error": "matmul produced non-finite values"}
@@ -52,6 +68,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="rlplex.control.elastic_check")
     parser.add_argument("--size", type=int, default=256)
     parser.add_argument("--timeout-s", type=float, default=60.0)
+    parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     args = parser.parse_args(argv)
     try:
         result = run_check(
@@ -61,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
             int(os.environ["MASTER_PORT"]),
             args.size,
             args.timeout_s,
+            args.backend,
+            int(os.environ.get("LOCAL_RANK", 0)),
         )
     except Exception as error:
         result = {"ok": False, "error": f"{type(error).__name__}: {error}"}

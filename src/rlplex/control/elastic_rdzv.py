@@ -25,7 +25,7 @@ from __future__ import annotations
 import socket
 import statistics
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError, model_validator
 
@@ -71,6 +71,7 @@ class ElasticConfig(StrictModel):
     min_nodes: int | None = Field(default=None, ge=1, description="fewest members to train with (default: count)")
     max_nodes: int | None = Field(default=None, ge=1, description="most members to train with (default: count)")
     node_check: bool = True
+    dist_backend: Literal["gloo", "nccl"] = Field(default="gloo", description="the node check's backend")
     check_timeout_s: float = Field(default=60.0, gt=0)
     matmul_size: int = Field(default=256, ge=8)
     slow_factor: float = Field(default=2.0, gt=1.0, description="a matmul this many times the median is slow")
@@ -95,7 +96,7 @@ class ScriptConfig(StrictModel):
     module: str | None = Field(default=None, description="a module run with python -m")
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
-    checkpoint_dir: str | None = Field(default=None, description="default: <output_dir>/elastic/checkpoints")
+    checkpoint_dir: str | None = Field(default=None, description="default: <output_dir>/elastic/checkpoints/<job id>")
     sync_interval_s: float = Field(default=0.1, gt=0)
     stop_grace_s: float = Field(default=1.0, ge=0, description="SIGTERM to SIGKILL when stopping a script")
     omp_num_threads: int = Field(default=1, ge=1)

@@ -28,6 +28,25 @@ from rlplex.control.rpc import RpcClient, parse_address
 from rlplex.control.worker import FAILED, FINISHED, Worker, WorkerContext
 from rlplex.errors import JobSpecError, RlplexError
 
+# Scripts and checks must not outlive their node, however it dies (SIGKILL of the node alone,
+# a killed Ray actor): on Linux a tiny launcher asks for SIGKILL at its parent's death, then
+# execs the real command (the request survives exec). The parent is the agent thread, which
+# lives as long as the node does.
+_ORPHAN_GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(137)  # the node died before the request took effect\n"
+    "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
+)
+
+
+def python_argv(*args: str) -> list[str]:
+    """`python *args`, killed with its parent on Linux."""
+    if sys.platform != "linux":
+        return [sys.executable, *args]
+    return [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *args]
+
 
 def elastic_dir(output_dir: Path) -> Path:
     return Path(output_dir) / "elastic"
@@ -77,7 +96,9 @@ class ElasticWorker(Worker):
         self.config: ScriptConfig = parse_role_config(ScriptConfig, context.config, context.role)
         self.dir = elastic_dir(context.output_dir)
         (self.dir / "progress").mkdir(parents=True, exist_ok=True)
-        self.checkpoint_dir = Path(self.config.checkpoint_dir or self.dir / "checkpoints").resolve()
+        # Per job by default: a new job in the same folder trains anew; `rlplex job resume` keeps the job id.
+        default_dir = self.dir / "checkpoints" / context.job_id
+        self.checkpoint_dir = Path(self.config.checkpoint_dir or default_dir).resolve()
         self.progress_file = self.dir / "progress" / f"{context.node_id}.json"
         self.master_role = self._find_master_role()
         self._lock = threading.Lock()
@@ -221,8 +242,8 @@ class ElasticWorker(Worker):
 
         A subclass may return a result at once instead (tests inject failing checks so)."""
         env = {**os.environ, **self._dist_env(assignment), "OMP_NUM_THREADS": str(self.config.omp_num_threads)}
-        argv = [sys.executable, "-m", "rlplex.control.elastic_check", "--size", str(assignment["matmul_size"])]
-        argv += ["--timeout-s", str(assignment["check_timeout_s"])]
+        argv = python_argv("-m", "rlplex.control.elastic_check", "--size", str(assignment["matmul_size"]))
+        argv += ["--timeout-s", str(assignment["check_timeout_s"]), "--backend", str(assignment.get("backend", "gloo"))]
         self._check = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
         return None
 
@@ -272,7 +293,7 @@ class ElasticWorker(Worker):
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.progress_file.unlink(missing_ok=True)  # progress of an earlier epoch must not count for this one
         target = ["-m", self.config.module] if self.config.module else [str(self.config.script)]
-        argv = [sys.executable, *target, *self.config.args]
+        argv = python_argv(*target, *self.config.args)
         print(f"{self.context.node_id}: epoch {assignment['epoch']}: rank {assignment['rank']} of "
               f"{assignment['world']}, port {assignment['port']}, restart {restarts}: {argv}", flush=True)  # fmt: skip
         self._script = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
