@@ -28,6 +28,7 @@ from test_sync_multirank import run_world
 from rlplex.multirun.checkpoint import latest_stable_checkpoint_path
 from rlplex.multirun.rollout_io import ROLLOUT_FILE
 from rlplex.multirun.rundir import RunDir
+from rlplex.multirun.trainer import STOP_FILE
 from rlplex.multirun.trainer_log import read_progress_csv
 
 
@@ -171,3 +172,13 @@ def test_world_size_2_isolation_and_resume_across_world_sizes(tmp_path: Path, al
     reference = train_alone(tmp_path / "ref", "run_a", steps=4, run_id="run_r")
     assert_same_weights(broadcast_weights(prepared, "run_r", 4), reference)
     assert results[0]["resume_slot"] == 0 and results[0]["resume_step"] == 2
+
+
+def test_stop_file_ends_the_loop_with_a_checkpoint_of_each_run(tmp_path: Path) -> None:
+    make_runs(tmp_path, ["run_c"], steps=2)
+    trainer = make_trainer(tmp_path, 1, checkpoint_every=10)
+    train_until(trainer, {"run_c": 2})
+    assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) is None  # not a checkpoint step
+    (tmp_path / STOP_FILE).touch()
+    assert trainer.run(until_idle_s=60) == 0
+    assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) == RunDir(tmp_path, "run_c").checkpoint_step(2)
