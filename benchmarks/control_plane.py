@@ -1,6 +1,10 @@
-"""Control-plane latencies and idle cost on the local backend.
+"""Control-plane latencies and idle cost, local backend and Ray backend side by side.
 
-    python -m benchmarks.control_plane [--quick]
+    python -m benchmarks.control_plane [--quick] [--backend local|ray|both]
+
+Ray runs locally (`ray.init(num_cpus=2)`, started once, before any timing); on Ray the killed
+master is the master actor, which Ray restarts and which resumes the job. The idle-CPU figure
+is taken on the local backend only (64 Ray actors are 64 Python workers of ~150 MB each).
 
 Goals (issue 3): 16 no-op workers RUNNING <= 3 s; SIGKILL detected <= 1 s; a hung worker
 detected within its deadline + 1 s; a lost worker back to RUNNING <= 2 s; a killed master
@@ -30,9 +34,9 @@ IDLE = "rlplex.control:Worker"  # the base Worker: starts, runs until stopped, d
 HEARTBEAT_S = 0.5  # the JobSpec default; the idle cost is also measured at 0.2 s
 
 
-def idle_job(out: Path, count: int, heartbeat_s: float = HEARTBEAT_S, **role: Any) -> JobSpec:
+def idle_job(out: Path, count: int, heartbeat_s: float = HEARTBEAT_S, backend: str = "local", **role: Any) -> JobSpec:
     return (
-        JobBuilder("bench", out, capacity={"cpu": 2}, heartbeat_interval_s=heartbeat_s)
+        JobBuilder("bench", out, backend=backend, capacity={"cpu": 2}, heartbeat_interval_s=heartbeat_s)
         .role("idle", entrypoint=IDLE, count=count, resources={"cpu": 0.01}, **role)
         .build()
     )
@@ -58,17 +62,17 @@ def first_transition(master: PrimeMaster, node_id: str, state: str, after: float
                and r.at >= after)  # fmt: skip
 
 
-def bench_startup(root: Path) -> float:
+def bench_startup(root: Path, backend: str) -> float:
     start = time.perf_counter()
-    with PrimeMaster.create(idle_job(root / "startup", 16)) as master:
+    with PrimeMaster.create(idle_job(root / f"startup-{backend}", 16, backend=backend)) as master:
         master.start()
         elapsed = time.perf_counter() - start
         assert master.state == JobState.RUNNING
     return elapsed
 
 
-def bench_sigkill(root: Path) -> tuple[float, float]:
-    with PrimeMaster.create(idle_job(root / "sigkill", 4)) as master:
+def bench_sigkill(root: Path, backend: str) -> tuple[float, float]:
+    with PrimeMaster.create(idle_job(root / f"sigkill-{backend}", 4, backend=backend)) as master:
         master.start()
         victim = node(master, "idle-1").pid
         killed = time.time()
@@ -81,13 +85,55 @@ def bench_sigkill(root: Path) -> tuple[float, float]:
     return detected, running
 
 
-def bench_hang(root: Path, timeout_s: float) -> float:
-    with PrimeMaster.create(idle_job(root / "hang", 4, heartbeat_timeout_s=timeout_s)) as master:
+def bench_hang(root: Path, timeout_s: float, backend: str) -> float:
+    job = idle_job(root / f"hang-{backend}", 4, backend=backend, heartbeat_timeout_s=timeout_s)
+    with PrimeMaster.create(job) as master:
         master.start()
         hung_at = time.time()
         os.kill(node(master, "idle-2").pid, signal.SIGSTOP)
         until(master, lambda: node(master, "idle-2").restarts == 1)
         return first_transition(master, "idle-2", "FAILED", hung_at) - hung_at
+
+
+def bench_resume_ray(root: Path) -> tuple[float, int, bool]:
+    """SIGKILL the master actor; seconds until its next incarnation runs the job with every node re-attached."""
+    from rlplex.control.ray_master import RayMasterHandle
+
+    out = root / "resume-ray"
+    handle = RayMasterHandle.launch(idle_job(out, 8, backend="ray"))
+    try:
+        deadline = time.monotonic() + 60
+        while not ((info := handle.info())["state"] == "RUNNING" and info.get("connected") == 8):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the job under the master actor did not reach RUNNING")
+            time.sleep(0.02)
+        store = SqliteStateStore.in_dir(out, create=False)
+        job_id = str(info["job_id"])
+        before = {n.node_id: n.pid for n in store.nodes(job_id)}
+        start = time.perf_counter()
+        os.kill(int(info["pid"]), signal.SIGKILL)
+        while True:
+            try:
+                info = handle.info(timeout_s=5.0)
+            except Exception:  # the actor is being restarted
+                info = {}
+            if (
+                info.get("resumed")
+                and info.get("state") == "RUNNING"
+                and info.get("connected") == 8
+                and not info.get("failover_pending")
+            ):
+                break
+            if time.monotonic() > deadline + 60:
+                raise TimeoutError("the master actor did not resume")
+            time.sleep(0.01)
+        elapsed = time.perf_counter() - start
+        after = {n.node_id: n.pid for n in store.nodes(job_id)}
+        restarts = sum(n.restarts for n in store.nodes(job_id))
+        store.close()
+        return elapsed, restarts, after == before
+    finally:
+        handle.close()
 
 
 def bench_resume(root: Path) -> tuple[float, int, bool]:
@@ -151,48 +197,86 @@ def bench_idle_cpu(root: Path, window_s: float, heartbeat_s: float) -> tuple[flo
         return 100.0 * cpu / (time.monotonic() - wall0), ready_s
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    hang_timeout = 1.0
-    window = 3.0 if args.quick else 10.0
-    with tempfile.TemporaryDirectory(prefix="rlplex-bench-") as tmp:
-        root = Path(tmp)
-        startup = bench_startup(root)
-        detect, back = bench_sigkill(root)
-        hang = bench_hang(root, hang_timeout)
-        resume_s, resume_restarts, same_pids = bench_resume(root)
-        idle_pct, idle_ready = bench_idle_cpu(root, window, HEARTBEAT_S)
-        idle_fast, _ = bench_idle_cpu(root / "fast", window, 0.2)
-    rows = [
-        ("16 no-op workers RUNNING (s)", startup, "<= 3"),
-        ("SIGKILL detected (s)", detect, "<= 1"),
-        (f"hung worker detected (s, deadline {hang_timeout:g} s)", hang, f"<= {hang_timeout + 1:g}"),
-        ("lost worker back to RUNNING (s)", back, "<= 2"),
-        ("killed master resumed (s)", resume_s, "<= 3"),
-        ("  live workers restarted by the resume", resume_restarts, "0"),
-        ("  same pids after resume", str(same_pids), "True"),
-        (f"idle master CPU, 64 workers, heartbeat {HEARTBEAT_S:g} s (% of a core, {window:g} s)", idle_pct, "<= 2"),
-        (f"idle master CPU, 64 workers, heartbeat 0.2 s (% of a core, {window:g} s)", idle_fast, "-"),
-        ("  64 workers RUNNING (s)", idle_ready, "-"),
-    ]
-    figures = {
-        "heartbeat_interval_s": HEARTBEAT_S,
+def start_ray() -> None:
+    import ray
+
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    path = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])
+    ray.init(num_cpus=2, include_dashboard=False, namespace="rlplex", log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
+
+
+def run_backend(root: Path, backend: str, hang_timeout: float) -> dict[str, Any]:
+    startup = bench_startup(root, backend)
+    detect, back = bench_sigkill(root, backend)
+    hang = bench_hang(root, hang_timeout, backend)
+    resume_s, resume_restarts, same_pids = (bench_resume if backend == "local" else bench_resume_ray)(root)
+    return {
         "startup_16_s": startup,
         "sigkill_detect_s": detect,
         "hang_detect_s": hang,
-        "hang_deadline_s": hang_timeout,
         "lost_worker_running_s": back,
         "master_resume_s": resume_s,
         "master_resume_restarts": resume_restarts,
         "master_resume_same_pids": same_pids,
-        "idle_cpu_percent_64": idle_pct,
-        "idle_cpu_percent_64_heartbeat_0.2": idle_fast,
-        "startup_64_s": idle_ready,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--backend", choices=["local", "ray", "both"], default="both")
+    args = parser.parse_args()
+    backends = ["local", "ray"] if args.backend == "both" else [args.backend]
+    hang_timeout = 1.0
+    window = 3.0 if args.quick else 10.0
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="rlplex-bench-") as tmp:
+        root = Path(tmp)
+        if "ray" in backends:
+            start_ray()
+        for backend in backends:
+            results[backend] = run_backend(root, backend, hang_timeout)
+        if "local" in backends:
+            idle_pct, idle_ready = bench_idle_cpu(root, window, HEARTBEAT_S)
+            idle_fast, _ = bench_idle_cpu(root / "fast", window, 0.2)
+            results["local"].update(
+                {
+                    "idle_cpu_percent_64": idle_pct,
+                    "idle_cpu_percent_64_heartbeat_0.2": idle_fast,
+                    "startup_64_s": idle_ready,
+                }
+            )
+    labels = [
+        ("startup_16_s", "16 no-op workers RUNNING (s)", "<= 3 (local)"),
+        ("sigkill_detect_s", "SIGKILL detected (s)", "<= 1"),
+        ("hang_detect_s", f"hung worker detected (s, deadline {hang_timeout:g} s)", f"<= {hang_timeout + 1:g}"),
+        ("lost_worker_running_s", "lost worker back to RUNNING (s)", "<= 2 (local)"),
+        ("master_resume_s", "killed master resumed (s)", "<= 3 (local)"),
+        ("master_resume_restarts", "  live workers restarted by the resume", "0"),
+        ("master_resume_same_pids", "  same pids after resume", "True"),
+        ("idle_cpu_percent_64", f"idle master CPU, 64 workers, heartbeat {HEARTBEAT_S:g} s (% of a core, {window:g} s)",
+         "<= 2"),
+        ("idle_cpu_percent_64_heartbeat_0.2",
+         f"idle master CPU, 64 workers, heartbeat 0.2 s (% of a core, {window:g} s)", "-"),
+        ("startup_64_s", "  64 workers RUNNING (s)", "-"),
+    ]  # fmt: skip
+    rows = []
+    for key, label, goal in labels:
+        values = [results[b].get(key, "-") for b in backends]
+        if all(v == "-" for v in values):
+            continue
+        rows.append((label, *[str(v) if isinstance(v, bool) else v for v in values], goal))
+    figures: dict[str, Any] = {
+        "heartbeat_interval_s": HEARTBEAT_S,
+        "hang_deadline_s": hang_timeout,
         "quick": args.quick,
     }
-    report("control_plane", "control plane (local backend)", ("figure", "value", "goal"), rows, figures)
+    figures["backends"] = results
+    if "local" in results:
+        figures.update(results["local"])  # the local figures stay where earlier runs had them
+    title = "control plane: " + " vs ".join(f"{b} backend" for b in backends)
+    report("control_plane", title, ("figure", *backends, "goal"), rows, figures)
 
 
 if __name__ == "__main__":

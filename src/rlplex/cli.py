@@ -143,16 +143,46 @@ def _drive(master: Any) -> None:
         master.close()
 
 
+def _drive_on_ray(job_file: Path, backend: str | None, ray_address: str | None) -> None:
+    """The master as a restartable Ray actor; this command only watches it."""
+    from rlplex.control.master import backend_overrides
+    from rlplex.control.ray_master import RayMasterHandle
+    from rlplex.control.spec import load_job, parse_job
+
+    spec = load_job(job_file)
+    spec = parse_job(spec.model_dump(mode="json") | backend_overrides(backend, ray_address), str(job_file))
+    handle = RayMasterHandle.launch(spec)
+    try:
+        console.print(f"job {spec.name}: master actor started on Ray; status: rlplex job status {spec.output_dir}")
+        state = handle.wait()
+        console.print(f"job {handle.info().get('job_id', spec.name)}: {state.value}")
+    finally:
+        handle.close()
+
+
 @job_app.command("run")
 def job_run(
     job_file: Annotated[Path, typer.Argument(help="TOML job file: name, output_dir, [roles.<name>] ...")],
-    backend: Annotated[str | None, typer.Option(help="local or ray (default: the job file's)")] = None,
+    backend: Annotated[
+        str | None, typer.Option(help="local or ray (default: $RLPLEX_BACKEND, else the job file's)")
+    ] = None,
+    ray_address: Annotated[
+        str | None, typer.Option(help="an existing Ray cluster (default: $RLPLEX_RAY_ADDRESS, else a local Ray)")
+    ] = None,
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
     """Run a job until its drivers (or, without drivers, all its workers) finish."""
-    from rlplex.control.master import PrimeMaster
+    from rlplex.control.master import PrimeMaster, backend_overrides
+    from rlplex.control.spec import load_job
 
-    _run_job_command(lambda: _drive(PrimeMaster.create(job_file, backend=backend)), debug)
+    def body() -> None:
+        chosen = backend_overrides(backend, ray_address).get("backend") or load_job(job_file).backend
+        if chosen == "ray":
+            _drive_on_ray(job_file, backend, ray_address)
+        else:
+            _drive(PrimeMaster.create(job_file, backend=backend, ray_address=ray_address))
+
+    _run_job_command(body, debug)
 
 
 @job_app.command("resume")
@@ -205,6 +235,10 @@ def _print_status(output_dir: Path) -> None:
             node.role, str(node.rank), node.state, str(node.restarts), str(node.pid), age, progress, node.cause
         )
     console.print(table)
+    from rlplex.control.elastic import rendezvous_summaries
+
+    for line in rendezvous_summaries(output_dir):
+        console.print(line, highlight=False)
 
 
 def main() -> None:

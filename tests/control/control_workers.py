@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from rlplex.control import SubMaster, Worker, WorkerContext, WorkerLoad
+from rlplex.control.elastic import ElasticWorker
 
 
 def faults(context: WorkerContext) -> set[str]:
@@ -90,3 +91,12 @@ def quick(context: WorkerContext) -> None:
 
 
 NOT_A_WORKER = 42
+
+
+class CheckedElasticWorker(ElasticWorker):
+    """An ElasticWorker whose node check fails when RLPLEX_TEST_FAULTS names it (node_check@trainer-1)."""
+
+    def start_node_check(self, assignment: dict[str, Any]) -> dict[str, Any] | None:
+        if "node_check" in faults(self.context):
+            return {"ok": False, "error": "injected node check failure: gloo all-reduce timed out"}
+        return super().start_node_check(assignment)

@@ -75,3 +75,21 @@ def test_load_job_reports_file_and_field(tmp_path: Path) -> None:
     with pytest.raises(JobSpecError) as info:
         load_job(path)
     assert str(path) in str(info.value) and "roles.w.count" in str(info.value)
+
+
+def test_backend_precedence_file_then_environment_then_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from rlplex.control.master import backend_overrides
+
+    job = tmp_path / "job.toml"
+    job.write_text(f'name = "p"\noutput_dir = "{tmp_path}"\nbackend = "ray"\nray_address = "file:1"\n'
+                   '[roles.r]\nentrypoint = "control_workers:Counter"\n')  # fmt: skip
+    spec = load_job(job)
+    monkeypatch.delenv("RLPLEX_BACKEND", raising=False)
+    monkeypatch.delenv("RLPLEX_RAY_ADDRESS", raising=False)
+    assert (spec.backend, spec.ray_address, backend_overrides()) == ("ray", "file:1", {})
+    monkeypatch.setenv("RLPLEX_BACKEND", "local")
+    monkeypatch.setenv("RLPLEX_RAY_ADDRESS", "env:2")
+    assert backend_overrides() == {"backend": "local", "ray_address": "env:2"}
+    assert backend_overrides("ray", "flag:3") == {"backend": "ray", "ray_address": "flag:3"}
+    with pytest.raises(JobSpecError, match="backend"):
+        JobBuilder("p", tmp_path, backend="slurm").role("r", entrypoint="control_workers:Counter").build()

@@ -20,10 +20,21 @@ class Generator:
         self.block = Path(block_first_call_in) if block_first_call_in else None
 
     def generate(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        if self.block is not None and not self.block.exists():
-            self.block.write_text(str(os.getpid()))
+        if self.block is not None and self._claim_block(self.block):
             threading.Event().wait(120)  # killed long before this returns
         return {"seq": [np.arange(int(p) % 5 + 1, dtype=np.int64) + int(p) for p in inputs["prompt"]]}
+
+    @staticmethod
+    def _claim_block(marker: Path) -> bool:
+        # Exclusive create: two generators starting their first calls together must not both
+        # block, or the one the test does not kill stalls the step until its timeout.
+        try:
+            fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as file:
+            file.write(str(os.getpid()))
+        return True
 
 
 class Reward:

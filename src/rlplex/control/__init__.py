@@ -14,6 +14,8 @@ if TYPE_CHECKING:
     from rlplex.control.channel import ChannelClosedError, ChannelError, ChannelTimeoutError, DataChannel
     from rlplex.control.channel_local import LocalDataChannel
     from rlplex.control.channel_ray import RayDataChannel
+    from rlplex.control.elastic import ElasticMaster, ElasticWorker
+    from rlplex.control.elastic_rdzv import RendezvousError, RendezvousState
     from rlplex.control.health import (
         Action,
         Decision,
@@ -44,6 +46,10 @@ _WHERE = {
     "DataChannel": "channel",
     "LocalDataChannel": "channel_local",
     "RayDataChannel": "channel_ray",
+    "ElasticMaster": "elastic",
+    "ElasticWorker": "elastic",
+    "RendezvousError": "elastic_rdzv",
+    "RendezvousState": "elastic_rdzv",
     "SelfLoopStats": "selfloop",
     "run_self_loop": "selfloop",
     "Action": "health",
@@ -94,6 +100,8 @@ __all__ = [
     "DataChannel",
     "Decision",
     "DefaultFailurePolicy",
+    "ElasticMaster",
+    "ElasticWorker",
     "FailurePolicy",
     "FunctionWorker",
     "JobBuilder",
@@ -113,6 +121,8 @@ __all__ = [
     "PrimeManager",
     "PrimeMaster",
     "RayDataChannel",
+    "RendezvousError",
+    "RendezvousState",
     "Resources",
     "RestartPolicy",
     "RoleGroup",

@@ -24,8 +24,8 @@ _COALESCE_S = 0.02
 
 
 class HeartbeatServer:
-    def __init__(self, authkey: bytes) -> None:
-        self._listener = Listener(("127.0.0.1", 0), authkey=authkey)
+    def __init__(self, authkey: bytes, host: str = "127.0.0.1") -> None:
+        self._listener = Listener((host, 0), authkey=authkey)
         self.address = format_address(self._listener.address)
         self._lock = threading.Lock()
         self._new: list[Connection] = []

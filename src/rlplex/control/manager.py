@@ -177,7 +177,12 @@ class PrimeManager:
         if event.kind == "hello":
             slot.address, slot.connected = str(event.payload["address"]), True
             slot.last_heartbeat = event.at
-            self.store.update_node(self.job_id, slot.node_id, address=slot.address)
+            pid = int(event.payload.get("pid", 0))
+            if slot.handle is not None and not slot.handle.pid and pid:
+                slot.handle.pid = pid  # backends that learn the pid from the node itself (Ray actors)
+                self.store.update_node(self.job_id, slot.node_id, address=slot.address, pid=pid)
+            else:
+                self.store.update_node(self.job_id, slot.node_id, address=slot.address)
         elif event.kind in ("heartbeat", "final"):
             slot.heartbeat(event.payload, event.at)
         elif event.kind == "closed":

@@ -52,12 +52,31 @@ def read_token(output_dir: Path) -> bytes:
         raise ConfigError(f"{output_dir / TOKEN_FILE}: cannot read the job token: {error}") from None
 
 
+BACKEND_ENV, RAY_ADDRESS_ENV = "RLPLEX_BACKEND", "RLPLEX_RAY_ADDRESS"
+
+
+def backend_overrides(backend: str | None = None, ray_address: str | None = None) -> dict[str, str]:
+    """Where the job runs, by precedence: the job file < RLPLEX_BACKEND / RLPLEX_RAY_ADDRESS < arguments (flags)."""
+    out: dict[str, str] = {}
+    for key, env, value in (("backend", BACKEND_ENV, backend), ("ray_address", RAY_ADDRESS_ENV, ray_address)):
+        chosen = value if value is not None else os.environ.get(env) or None
+        if chosen is not None:
+            out[key] = chosen
+    return out
+
+
 def make_scheduler(spec: JobSpec, job_id: str, token: bytes) -> Scheduler:
     if spec.backend == "local":
         from rlplex.control.local_scheduler import LocalScheduler
 
         return LocalScheduler(spec.output_dir, job_id, token, spec.rpc_timeout_s)
-    raise JobSpecError(f"job '{spec.name}': field 'backend': backend '{spec.backend}' is not available yet")
+    if spec.backend == "ray":
+        try:
+            from rlplex.control.ray_scheduler import RayScheduler
+        except ImportError as error:
+            raise JobSpecError(f"job '{spec.name}': field 'backend': 'ray' needs Ray installed ({error})") from None
+        return RayScheduler(spec, job_id, token, spec.rpc_timeout_s)
+    raise JobSpecError(f"job '{spec.name}': field 'backend': unknown backend '{spec.backend}'")
 
 
 class PrimeMaster:
@@ -74,13 +93,19 @@ class PrimeMaster:
 
     @classmethod
     def create(
-        cls, config: JobSpec | str | Path, policy: FailurePolicy | None = None, backend: str | None = None
+        cls,
+        config: JobSpec | str | Path,
+        policy: FailurePolicy | None = None,
+        backend: str | None = None,
+        ray_address: str | None = None,
     ) -> PrimeMaster:
+        """`backend` / `ray_address` (else RLPLEX_BACKEND / RLPLEX_RAY_ADDRESS) override the job file's."""
         spec = config if isinstance(config, JobSpec) else load_job(config)
-        updates: dict[str, object] = {"output_dir": spec.output_dir.resolve()}
-        if backend is not None:
-            updates["backend"] = backend
-        spec = parse_job(spec.model_dump(mode="json") | {k: str(v) for k, v in updates.items()}, f"job '{spec.name}'")
+        updates: dict[str, str] = {
+            "output_dir": str(spec.output_dir.resolve()),
+            **backend_overrides(backend, ray_address),
+        }
+        spec = parse_job(spec.model_dump(mode="json") | updates, f"job '{spec.name}'")
         spec.output_dir.mkdir(parents=True, exist_ok=True)
         token = write_token(spec.output_dir)
         store = SqliteStateStore.in_dir(spec.output_dir)

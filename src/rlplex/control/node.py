@@ -1,11 +1,14 @@
-"""The node process: `python -m rlplex.control.node --output-dir D --job-id J --node-id N --incarnation I`.
+"""The node runtime, and the node process `python -m rlplex.control.node --output-dir D --job-id J
+--node-id N --incarnation I`.
 
-It reads its role from the job's store, builds the entry point's worker, serves the control
-RPC on 127.0.0.1 (authkey = the job token from RLPLEX_JOB_TOKEN) and pushes heartbeats with
-the worker's status and progress to the master's listener. When the master goes away the
-node keeps working and reconnects to whatever address the store names next (a resumed
-master); it delivers its final message (FINISHED, FAILED, STOPPED) before exiting, and stops
-itself if no master shows up within `master_lost_timeout_s`.
+`NodeRuntime` is the same in an OS process (local backend, `main()` below) and inside a Ray
+actor (`rlplex.control.ray_scheduler`): it reads its role from the job's store, builds the
+entry point's worker, serves the control RPC on `host` (127.0.0.1 unless a multi-machine Ray
+cluster needs the node's IP; authkey = the job token, from RLPLEX_JOB_TOKEN in a node process)
+and pushes heartbeats with the worker's status and progress to the master's listener. When the
+master goes away the node keeps working and reconnects to whatever address the store names next
+(a resumed master); it delivers its final message (FINISHED, FAILED, STOPPED) before exiting,
+and stops itself if no master shows up within `master_lost_timeout_s`.
 
 Messages to the master: hello {pid, address}, heartbeat {status, progress, error}, final.
 """
@@ -32,10 +35,12 @@ TOKEN_ENV = "RLPLEX_JOB_TOKEN"
 
 
 class NodeRuntime:
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.output_dir = Path(args.output_dir)
-        self.job_id, self.node_id, self.incarnation = args.job_id, args.node_id, args.incarnation
-        self.token = bytes.fromhex(os.environ[TOKEN_ENV])
+    def __init__(
+        self, output_dir: str | Path, job_id: str, node_id: str, incarnation: int, token: bytes, host: str = "127.0.0.1"
+    ) -> None:
+        self.output_dir = Path(output_dir)
+        self.job_id, self.node_id, self.incarnation = job_id, node_id, incarnation
+        self.token = token
         self.store = SqliteStateStore.in_dir(self.output_dir, create=False)
         self.spec: dict[str, Any] = json.loads(self.store.job(self.job_id).spec_json)
         record = next(n for n in self.store.nodes(self.job_id) if n.node_id == self.node_id)
@@ -44,7 +49,7 @@ class NodeRuntime:
         self.interval = float(self.spec["heartbeat_interval_s"])
         self.stop_requested = threading.Event()
         self.worker: Worker | None = None
-        self.listener = Listener(("127.0.0.1", 0), authkey=self.token)
+        self.listener = Listener((host, 0), authkey=self.token)
         self.master: Connection | None = None
 
     def build_worker(self) -> Worker:
@@ -170,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--node-id", required=True)
     parser.add_argument("--incarnation", type=int, default=0)
     args = parser.parse_args(argv)
-    runtime = NodeRuntime(args)
+    token = bytes.fromhex(os.environ[TOKEN_ENV])
+    runtime = NodeRuntime(args.output_dir, args.job_id, args.node_id, args.incarnation, token)
     signal.signal(signal.SIGTERM, lambda *_: runtime.stop_requested.set())
     code = runtime.run()
     sys.stdout.flush()

@@ -68,6 +68,9 @@ class JobSpec(StrictModel):
     name: str = Field(min_length=1)
     output_dir: Path
     backend: Literal["local", "ray"] = "local"
+    ray_address: str | None = Field(
+        default=None, description="an existing Ray cluster ('auto', 'ray://host:10001'); None starts a local Ray"
+    )
     roles: dict[str, RoleSpec] = Field(min_length=1)
     max_restarts: int = Field(default=10, ge=0, description="restart budget of the whole job")
     capacity: Resources = Field(default_factory=_this_machine)

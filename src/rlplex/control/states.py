@@ -66,7 +66,7 @@ NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
 LIVE_NODE_STATES = frozenset({N.CREATED, N.CHECKED, N.RUNNING})
 TERMINAL_JOB_STATES = frozenset({J.STOPPED, J.FAILED})
 
-S = TypeVar("S", JobState, NodeState)
+S = TypeVar("S", bound=StrEnum)
 
 
 class TransitionLog(Protocol):

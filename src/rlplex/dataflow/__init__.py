@@ -3,8 +3,9 @@
 from rlplex.dataflow.buffer import BatchMeta, BufferClosedError, SequenceBuffer
 from rlplex.dataflow.dataplane import DataPlane, LocalTensorStore, TensorStore
 from rlplex.dataflow.executor import FunctionExecutor, MFCExecutionError
+from rlplex.dataflow.job_worker import JobModelWorker, ModelWorkerNode
 from rlplex.dataflow.mfc import GraphError, MFCDef, MFCGraph, ModelInterfaceType, build_graph, grpo_graph, ppo_graph
-from rlplex.dataflow.process_worker import ProcessModelWorker
+from rlplex.dataflow.process_worker import ModelServer, ProcessModelWorker
 from rlplex.dataflow.workers import LocalModelWorker, ModelInterface, ModelWorker
 
 __all__ = [
@@ -13,6 +14,7 @@ __all__ = [
     "DataPlane",
     "FunctionExecutor",
     "GraphError",
+    "JobModelWorker",
     "LocalModelWorker",
     "LocalTensorStore",
     "MFCDef",
@@ -20,7 +22,9 @@ __all__ = [
     "MFCGraph",
     "ModelInterface",
     "ModelInterfaceType",
+    "ModelServer",
     "ModelWorker",
+    "ModelWorkerNode",
     "ProcessModelWorker",
     "SequenceBuffer",
     "TensorStore",

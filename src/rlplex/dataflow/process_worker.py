@@ -12,8 +12,9 @@ with a per-executor HMAC key; payloads are msgpack with raw array bytes (no pick
 A child that dies during a call (SIGKILL, OOM) is started again and the call is issued
 again, up to `max_restarts` times, so no datapoint is lost or run twice: a call's outputs
 are recorded only when it returns. Values the dead child held for other datapoints are
-gone; a later call needing them fails naming the keys. Under a job, the control plane's
-restart policy plays this role; this handle restarts its child itself when used alone.
+gone; a later call needing them fails naming the keys. This handle restarts its child
+itself; under a control-plane job, `rlplex.dataflow.job_worker` leaves restarts to the
+job's restart policy.
 """
 
 from __future__ import annotations
@@ -96,30 +97,52 @@ def _store_session(conn: Connection, store: LocalTensorStore, lock: threading.Lo
             send(conn, reply)
 
 
+class ModelServer:
+    """The serving side of a model worker: the interface, its tensor store, and two listeners
+    (calls from the master, `get`s from peers). Hosted by a spawned child here, and by a
+    control-plane node in `rlplex.dataflow.job_worker`."""
+
+    def __init__(self, name: str, interface: object, authkey: bytes) -> None:
+        self.interface, self.authkey = interface, authkey
+        self.store, self.lock = LocalTensorStore(name), threading.Lock()
+        self.control = Listener(("127.0.0.1", 0), authkey=authkey)
+        self.store_listener = Listener(("127.0.0.1", 0), authkey=authkey)
+        threading.Thread(target=_serve_store, args=(self.store_listener, self.store, self.lock), daemon=True).start()
+        self.peers: dict[str, Connection] = {}
+
+    @property
+    def addresses(self) -> tuple[tuple[str, int], tuple[str, int]]:
+        control, store = self.control.address, self.store_listener.address
+        return (str(control[0]), int(control[1])), (str(store[0]), int(store[1]))
+
+    def serve_one(self) -> None:
+        """Serve calls on one master connection until it closes."""
+        with self.control.accept() as conn:
+            while True:
+                try:
+                    request = receive(conn)
+                except (EOFError, OSError):
+                    return
+                try:
+                    reply = _handle_call(request, self.interface, self.store, self.lock, self.peers, self.authkey)
+                except Exception as error:  # the master names the MFC and worker around this text
+                    import traceback
+
+                    reply = {"error": "".join(traceback.format_exception(error))}
+                send(conn, reply)
+
+    def close(self) -> None:
+        self.control.close()
+        self.store_listener.close()
+
+
 def _child_main(name: str, factory: InterfaceFactory, authkey: bytes, ready: Connection) -> None:
     import torch
 
     torch.set_num_threads(1)
-    interface = factory()
-    store, lock = LocalTensorStore(name), threading.Lock()
-    control = Listener(("127.0.0.1", 0), authkey=authkey)
-    store_listener = Listener(("127.0.0.1", 0), authkey=authkey)
-    threading.Thread(target=_serve_store, args=(store_listener, store, lock), daemon=True).start()
-    ready.send((control.address, store_listener.address))
-    peers: dict[str, Connection] = {}
-    with control.accept() as conn:
-        while True:
-            try:
-                request = receive(conn)
-            except (EOFError, OSError):
-                return
-            try:
-                reply = _handle_call(request, interface, store, lock, peers, authkey)
-            except Exception as error:  # the master names the MFC and worker around this text
-                import traceback
-
-                reply = {"error": "".join(traceback.format_exception(error))}
-            send(conn, reply)
+    server = ModelServer(name, factory(), authkey)
+    ready.send(server.addresses)
+    server.serve_one()
 
 
 def _handle_call(

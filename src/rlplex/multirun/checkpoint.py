@@ -18,7 +18,7 @@ from typing import Any
 from safetensors import SafetensorError
 
 from rlplex.errors import CheckpointError, RunDirGoneError, SnapshotError
-from rlplex.multirun.rundir import STABLE_MARKER, RunDir, parse_step, step_dir_name, write_file_atomic
+from rlplex.multirun.rundir import STABLE_MARKER, RunDir, parse_step, stable_steps, step_dir_name, write_file_atomic
 from rlplex.runners.snapshot import read_snapshot, write_snapshot_into
 
 PROGRESS_FILE = "progress.json"
@@ -91,17 +91,7 @@ def save_checkpoint(
 
 def stable_checkpoints(run: RunDir) -> list[tuple[int, Path]]:
     """Steps that carry the STABLE marker, oldest first."""
-    try:
-        entries = list(os.scandir(run.checkpoints))
-    except OSError:
-        return []
-    found = []
-    for entry in entries:
-        step = parse_step(entry.name)
-        path = Path(entry.path)
-        if step is not None and entry.is_dir(follow_symlinks=False) and os.path.exists(path / STABLE_MARKER):
-            found.append((step, path))
-    return sorted(found)
+    return stable_steps(run.checkpoints)
 
 
 def latest_stable_checkpoint_path(run: RunDir) -> Path | None:

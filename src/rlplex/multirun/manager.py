@@ -47,7 +47,7 @@ from rlplex.multirun.hooks import (
 )
 from rlplex.multirun.lora import AdapterBatch
 from rlplex.multirun.orch_config import OrchestratorConfig, parse_orch_config, read_orch_config
-from rlplex.multirun.rundir import RunDir, parse_step
+from rlplex.multirun.rundir import RunDir, parse_step, write_eviction
 from rlplex.multirun.sync import ProgressEntry, RunEntry, StoreChannel, SyncSnapshot
 
 log = logging.getLogger(__name__)
@@ -410,7 +410,7 @@ class MultiRunManager(AdapterRegistry):
         run_id = self.idx_2_id[idx]
         run = self.run_dir(run_id)
         try:
-            run.write_text(run.evicted, reason + "\n")
+            write_eviction(run, reason)
         except RunDirGoneError:
             log.warning("run %s (slot %d) to be evicted is already deleted", run_id, idx)
         log.warning("evicting run %s (slot %d): %s", run_id, idx, reason)

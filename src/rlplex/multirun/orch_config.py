@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 from rlplex.config import StrictModel, format_validation_error
 from rlplex.errors import RunConfigError
@@ -33,8 +33,36 @@ class LoraConfig(_Strict):
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the adapter output is scaled by alpha / rank.")
 
 
+class BaseModelConfig(_Strict):
+    """The shared frozen base: `rlplex.models.lm.TinyLMConfig` fields plus its supervised warm-up.
+
+    Trainer and orchestrators build the same weights from these fields alone (see
+    `rlplex.multirun.base_model`). The architecture fields mirror `TinyLMConfig` so that this
+    module does not import transformers; a test keeps the two in step.
+    """
+
+    hidden_size: int = Field(64, ge=8)
+    intermediate_size: int = Field(192, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1, validate_default=True)
+    max_len: int = Field(32, ge=8)
+    seed: int = Field(0, description="Seed of the base weights and of the warm-up data.")
+    warmup_steps: int = Field(120, ge=0, description="Supervised steps on the task, so RL starts with a signal.")
+    warmup_batch_size: int = Field(64, ge=1)
+    warmup_lr: float = Field(3e-3, gt=0)
+
+    @field_validator("num_heads")
+    @classmethod
+    def _heads_divide_hidden(cls, value: int, info: ValidationInfo) -> int:
+        hidden = info.data.get("hidden_size")
+        if isinstance(hidden, int) and hidden % value:
+            raise ValueError(f"hidden_size {hidden} is not a multiple of num_heads {value}")
+        return value
+
+
 class ModelConfig(_Strict):
     lora: LoraConfig = LoraConfig()
+    base: BaseModelConfig = BaseModelConfig()
 
 
 class OptimConfig(_Strict):
@@ -49,10 +77,26 @@ class OrchestratorConfig(_Strict):
     task: str = Field(min_length=1, description="Name of the verifiable task the run trains on.")
     seed: int = 0
     max_steps: int = Field(ge=1, description="The run's own schedule length (not the trainer's).")
-    batch_size: int = Field(ge=1, description="Samples per step of this run.")
+    batch_size: int = Field(ge=1, description="Samples per step of this run (prompts x group_size).")
+    group_size: int = Field(
+        2,
+        ge=2,
+        validate_default=True,
+        description="Completions per prompt; advantages are normalised within a group. Divides batch_size.",
+    )
+    max_new_tokens: int | None = Field(None, ge=1, description="Generation length; None = the task's answer + EOS.")
+    temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature; 0 = greedy.")
     max_async_level: int = Field(1, ge=0, description="Steps the rollouts may lag the weights; 0 = synchronous.")
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_divides_batch(cls, value: int, info: ValidationInfo) -> int:
+        batch = info.data.get("batch_size")
+        if isinstance(batch, int) and batch % value:
+            raise ValueError(f"batch_size {batch} is not a multiple of group_size {value}")
+        return value
 
 
 def parse_orch_config(data: dict[str, Any], source: str) -> OrchestratorConfig:
@@ -106,7 +150,8 @@ def orch_config_to_toml(config: OrchestratorConfig) -> str:
         raise TypeError(f"cannot write {type(item).__name__} to TOML")
 
     def table(prefix: str, data: dict[str, Any], out: list[str]) -> None:
-        scalars = {k: v for k, v in data.items() if not isinstance(v, dict)}
+        # TOML has no null: a None field is left out and reads back as its default (None).
+        scalars = {k: v for k, v in data.items() if not isinstance(v, dict) and v is not None}
         if prefix and scalars:
             out.append(f"[{prefix}]")
         out.extend(f"{k} = {value(v)}" for k, v in scalars.items())

@@ -145,12 +145,12 @@ def validate(batch: RolloutBatch, source: str, vocab_size: int | None = None) ->
     shape = batch.tokens.shape
     for name in _PER_TOKEN:
         if getattr(batch, name).shape != shape:
-            found = list(getattr(batch, name).shape)
-            raise MalformedRolloutError(f"{source}: {name} has shape {found}, tokens {list(shape)}")
+            shape_found = list(getattr(batch, name).shape)
+            raise MalformedRolloutError(f"{source}: {name} has shape {shape_found}, tokens {list(shape)}")
     for name in ("advantages", "rewards"):
         if getattr(batch, name).shape != shape[:1]:
-            found = list(getattr(batch, name).shape)
-            raise MalformedRolloutError(f"{source}: {name} has shape {found}, expected [{shape[0]}]")
+            shape_found = list(getattr(batch, name).shape)
+            raise MalformedRolloutError(f"{source}: {name} has shape {shape_found}, expected [{shape[0]}]")
     for name in ("logprobs", "advantages", "rewards"):
         tensor = getattr(batch, name)
         if not bool(torch.isfinite(tensor).all()):

@@ -170,3 +170,27 @@ def write_file_atomic(path: Path, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def write_eviction(run: RunDir, reason: str) -> None:
+    """Write `control/evicted.txt` with `reason` atomically: the one way a run gets evicted.
+
+    The trainer's `evict_run` and an orchestrator evicting itself both call this, so the
+    file's format (the reason, one trailing newline) has one definition.
+    """
+    run.write_text(run.evicted, reason.rstrip("\n") + "\n")
+
+
+def stable_steps(parent: Path) -> list[tuple[int, Path]]:
+    """The `step_N` directories under `parent` that carry the STABLE marker, oldest first."""
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        step = parse_step(entry.name)
+        path = Path(entry.path)
+        if step is not None and entry.is_dir(follow_symlinks=False) and os.path.exists(path / STABLE_MARKER):
+            found.append((step, path))
+    return sorted(found)

@@ -1,0 +1,138 @@
+"""The elastic rendezvous as data: its state machine, the role configs, and the messages between
+an `ElasticWorker` and its `ElasticMaster`.
+
+Rendezvous states (one machine per ElasticMaster, recorded in the job store as entity
+'<master node>:rendezvous' and in `<output_dir>/elastic/<master node>.json`):
+
+    INIT -> WAITING      gathering live members (all expected ones, or >= min_nodes after join_timeout_s)
+    WAITING -> CHECKING  node check of members not checked yet (gloo all-reduce + matmul timing)
+    CHECKING -> READY    every checked member passed (slow ones are reported, not refused)
+    WAITING -> READY     nothing new to check
+    READY -> RUNNING     the scripts run with the new world (ranks, port, restart count)
+    RUNNING -> RESTARTING  a member was lost, a script failed, or a new member joined
+    RESTARTING -> WAITING  every surviving script is stopped
+    RUNNING -> FINISHED  every script exited 0
+    any live state -> FAILED  (budget spent, too few nodes, a failing check during prepare)
+
+Workers pull: every `sync_interval_s` a worker sends a `report` (its script's and check's state,
+progress) and gets back its `assignment` (epoch, action idle/check/run/finish, rank, world,
+port). The worker reconciles towards the assignment, so a lost message or a restarted master
+costs nothing but one interval.
+"""
+
+from __future__ import annotations
+
+import socket
+import statistics
+from enum import StrEnum
+from typing import Any
+
+from pydantic import Field, ValidationError, model_validator
+
+from rlplex.config import StrictModel, format_validation_error
+from rlplex.errors import JobSpecError, RlplexError
+
+
+class RendezvousError(RlplexError):
+    """The rendezvous cannot go on: too few nodes, a failing node check, restart budget spent."""
+
+
+class RendezvousState(StrEnum):
+    INIT = "INIT"
+    WAITING = "WAITING"
+    CHECKING = "CHECKING"
+    READY = "READY"
+    RUNNING = "RUNNING"
+    RESTARTING = "RESTARTING"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+
+
+R = RendezvousState
+RDZV_TRANSITIONS: dict[RendezvousState, frozenset[RendezvousState]] = {
+    R.INIT: frozenset({R.WAITING, R.FAILED}),
+    R.WAITING: frozenset({R.CHECKING, R.READY, R.FAILED}),
+    R.CHECKING: frozenset({R.READY, R.WAITING, R.FAILED}),
+    R.READY: frozenset({R.RUNNING, R.FAILED}),
+    R.RUNNING: frozenset({R.RESTARTING, R.FINISHED, R.FAILED}),
+    R.RESTARTING: frozenset({R.WAITING, R.FAILED}),
+    R.FINISHED: frozenset(),
+    R.FAILED: frozenset(),
+}
+
+# Actions of an assignment.
+IDLE, CHECK, RUN, FINISH = "idle", "check", "run", "finish"
+
+
+class ElasticConfig(StrictModel):
+    """`[roles.<elastic master>.config]`."""
+
+    workers: str = Field(min_length=1, description="the role of the ElasticWorkers this master manages")
+    min_nodes: int | None = Field(default=None, ge=1, description="fewest members to train with (default: count)")
+    max_nodes: int | None = Field(default=None, ge=1, description="most members to train with (default: count)")
+    node_check: bool = True
+    check_timeout_s: float = Field(default=60.0, gt=0)
+    matmul_size: int = Field(default=256, ge=8)
+    slow_factor: float = Field(default=2.0, gt=1.0, description="a matmul this many times the median is slow")
+    join_timeout_s: float = Field(default=10.0, ge=0, description="wait this long for missing members")
+    rendezvous_timeout_s: float = Field(default=60.0, gt=0, description="fail with fewer than min_nodes after this")
+    member_timeout_s: float = Field(default=3.0, gt=0, description="a member silent this long is lost")
+    stop_timeout_s: float = Field(default=10.0, gt=0)
+    max_restarts: int = Field(default=3, ge=0, description="re-rendezvous budget (failures and master take-overs)")
+    poll_interval_s: float = Field(default=0.05, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> ElasticConfig:
+        if self.min_nodes is not None and self.max_nodes is not None and self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) > max_nodes ({self.max_nodes})")
+        return self
+
+
+class ScriptConfig(StrictModel):
+    """`[roles.<elastic workers>.config]`: the user's training script, run as under torchrun."""
+
+    script: str | None = Field(default=None, description="path of a Python file")
+    module: str | None = Field(default=None, description="a module run with python -m")
+    args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict)
+    checkpoint_dir: str | None = Field(default=None, description="default: <output_dir>/elastic/checkpoints")
+    sync_interval_s: float = Field(default=0.1, gt=0)
+    stop_grace_s: float = Field(default=1.0, ge=0, description="SIGTERM to SIGKILL when stopping a script")
+    omp_num_threads: int = Field(default=1, ge=1)
+
+    @model_validator(mode="after")
+    def _one_target(self) -> ScriptConfig:
+        if (self.script is None) == (self.module is None):
+            raise ValueError("give exactly one of 'script' (a file) or 'module'")
+        return self
+
+
+def parse_role_config(model: type[StrictModel], data: dict[str, Any], role: str) -> Any:
+    try:
+        return model.model_validate(data)
+    except ValidationError as error:
+        raise JobSpecError(format_validation_error(f"role '{role}': field 'config'", error)) from None
+
+
+def free_port() -> int:
+    """A port free now on 127.0.0.1 (the script's rank 0 binds it a moment later, as torchrun does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def slow_nodes(results: dict[str, dict[str, Any]], factor: float) -> dict[str, str]:
+    """Members whose matmul took over `factor` times the median (needs >= 2 results)."""
+    times = {n: float(r["matmul_s"]) for n, r in results.items() if r.get("ok") and r.get("matmul_s")}
+    if len(times) < 2:
+        return {}
+    median = statistics.median(times.values())
+    return {
+        n: f"matmul {t * 1e3:.1f} ms, {t / median:.1f}x the median {median * 1e3:.1f} ms"
+        for n, t in times.items()
+        if t > factor * median
+    }
+
+
+def failed_checks(results: dict[str, dict[str, Any]]) -> dict[str, str]:
+    return {n: str(r.get("error") or "node check failed") for n, r in results.items() if not r.get("ok")}

@@ -1,0 +1,284 @@
+"""`ElasticWorker`: a node that runs the user's training script under torchrun's environment.
+
+From its construction on, an agent thread syncs with the role's `ElasticMaster` (found in the
+job store: the sub-master role whose `config.workers` names this role): it sends a report
+(script and check state, the script's progress) and reconciles towards the assignment it gets
+back: run the node check, start the script for an epoch, stop it, or finish.
+
+The script gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
+MASTER_PORT, RLPLEX_RESTART_COUNT (= TORCHELASTIC_RESTART_COUNT), RLPLEX_CHECKPOINT_DIR and
+RLPLEX_PROGRESS_FILE, where it may write a JSON object of numbers (e.g. {"step": 12, "loss":
+0.3}); the worker reads it into its heartbeats and reports. The script stays in the node's
+process group, so killing the node kills its script too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+from rlplex.control.elastic_rdzv import CHECK, FINISH, RUN, ScriptConfig, parse_role_config
+from rlplex.control.rpc import RpcClient, parse_address
+from rlplex.control.worker import FAILED, FINISHED, Worker, WorkerContext
+from rlplex.errors import JobSpecError, RlplexError
+
+
+def elastic_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / "elastic"
+
+
+def read_progress(path: Path) -> dict[str, float]:
+    """The numbers of the script's progress file; {} while it is missing or half written."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {k: float(v) for k, v in data.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+
+
+def kill_tree(process: subprocess.Popen[bytes], grace_s: float) -> int | None:
+    """SIGTERM the process and its children, SIGKILL what is left after `grace_s`; returns its exit code."""
+    import psutil
+
+    try:
+        children = psutil.Process(process.pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    for proc in [process, *children]:
+        try:
+            proc.terminate()
+        except (psutil.Error, ProcessLookupError):
+            pass
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=5.0)
+    _gone, alive = psutil.wait_procs(children, timeout=grace_s)
+    for child in alive:
+        try:
+            child.kill()
+        except psutil.Error:
+            pass
+    return process.returncode
+
+
+class ElasticWorker(Worker):
+    def __init__(self, context: WorkerContext) -> None:
+        super().__init__(context)
+        self.config: ScriptConfig = parse_role_config(ScriptConfig, context.config, context.role)
+        self.dir = elastic_dir(context.output_dir)
+        (self.dir / "progress").mkdir(parents=True, exist_ok=True)
+        self.checkpoint_dir = Path(self.config.checkpoint_dir or self.dir / "checkpoints").resolve()
+        self.progress_file = self.dir / "progress" / f"{context.node_id}.json"
+        self.master_role = self._find_master_role()
+        self._lock = threading.Lock()
+        self._script: subprocess.Popen[bytes] | None = None
+        self._script_epoch = ""
+        self._script_exit: int | None = None
+        self._check: subprocess.Popen[bytes] | None = None
+        self._check_epoch = ""
+        self._check_result: dict[str, Any] | None = None
+        self._finished = False
+        self._client: RpcClient | None = None
+        self._agent = threading.Thread(target=self._agent_main, name=f"{context.node_id}-elastic", daemon=True)
+        self._agent.start()
+
+    def _find_master_role(self) -> str:
+        from rlplex.control.store import SqliteStateStore
+
+        store = SqliteStateStore.in_dir(self.context.output_dir, create=False)
+        try:
+            spec = json.loads(store.job(self.context.job_id).spec_json)
+        finally:
+            store.close()
+        for name, role in spec["roles"].items():
+            if role["kind"] == "submaster" and role.get("config", {}).get("workers") == self.context.role:
+                return str(name)
+        raise JobSpecError(
+            f"role '{self.context.role}': no sub-master role has config.workers = '{self.context.role}' "
+            "(an ElasticWorker role needs an ElasticMaster)"
+        )
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def status(self) -> str:
+        if self.error is not None:
+            return FAILED
+        return FINISHED if self._finished else self._state
+
+    def self_check(self) -> None:
+        if self.config.script is not None and not Path(self.config.script).is_file():
+            raise JobSpecError(
+                f"role '{self.context.role}': field 'config.script': no such file '{self.config.script}' "
+                f"(relative to {Path.cwd()})"
+            )
+        if self.config.module is not None:
+            import importlib.util
+
+            try:
+                found = importlib.util.find_spec(self.config.module) is not None
+            except (ImportError, ValueError):
+                found = False
+            if not found:
+                raise JobSpecError(
+                    f"role '{self.context.role}': field 'config.module': cannot find module '{self.config.module}'"
+                )
+
+    def stop(self) -> None:
+        super().stop()
+        with self._lock:
+            self._stop_script()
+            self._stop_check()
+
+    # ---- the agent ---------------------------------------------------------------------------
+    def _agent_main(self) -> None:
+        try:
+            while not self.context.should_stop():
+                report = self._report()
+                assignment = self._sync(report)
+                if assignment is not None and not self.context.should_stop():
+                    with self._lock:
+                        self._reconcile(assignment)
+                self.context.stop_event.wait(self.config.sync_interval_s)
+        except BaseException as error:
+            traceback.print_exc()
+            self.error = f"elastic agent failed: {type(error).__name__}: {error}"
+
+    def _report(self) -> dict[str, Any]:
+        with self._lock:
+            script = self._script
+            if script is not None and script.poll() is not None:
+                self._script_exit, self._script = script.returncode, None
+                print(f"{self.context.node_id}: script of epoch {self._script_epoch} exited "
+                      f"with code {self._script_exit}", flush=True)  # fmt: skip
+            check = self._check
+            if check is not None and check.poll() is not None:
+                self._check_result, self._check = self._check_outcome(check), None
+            progress = read_progress(self.progress_file) if self._script_epoch else {}
+            if progress:
+                self.context.report_progress(**progress)
+            return {
+                "node_id": self.context.node_id,
+                "rank": self.context.rank,
+                "incarnation": self.context.incarnation,
+                "script": {"epoch": self._script_epoch, "running": self._script is not None, "exit": self._script_exit},
+                "check": {"epoch": self._check_epoch, "result": self._check_result},
+                "progress": progress,
+                "finished": self._finished,
+            }
+
+    def _sync(self, report: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            if self._client is None:
+                self._client = self._connect()
+                if self._client is None:
+                    return None
+            reply: dict[str, Any] = self._client.call("call", "elastic_sync", report, timeout_s=5.0)
+            return reply
+        except RlplexError:
+            if self._client is not None:
+                self._client.close()
+            self._client = None  # the master may have moved (restarted): look it up again
+            return None
+
+    def _connect(self) -> RpcClient | None:
+        from rlplex.control.store import SqliteStateStore
+
+        store = SqliteStateStore.in_dir(self.context.output_dir, create=False)
+        try:
+            masters = [n for n in store.nodes(self.context.job_id) if n.role == self.master_role and n.address]
+        finally:
+            store.close()
+        if not masters:
+            return None
+        return RpcClient(parse_address(masters[0].address), self.context.token, masters[0].node_id, 5.0)
+
+    def _reconcile(self, assignment: dict[str, Any]) -> None:
+        action, epoch = str(assignment["action"]), str(assignment["epoch"])
+        if self._script is not None and not (action == RUN and epoch == self._script_epoch):
+            self._stop_script()
+        if self._check is not None and not (action == CHECK and epoch == self._check_epoch):
+            self._stop_check()
+        if action == CHECK and epoch != self._check_epoch:
+            self._check_epoch, self._check_result = epoch, None
+            self._check_result = self.start_node_check(assignment)
+        elif action == RUN and epoch != self._script_epoch:
+            self._start_script(assignment)
+        elif action == FINISH and self._script is None:
+            self._finished = True
+
+    # ---- the node check ----------------------------------------------------------------------
+    def start_node_check(self, assignment: dict[str, Any]) -> dict[str, Any] | None:
+        """Launch the check process; None while it runs (its outcome comes with a later report).
+
+        A subclass may return a result at once instead (tests inject failing checks so)."""
+        env = {**os.environ, **self._dist_env(assignment), "OMP_NUM_THREADS": str(self.config.omp_num_threads)}
+        argv = [sys.executable, "-m", "rlplex.control.elastic_check", "--size", str(assignment["matmul_size"])]
+        argv += ["--timeout-s", str(assignment["check_timeout_s"])]
+        self._check = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        return None
+
+    def _check_outcome(self, check: subprocess.Popen[bytes]) -> dict[str, Any]:
+        out = check.stdout.read().decode(errors="replace") if check.stdout is not None else ""
+        for line in reversed(out.strip().splitlines()):
+            try:
+                result = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(result, dict) and "ok" in result:
+                return result
+        return {"ok": False, "error": f"node check process exited with code {check.returncode} without a result"}
+
+    def _stop_check(self) -> None:
+        if self._check is not None:
+            kill_tree(self._check, 0.0)
+            if self._check.stdout is not None:
+                self._check.stdout.close()
+            self._check = None
+
+    # ---- the script --------------------------------------------------------------------------
+    def _dist_env(self, assignment: dict[str, Any]) -> dict[str, str]:
+        return {
+            "RANK": str(assignment["rank"]),
+            "LOCAL_RANK": str(assignment["rank"]),
+            "WORLD_SIZE": str(assignment["world"]),
+            "LOCAL_WORLD_SIZE": str(assignment["world"]),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(assignment["port"]),
+        }
+
+    def _start_script(self, assignment: dict[str, Any]) -> None:
+        restarts = str(assignment["restarts"])
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(self.config.omp_num_threads),
+            **self.config.env,
+            **self._dist_env(assignment),
+            "RLPLEX_RESTART_COUNT": restarts,
+            "TORCHELASTIC_RESTART_COUNT": restarts,
+            "TORCHELASTIC_RUN_ID": self.context.job_id,
+            "RLPLEX_CHECKPOINT_DIR": str(self.checkpoint_dir),
+            "RLPLEX_PROGRESS_FILE": str(self.progress_file),
+        }
+        self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        self.progress_file.unlink(missing_ok=True)  # progress of an earlier epoch must not count for this one
+        target = ["-m", self.config.module] if self.config.module else [str(self.config.script)]
+        argv = [sys.executable, *target, *self.config.args]
+        print(f"{self.context.node_id}: epoch {assignment['epoch']}: rank {assignment['rank']} of "
+              f"{assignment['world']}, port {assignment['port']}, restart {restarts}: {argv}", flush=True)  # fmt: skip
+        self._script = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        self._script_epoch, self._script_exit = str(assignment["epoch"]), None
+
+    def _stop_script(self) -> None:
+        if self._script is not None:
+            self._script_exit = kill_tree(self._script, self.config.stop_grace_s)
+            self._script = None

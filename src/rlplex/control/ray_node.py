@@ -1,0 +1,69 @@
+"""The node actor of the Ray backend: a `NodeRuntime` hosted in a Ray actor.
+
+Kept apart from the scheduler so that an actor's process imports only what a node needs
+(no pydantic): every node actor is a fresh Python process, and its start-up is on the
+critical path of job start and of every restart.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+# A finished actor waits this long for the master to collect and kill it, then exits on its own
+# (a detached actor whose master is gone for good must not hold its resources forever).
+_LINGER_S = 10.0
+
+
+class NodeActor:
+    """One node inside Ray: the `NodeRuntime` in a thread; its stdout and stderr go to the node's log file."""
+
+    def __init__(
+        self, output_dir: str, job_id: str, node_id: str, incarnation: int, token_hex: str, host: str,
+        env: dict[str, str],
+    ) -> None:  # fmt: skip
+        from rlplex.control.node import NodeRuntime
+
+        os.environ.update(env)
+        log_dir = Path(output_dir) / "logs"
+        log_dir.mkdir(parents=True, exist_ok=True)
+        log = os.open(log_dir / f"{node_id}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.write(
+            log,
+            f"--- {node_id} incarnation {incarnation} (ray actor, pid {os.getpid()}) at {time.time():.3f}\n".encode(),
+        )
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        if host != "127.0.0.1":
+            host = ray.util.get_node_ip_address()
+        self._runtime = NodeRuntime(output_dir, job_id, node_id, incarnation, bytes.fromhex(token_hex), host)
+        self._done = threading.Event()
+        self._code = -1
+        threading.Thread(target=self._main, name="node-runtime", daemon=True).start()
+
+    def _main(self) -> None:
+        try:
+            self._code = self._runtime.run()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self._done.set()
+        time.sleep(_LINGER_S)
+        os._exit(self._code)
+
+    def wait_exit(self) -> int:
+        self._done.wait()
+        return self._code
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+RemoteNode: Any = ray.remote(NodeActor)

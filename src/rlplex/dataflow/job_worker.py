@@ -1,0 +1,168 @@
+"""Model workers placed and supervised by the control plane.
+
+A role of a `rlplex.control` job whose entry point is `ModelWorkerNode` hosts one model
+worker per node: the interface named in the role's config, its tensor store, and the call
+and peer listeners of `ModelServer`. The dataflow master (a driver role of the same job)
+reaches node `rank` of the role through a `JobModelWorker`, which the `FunctionExecutor`
+uses exactly like a `ProcessModelWorker`:
+
+    [roles.actor]                                    # in the job's TOML
+    entrypoint = "rlplex.dataflow.job_worker:ModelWorkerNode"
+    count = 2
+    restart = { scope = "worker", max_restarts = 3 }
+    config = { interface = "my_pkg.interfaces:Actor", kwargs = { lr = 1e-4 } }
+
+    workers = {"actor": [JobModelWorker(context, "actor", r).start() for r in range(2)]}
+
+Restarts are the control plane's: when a node dies mid-call, its handle waits for the
+master to start the node's next incarnation (the role's restart policy and budgets decide
+whether it does), connects to it and issues the call again. A call's outputs are recorded
+only when it returns, so no datapoint is lost or run twice. The node's listeners use the
+job's token as HMAC key, so the master and every peer node authenticate one another.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import time
+from multiprocessing.connection import Client
+from typing import Any
+
+from rlplex.control.rpc import RpcClient, parse_address
+from rlplex.control.store import NodeRecord, SqliteStateStore
+from rlplex.control.worker import Worker, WorkerContext
+from rlplex.dataflow.process_worker import ModelServer, ProcessModelWorker
+from rlplex.errors import ConfigError, WorkerDiedError
+
+_POLL_S = 0.05
+
+
+def load_interface(target: str, kwargs: dict[str, Any]) -> object:
+    """Build the interface named 'module:attr' with `kwargs`; errors name the target."""
+    module_name, _, attr = target.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(f"model worker interface {target!r} cannot be imported: {error}") from None
+    return factory(**kwargs)
+
+
+class ModelWorkerNode(Worker):
+    """A control-plane worker serving one model worker until the job stops it."""
+
+    def __init__(self, context: WorkerContext) -> None:
+        super().__init__(context)
+        target = context.config.get("interface")
+        if not isinstance(target, str):
+            raise ConfigError(f"role {context.role!r}: config.interface must be 'module:attr', got {target!r}")
+        self.target, self.kwargs = target, dict(context.config.get("kwargs", {}))
+        self.server: ModelServer | None = None
+        self.calls = 0
+
+    def self_check(self) -> None:
+        # Built here, before start, so that a broken interface fails `prepare()` with its reason.
+        import torch
+
+        torch.set_num_threads(1)
+        if self.server is None:
+            interface = load_interface(self.target, self.kwargs)
+            self.server = ModelServer(self.context.node_id, interface, self.context.token)
+
+    def start(self) -> None:
+        self.self_check()
+        super().start()
+        threading.Thread(target=self._serve, name=f"{self.context.node_id}-serve", daemon=True).start()
+
+    def _serve(self) -> None:
+        assert self.server is not None
+        while not self.context.should_stop():
+            try:
+                self.server.serve_one()  # a master that reconnects (after its own restart) is served again
+            except OSError:
+                return  # listeners closed by stop()
+            self.calls += 1
+            self.context.report_progress(connections=self.calls)
+
+    def addresses(self) -> dict[str, list[Any]]:
+        """Where the master sends calls and peers fetch tensors (JSON for the control RPC)."""
+        if self.server is None:
+            raise WorkerDiedError(f"{self.context.node_id}: model server not built (self_check not run)")
+        control, store = self.server.addresses
+        return {"control": list(control), "store": list(store)}
+
+    def stop(self) -> None:
+        super().stop()
+        if self.server is not None:
+            self.server.close()
+
+
+class JobModelWorker(ProcessModelWorker):
+    """The master's handle on node `rank` of a `ModelWorkerNode` role (see the module docstring)."""
+
+    def __init__(self, context: WorkerContext, role: str, rank: int, restart_timeout_s: float = 60.0) -> None:
+        super().__init__(f"{role}-{rank}", factory=object, authkey=context.token, max_restarts=1 << 30)
+        self.context, self.role, self.rank = context, role, rank
+        self.restart_timeout_s = restart_timeout_s
+        self.incarnation = -1
+
+    def _record(self) -> NodeRecord | None:
+        store = SqliteStateStore.in_dir(self.context.output_dir, create=False)
+        try:
+            for record in store.nodes(self.context.job_id):
+                if record.role == self.role and record.rank == self.rank:
+                    return record
+            return None
+        finally:
+            store.close()
+
+    def _wait_running(self, after_incarnation: int, timeout_s: float) -> NodeRecord:
+        deadline = time.monotonic() + timeout_s
+        last: NodeRecord | None = None
+        while True:
+            last = self._record()
+            if last is not None and last.state == "RUNNING" and last.address and last.incarnation > after_incarnation:
+                return last
+            if last is not None and last.state in ("FAILED", "STOPPED") and after_incarnation >= 0:
+                if last.incarnation <= after_incarnation and self._job_over():
+                    raise WorkerDiedError(f"model worker {self.name!r} is {last.state} and will not come back")
+            if time.monotonic() > deadline:
+                seen = f"{last.state} (incarnation {last.incarnation})" if last else "absent"
+                raise WorkerDiedError(
+                    f"model worker {self.name!r} not RUNNING again within {timeout_s:g} s; node is {seen}"
+                )
+            time.sleep(_POLL_S)
+
+    def _job_over(self) -> bool:
+        store = SqliteStateStore.in_dir(self.context.output_dir, create=False)
+        try:
+            return store.job(self.context.job_id).state in ("STOPPING", "STOPPED", "FAILED")
+        finally:
+            store.close()
+
+    def start(self) -> JobModelWorker:
+        record = self._wait_running(self.incarnation, self.restart_timeout_s)
+        rpc = RpcClient(parse_address(record.address), self.context.token, record.node_id)
+        try:
+            addresses = rpc.call("call", "addresses")
+        finally:
+            rpc.close()
+        control = (str(addresses["control"][0]), int(addresses["control"][1]))
+        store = (str(addresses["store"][0]), int(addresses["store"][1]))
+        self._conn = Client(control, authkey=self.authkey)
+        self.store.connect(store, self.authkey)
+        self.incarnation = record.incarnation
+        return self
+
+    def _restart(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.store.reset()
+        self.start()
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.store.reset()

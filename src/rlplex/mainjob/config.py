@@ -1,0 +1,115 @@
+"""The main job's file: the trainer, the runs, and the events that happen while it runs.
+
+name = "multirun-demo"
+output_dir = "outputs/multirun-demo"
+[trainer]
+world_size = 2
+max_runs = 4
+[[runs]]
+id = "run_fast"
+config = { task = "reverse", max_steps = 12, batch_size = 16, optim = { lr = 5e-3 } }
+[[later_runs]]                      # added by an event while the job runs
+id = "run_late"
+config = { ... }
+[[events]]
+when = { run = "run_fast", step = 3 }
+add_run = "run_late"
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from rlplex.config import StrictModel, load_config
+from rlplex.multirun.orch_config import OrchestratorConfig, parse_orch_config
+from rlplex.multirun.rundir import is_valid_run_name
+
+
+class TrainerSettings(StrictModel):
+    world_size: int = Field(2, ge=1, le=8, description="torch.distributed ranks (gloo on CPU)")
+    max_runs: int = Field(4, ge=1, description="adapter slots; more runs wait for a free slot")
+    max_lora_rank: int = Field(8, ge=1)
+    micro_batch_tokens: int = Field(2048, ge=16)
+    checkpoint_every: int = Field(1, ge=1, description="steps between a run's checkpoints")
+    max_restarts: int = Field(3, ge=0, description="elastic restarts of the trainer before the job fails")
+
+
+class RunEntry(StrictModel):
+    id: str
+    config: dict[str, Any]
+
+    @field_validator("id")
+    @classmethod
+    def _valid_id(cls, value: str) -> str:
+        if not is_valid_run_name(value):
+            raise ValueError(f"{value!r} is not a valid run id (expected run_<letters, digits, _ . ->)")
+        return value
+
+    def orch_config(self, source: str) -> OrchestratorConfig:
+        return parse_orch_config(self.config, f"{source}: run {self.id!r}: config")
+
+
+class Trigger(StrictModel):
+    run: str
+    step: int = Field(ge=0, description="fires once this run has finished this many trainer steps")
+
+
+class Event(StrictModel):
+    when: Trigger
+    add_run: str | None = Field(None, description="id of a [[later_runs]] entry to add")
+    evict_run: str | None = Field(None, description="id of a run to evict")
+    reason: str = "evicted on purpose by the job's script"
+
+    @model_validator(mode="after")
+    def _one_action(self) -> Event:
+        if (self.add_run is None) == (self.evict_run is None):
+            raise ValueError("an event needs exactly one of add_run and evict_run")
+        return self
+
+
+class MainJobConfig(StrictModel):
+    name: str = Field(min_length=1)
+    output_dir: Path
+    backend: Literal["local", "ray"] = "local"
+    ray_address: str | None = None
+    trainer: TrainerSettings = TrainerSettings()
+    runs: list[RunEntry] = Field(min_length=1)
+    later_runs: list[RunEntry] = Field(default_factory=list)
+    events: list[Event] = Field(default_factory=list)
+    refresh_s: float = Field(0.5, gt=0, description="live view refresh period")
+    timeout_s: float = Field(1800.0, gt=0, description="the job is stopped and failed after this long")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> MainJobConfig:
+        ids = [entry.id for entry in self.runs + self.later_runs]
+        duplicates = sorted({i for i in ids if ids.count(i) > 1})
+        if duplicates:
+            raise ValueError(f"run ids must be unique; repeated: {duplicates}")
+        later = {entry.id for entry in self.later_runs}
+        for number, event in enumerate(self.events):
+            if event.when.run not in ids:
+                raise ValueError(f"events[{number}].when.run: no run {event.when.run!r}")
+            if event.add_run is not None and event.add_run not in later:
+                raise ValueError(f"events[{number}].add_run: {event.add_run!r} is not in later_runs")
+            if event.evict_run is not None and event.evict_run not in ids:
+                raise ValueError(f"events[{number}].evict_run: no run {event.evict_run!r}")
+        return self
+
+    @property
+    def runs_dir(self) -> Path:
+        """Where the run directories live (the trainer's `output_dir` in the seed's terms)."""
+        return self.output_dir / "runs"
+
+    def check_runs(self, source: str) -> None:
+        """Validate every run's orchestrator config now, before anything starts."""
+        for entry in self.runs + self.later_runs:
+            entry.orch_config(source)
+
+
+def load_main_job(path: str | Path) -> MainJobConfig:
+    config = load_config(MainJobConfig, path)
+    config.check_runs(str(path))
+    return config

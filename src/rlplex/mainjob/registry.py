@@ -1,0 +1,105 @@
+"""Which run each orchestrator node serves, and requests to change that from another shell.
+
+`runs.json` in the job's output folder is the list of runs in the order they joined: node
+`rank` of the orchestrator role serves entry `rank`, so adding a run is appending an entry
+and scaling the role by one. Only the master process writes it (atomically); anyone else
+asks through `requests/`: `rlplex runs add` drops a JSON file there, the master's loop
+accepts it (appends, scales) or rejects it with the reason next to it. Everything is JSON:
+these files cross a trust boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlplex.errors import ConfigError, WaitTimeoutError
+from rlplex.mainjob.config import RunEntry
+from rlplex.multirun.rundir import write_file_atomic
+
+REGISTRY_FILE = "runs.json"
+REQUESTS_DIR = "requests"
+MAX_REQUEST_BYTES = 1_000_000
+
+
+def read_registry(output_dir: Path) -> list[RunEntry]:
+    path = output_dir / REGISTRY_FILE
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: unreadable run registry ({error})") from None
+    if not isinstance(data, list):
+        raise ConfigError(f"{path}: expected a JSON list of runs, got {type(data).__name__}")
+    return [RunEntry.model_validate(item) for item in data]
+
+
+def write_registry(output_dir: Path, entries: list[RunEntry]) -> None:
+    data = json.dumps([entry.model_dump(mode="json") for entry in entries], indent=1)
+    write_file_atomic(output_dir / REGISTRY_FILE, data.encode())
+
+
+def run_for_rank(output_dir: Path, rank: int) -> RunEntry:
+    entries = read_registry(output_dir)
+    if not 0 <= rank < len(entries):
+        raise ConfigError(f"{output_dir / REGISTRY_FILE}: no run for orchestrator rank {rank} ({len(entries)} runs)")
+    return entries[rank]
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    path: Path
+    entry: RunEntry
+
+
+def submit_add(output_dir: Path, entry: RunEntry) -> Path:
+    """Ask the running job to add `entry`; returns the request file (see `wait_for_answer`)."""
+    if not (output_dir / REGISTRY_FILE).exists():
+        raise ConfigError(f"{output_dir}: no main job here ({REGISTRY_FILE} missing)")
+    requests = output_dir / REQUESTS_DIR
+    requests.mkdir(exist_ok=True)
+    path = requests / f"add-{time.time_ns()}-{uuid.uuid4().hex[:6]}.json"
+    write_file_atomic(path, json.dumps(entry.model_dump(mode="json")).encode())
+    return path
+
+
+def pending_requests(output_dir: Path) -> list[AddRequest | tuple[Path, str]]:
+    """Add requests in arrival order; unreadable ones come back as (path, reason)."""
+    requests = output_dir / REQUESTS_DIR
+    if not requests.is_dir():
+        return []
+    out: list[AddRequest | tuple[Path, str]] = []
+    for path in sorted(requests.glob("add-*.json")):
+        try:
+            if path.stat().st_size > MAX_REQUEST_BYTES:
+                raise ValueError(f"{path.stat().st_size} bytes, more than {MAX_REQUEST_BYTES}")
+            out.append(AddRequest(path, RunEntry.model_validate(json.loads(path.read_text()))))
+        except (OSError, ValueError) as error:  # pydantic's ValidationError is a ValueError
+            out.append((path, f"{path}: malformed request: {error}"))
+    return out
+
+
+def answer(request: Path, accepted: bool, text: str) -> None:
+    """Close a request: `<name>.accepted` or `<name>.rejected` holds the answer; the request goes."""
+    suffix = ".accepted" if accepted else ".rejected"
+    write_file_atomic(request.with_suffix(suffix), text.encode())
+    try:
+        os.unlink(request)
+    except FileNotFoundError:
+        pass
+
+
+def wait_for_answer(request: Path, timeout_s: float) -> tuple[bool, str]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for accepted, suffix in ((True, ".accepted"), (False, ".rejected")):
+            reply = request.with_suffix(suffix)
+            if reply.exists():
+                return accepted, reply.read_text()
+        time.sleep(0.1)
+    raise WaitTimeoutError(f"{request}: no answer from the job's master within {timeout_s:g} s (is it running?)")

@@ -1,0 +1,104 @@
+"""The end-of-job report: `report.md` with each run's learning curve (PNG), how much its
+reward rose, throughput, evictions and restarts, plus TensorBoard event files per run."""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+from rlplex.control.store import SqliteStateStore
+from rlplex.diagnostics.plots import plot_learning_curves
+from rlplex.mainjob.view import JobView, RunView, collect
+
+REPORT_FILE = "report.md"
+
+
+def reward_rise(run: RunView, window: int = 3) -> float | None:
+    """Mean of the last `window` rewards minus mean of the first `window` (smooths sampling noise)."""
+    rewards = [reward for _, reward in run.curve]
+    if len(rewards) < 2:
+        return None
+    window = max(1, min(window, len(rewards) // 2))
+    return sum(rewards[-window:]) / window - sum(rewards[:window]) / window
+
+
+def write_tensorboard(run: RunView, directory: Path) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(log_dir=str(directory))
+    try:
+        for step, reward in run.curve:
+            writer.add_scalar("charts/reward_mean", reward, int(step))
+    finally:
+        writer.close()
+
+
+def _decisions(output_dir: Path) -> list[str]:
+    if not (output_dir / "job.sqlite").exists():
+        return []
+    store = SqliteStateStore.in_dir(output_dir, create=False)
+    try:
+        job_id = store.latest_job_id()
+        return [] if job_id is None else [f"{d.old} {d.entity}: {d.cause}" for d in store.decisions(job_id)]
+    finally:
+        store.close()
+
+
+def write_report(output_dir: Path, wall_time_s: float, trainer_tokens_per_s: float | None = None) -> Path:
+    view = collect(output_dir)
+    plots = output_dir / "plots"
+    lines = [
+        f"# Job report: {output_dir.name}",
+        "",
+        f"Job state: **{view.job_state}**" + (f" ({view.job_cause})" if view.job_cause else ""),
+        f"Wall time: {wall_time_s:.1f} s; written {time.strftime('%Y-%m-%d %H:%M:%S')}",
+    ]
+    if trainer_tokens_per_s is not None:
+        lines.append(f"Trainer throughput: {trainer_tokens_per_s:.0f} tokens/s")
+    header = ("run", "state", "steps", "reward at start", "reward at end", "rise", "rollout tokens/s", "note")
+    lines += ["", "## Runs", "", _row(header), _row(("---",) * len(header))]
+    for run in view.runs:
+        rise = reward_rise(run)
+        steps = f"{run.trained_steps}/{run.max_steps}"
+        lines.append(_row((run.run_id, run.state, steps, _num(run.first_reward), _num(run.reward),
+                           _num(rise, "+.3f"), _num(run.tokens_per_s, ".0f"), run.reason)))  # fmt: skip
+    lines += ["", "## Learning curves", ""]
+    curves = {run.run_id: _xy(run) for run in view.runs if run.curve}
+    if curves:
+        plot_learning_curves(curves, plots / "rewards.png", title="mean reward per run", xlabel="step", ylabel="reward")
+        lines.append("![all runs](plots/rewards.png)")
+    for run in view.runs:
+        if run.curve:
+            plot_learning_curves({run.run_id: _xy(run)}, plots / f"{run.run_id}.png", title=run.run_id,
+                                 xlabel="step", ylabel="mean reward")  # fmt: skip
+            lines.append(f"![{run.run_id}](plots/{run.run_id}.png)")
+            write_tensorboard(run, output_dir / "tb" / run.run_id)
+    lines += _nodes_section(view, output_dir)
+    path = output_dir / REPORT_FILE
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _nodes_section(view: JobView, output_dir: Path) -> list[str]:
+    header = ("role", "rank", "state", "restarts", "last cause")
+    lines = ["", "## Nodes and restarts", "", _row(header), _row(("---",) * len(header))]
+    for node in view.nodes:
+        lines.append(_row((node.role, str(node.rank), node.state, str(node.restarts), node.cause)))
+    decisions = _decisions(output_dir)
+    lines += ["", "## Control-plane decisions", ""] + ([f"- {d}" for d in decisions] or ["- none"])
+    evicted = [run for run in view.runs if run.state == "evicted"]
+    lines += ["", "## Evictions", ""] + ([f"- {r.run_id}: {r.reason}" for r in evicted] or ["- none"])
+    return lines
+
+
+def _xy(run: RunView) -> tuple[list[float], list[float]]:
+    return [step for step, _ in run.curve], [reward for _, reward in run.curve]
+
+
+def _num(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None or not math.isfinite(value) else format(value, spec)
+
+
+def _row(cells: tuple[str, ...]) -> str:
+    return "| " + " | ".join(cell.replace("|", "/").replace("\n", " ") for cell in cells) + " |"

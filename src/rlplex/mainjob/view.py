@@ -1,0 +1,140 @@
+"""What the job looks like right now, read from files alone: the live view, `rlplex status`
+and the report all use `collect()`, so a second shell sees what the master sees.
+
+A run's trainer step is the newest stable `broadcast/step_N` (the trainer writes it after
+stepping the run); its reward and rollout throughput come from the orchestrator's
+`progress.csv`; evictions and rejected configs from the run's `control/` files.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Group
+from rich.table import Table
+
+from rlplex.control.store import NodeRecord, SqliteStateStore
+from rlplex.mainjob.config import RunEntry
+from rlplex.mainjob.registry import read_registry
+from rlplex.multirun.rundir import RunDir, stable_steps
+
+REWARD_COLUMNS = ("reward_mean", "charts/reward_mean", "reward")
+TOKENS_COLUMNS = ("tokens_per_s", "charts/tokens_per_s")
+
+
+@dataclass
+class RunView:
+    run_id: str
+    state: str  # waiting, running, finished, evicted, rejected
+    trained_steps: int
+    max_steps: int
+    reward: float | None = None
+    first_reward: float | None = None
+    tokens_per_s: float | None = None
+    reason: str = ""
+    curve: list[tuple[float, float]] = field(default_factory=list)
+
+
+@dataclass
+class JobView:
+    output_dir: Path
+    job_state: str
+    job_cause: str
+    nodes: list[NodeRecord]
+    runs: list[RunView]
+    read_at: float
+
+
+def read_progress_rows(path: Path) -> list[dict[str, float]]:
+    """Rows of a progress CSV that parse as numbers; a last line still being written is skipped."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    complete = text[: text.rfind("\n") + 1]
+    rows = []
+    for raw in csv.DictReader(io.StringIO(complete)):
+        try:
+            rows.append({k: float(v) for k, v in raw.items() if k and v not in ("", None)})
+        except (TypeError, ValueError):
+            continue
+    return rows
+
+
+def _pick(row: dict[str, float], names: tuple[str, ...]) -> float | None:
+    for name in names:
+        if name in row:
+            return row[name]
+    return None
+
+
+def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
+    run = RunDir(runs_dir, entry.id)
+    max_steps = int(entry.config.get("max_steps", 0))
+    broadcasts = stable_steps(run.broadcast)
+    trained = broadcasts[-1][0] if broadcasts else 0
+    rows = read_progress_rows(run.root / "progress.csv")
+    curve = [
+        (row["step"], reward) for row in rows if "step" in row and (reward := _pick(row, REWARD_COLUMNS)) is not None
+    ]
+    view = RunView(entry.id, "running", trained, max_steps, curve=curve)
+    if curve:
+        view.first_reward, view.reward = curve[0][1], curve[-1][1]
+    if rows:
+        view.tokens_per_s = _pick(rows[-1], TOKENS_COLUMNS)
+    if run.is_evicted():
+        view.state, view.reason = "evicted", run.eviction_reason() or ""
+    elif run.config_error.exists():
+        view.state, view.reason = "rejected", run.config_error.read_text(errors="replace").strip()
+    elif max_steps and trained >= max_steps:
+        view.state = "finished"
+    elif not broadcasts:
+        view.state = "waiting"
+    return view
+
+
+def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
+    runs_dir = runs_dir or output_dir / "runs"
+    job_state, cause, nodes = "UNKNOWN", "", []
+    if (output_dir / "job.sqlite").exists():
+        store = SqliteStateStore.in_dir(output_dir, create=False)
+        try:
+            job_id = store.latest_job_id()
+            if job_id is not None:
+                record = store.job(job_id)
+                job_state, cause, nodes = record.state, record.cause, store.nodes(job_id)
+        finally:
+            store.close()
+    runs = [run_view(runs_dir, entry) for entry in read_registry(output_dir)]
+    return JobView(output_dir, job_state, cause, nodes, runs, time.time())
+
+
+def _fmt(value: float | None, spec: str = ".3f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render(view: JobView) -> Group:
+    """Per run: step, reward, tokens/s, state; per node: state, restarts, heartbeat age."""
+    runs = Table(title=f"runs: job {view.job_state}", title_justify="left")
+    for column in ("run", "state", "step", "reward", "reward at start", "rollout tokens/s", "note"):
+        runs.add_column(column)
+    for run in view.runs:
+        runs.add_row(
+            run.run_id, run.state, f"{run.trained_steps}/{run.max_steps}", _fmt(run.reward), _fmt(run.first_reward),
+            _fmt(run.tokens_per_s, ".0f"), run.reason[:60],
+        )  # fmt: skip
+    nodes = Table(title="nodes", title_justify="left")
+    for column in ("role", "rank", "state", "restarts", "heartbeat age", "progress"):
+        nodes.add_column(column)
+    for node in view.nodes:
+        age = f"{view.read_at - node.last_heartbeat:.1f} s" if node.last_heartbeat else "-"
+        progress = ", ".join(f"{k}={v:g}" for k, v in list(node.progress.items())[:4]) or "-"
+        nodes.add_row(node.role, str(node.rank), node.state, str(node.restarts), age, progress)
+    parts: list[Table | str] = [runs, nodes]
+    if view.job_cause:
+        parts.append(f"cause: {view.job_cause}")
+    return Group(*parts)

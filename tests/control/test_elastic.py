@@ -1,0 +1,203 @@
+"""Elastic training on real processes: an ElasticMaster, ElasticWorkers, and examples/elastic_train.py
+(plain torch.distributed with gloo) as the user's script. Faults come from the test: SIGKILL sent
+to a script or a node, or RLPLEX_TEST_FAULTS read by the test worker `CheckedElasticWorker`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from conftest import node_processes, wait_for
+from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, RendezvousState, SqliteStateStore
+from rlplex.control.elastic import read_elastic_status, rendezvous_summaries
+from rlplex.control.elastic_rdzv import (
+    RDZV_TRANSITIONS,
+    ElasticConfig,
+    ScriptConfig,
+    failed_checks,
+    parse_role_config,
+    slow_nodes,
+)
+from rlplex.control.states import StateMachine
+from rlplex.errors import IllegalTransitionError, JobFailedError, JobSpecError
+
+SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "elastic_train.py")
+STEPS, CKPT_EVERY = 60, 10
+
+
+def elastic_job(
+    job_dir: Path, count: int = 2, step_delay: float = 0.0, entrypoint: str = "rlplex.control.elastic:ElasticWorker",
+    script: dict[str, Any] | None = None, master_restart: dict[str, Any] | None = None, **master: Any,
+) -> JobSpec:  # fmt: skip
+    args = ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--lr", "0.03", "--step-delay", str(step_delay)]
+    return (
+        JobBuilder("elastic", job_dir, capacity={"cpu": 2}, heartbeat_interval_s=0.1, rpc_timeout_s=90.0)
+        .role("trainer", entrypoint=entrypoint, count=count, resources={"cpu": 0.5},
+              config=script or {"script": SCRIPT, "args": args})
+        .role("elastic", kind="submaster", entrypoint="rlplex.control.elastic:ElasticMaster",
+              resources={"cpu": 0.1}, restart=master_restart or {"scope": "worker", "max_restarts": 3},
+              config={"workers": "trainer", "join_timeout_s": 5.0, **master})
+        .build()
+    )  # fmt: skip
+
+
+def result(job_dir: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((job_dir / "elastic" / "checkpoints" / "result.json").read_text())
+    return data
+
+
+def progress(job_dir: Path, node_id: str) -> dict[str, float]:
+    try:
+        data: dict[str, float] = json.loads((job_dir / "elastic" / "progress" / f"{node_id}.json").read_text())
+        return data
+    except (OSError, ValueError):
+        return {}
+
+
+def rendezvous_steps(master: PrimeMaster) -> list[str]:
+    return [r.new for r in master.store.transitions(master.job_id) if r.entity == "elastic-0:rendezvous"]
+
+
+def script_of(master: PrimeMaster, node_id: str) -> psutil.Process:
+    node = next(n for n in master.get_nodes_by_role()["trainer"] if n.node_id == node_id)
+    (script,) = [p for p in psutil.Process(node.pid).children() if SCRIPT in p.cmdline()]
+    return script
+
+
+def test_rendezvous_state_machine_and_check_verdicts() -> None:
+    machine = StateMachine(RDZV_TRANSITIONS, RendezvousState.INIT, None, "job", "elastic-0:rendezvous")
+    for state in ("WAITING", "CHECKING", "READY", "RUNNING", "RESTARTING", "WAITING", "READY", "RUNNING", "FINISHED"):
+        machine.transition(RendezvousState(state), "test")
+    with pytest.raises(IllegalTransitionError, match="FINISHED -> RUNNING"):
+        machine.transition(RendezvousState.RUNNING, "no way back")
+    results = {
+        "a": {"ok": True, "matmul_s": 0.010},
+        "b": {"ok": True, "matmul_s": 0.011},
+        "c": {"ok": True, "matmul_s": 0.050},
+        "d": {"ok": False, "error": "gloo timeout"},
+    }
+    assert list(slow_nodes(results, 2.0)) == ["c"] and "x the median" in slow_nodes(results, 2.0)["c"]
+    assert failed_checks(results) == {"d": "gloo timeout"}
+    with pytest.raises(ValueError, match="min_nodes"):
+        ElasticConfig(workers="t", min_nodes=3, max_nodes=2)
+    with pytest.raises(ValueError, match="exactly one of 'script'"):
+        ScriptConfig()
+
+
+def test_elastic_job_trains_to_completion(job_dir: Path) -> None:
+    with PrimeMaster.create(elastic_job(job_dir)) as master:
+        master.start()  # prepare() runs the node check of both ranks
+        assert master.wait(timeout=60) == JobState.STOPPED
+        done = result(job_dir)
+        assert done["steps"] == STEPS and done["world"] == 2 and done["restarts"] == 0
+        assert done["final_loss"] < 0.1  # the target's variance is about 0.5
+        assert rendezvous_steps(master) == ["WAITING", "CHECKING", "READY", "RUNNING", "FINISHED"]
+        status = read_elastic_status(job_dir)
+        assert status["state"] == "FINISHED" and set(status["checks"]) == {"trainer-0", "trainer-1"}
+        assert all(c["ok"] and c["matmul_s"] > 0 for c in status["checks"].values())
+        assert rendezvous_summaries(job_dir) == [
+            "elastic-0 (role 'trainer'): rendezvous FINISHED, world 2, restarts 0, epoch 0.2"
+        ]
+        nodes = master.store.nodes(master.job_id)
+        assert {n.state for n in nodes} == {"FINISHED"} and all(n.restarts == 0 for n in nodes)
+
+
+def test_sigkilled_script_then_node_rerendezvous_and_resume_from_checkpoints(job_dir: Path) -> None:
+    with PrimeMaster.create(elastic_job(job_dir, step_delay=0.02, node_check=False)) as master:
+        master.start()
+        # 1. rank 1's script dies: its node stays healthy, the ElasticMaster restarts every script.
+        wait_for(lambda: progress(job_dir, "trainer-1").get("step", 0) >= CKPT_EVERY + 2, 40, "rank 1 past step 12")
+        killed_at = progress(job_dir, "trainer-1")["step"]
+        script_of(master, "trainer-1").send_signal(signal.SIGKILL)
+        wait_for(lambda: len(read_elastic_status(job_dir).get("rounds", [])) == 2, 30, "the second round")
+        # 2. rank 0's node dies: the PrimeManager restarts it, the ElasticMaster takes the replacement in.
+        wait_for(lambda: progress(job_dir, "trainer-0").get("step", 0) >= 2 * CKPT_EVERY + 2, 40, "rank 0 past step 22")
+        victim = next(n for n in master.get_nodes_by_role()["trainer"] if n.node_id == "trainer-0")
+        os.kill(victim.pid, signal.SIGKILL)
+        assert master.wait(timeout=60) == JobState.STOPPED
+        done = result(job_dir)
+        assert done["steps"] == STEPS and done["restarts"] == 2 and done["world"] == 2
+        assert done["resumed_from"] >= 2 * CKPT_EVERY and done["resumed_from"] % CKPT_EVERY == 0
+        assert done["final_loss"] < 0.1  # the target's variance is about 0.5
+        status = read_elastic_status(job_dir)
+        first, second, _third = status["rounds"]
+        assert first["resumed_from"] == 0 and CKPT_EVERY <= second["resumed_from"] <= killed_at
+        assert rendezvous_steps(master) == ["WAITING", "READY", "RUNNING"] + ["RESTARTING", "WAITING", "READY",
+                                            "RUNNING"] * 2 + ["FINISHED"]  # fmt: skip
+        causes = [r.cause for r in master.store.transitions(master.job_id) if r.new == "RESTARTING"]
+        assert "rank 1 (trainer-1): script exited with code -9" in causes[0]
+        assert "member trainer-0 (rank 0) lost" in causes[1]
+        nodes = {n.node_id: n for n in master.store.nodes(master.job_id)}
+        assert nodes["trainer-1"].restarts == 0  # the script's death cost no node restart
+        assert nodes["trainer-0"].restarts == 1 and nodes["trainer-0"].pid != victim.pid
+        assert status["members"]["trainer-0"]["incarnation"] == 1
+
+
+def test_killed_elastic_master_takes_over_then_a_scaled_down_role_trains_on_with_the_survivor(job_dir: Path) -> None:
+    with PrimeMaster.create(elastic_job(job_dir, step_delay=0.02, node_check=False, min_nodes=1)) as master:
+        master.start()
+        # 1. The ElasticMaster dies: the PrimeManager restarts it; the new one stops the scripts and takes over.
+        wait_for(lambda: progress(job_dir, "trainer-0").get("step", 0) >= CKPT_EVERY + 2, 40, "rank 0 past step 12")
+        (old,) = master.get_nodes_by_role()["elastic"]
+        os.kill(old.pid, signal.SIGKILL)
+        wait_for(lambda: master.monitor() and len(read_elastic_status(job_dir).get("rounds", [])) == 2, 30, "round 2")
+        # 2. trainer-1 goes for good (scale down); min_nodes = 1 lets rank 0 train on alone.
+        wait_for(lambda: progress(job_dir, "trainer-1").get("step", 0) >= 2 * CKPT_EVERY + 2, 40, "rank 1 past 22")
+        master.scale_role("trainer", 1)
+        assert master.wait(timeout=60) == JobState.STOPPED
+        done = result(job_dir)
+        assert done["steps"] == STEPS and done["restarts"] == 2 and done["world"] == 1
+        assert done["resumed_from"] >= 2 * CKPT_EVERY and done["final_loss"] < 0.1
+        status = read_elastic_status(job_dir)
+        assert [r["world"] for r in status["rounds"]] == [2, 2, 1]
+        nodes = {n.node_id: n for n in master.store.nodes(master.job_id)}
+        assert nodes["elastic-0"].restarts == 1 and nodes["trainer-0"].restarts == 0
+        assert nodes["trainer-1"].state == "STOPPED"
+        steps = rendezvous_steps(master)
+        assert steps == ["WAITING", "READY", "RUNNING"] * 2 + ["RESTARTING", "WAITING", "READY", "RUNNING", "FINISHED"]
+        causes = [r.cause for r in master.store.transitions(master.job_id) if r.entity == "elastic-0:rendezvous"]
+        assert causes[3] == "taking over after restart #1" and "trainer-1 (rank 1) lost: node is STOPPED" in causes[6]
+
+
+def test_a_script_failing_every_time_spends_the_budget_and_fails_the_job(job_dir: Path) -> None:
+    failing = {"module": "json.tool", "args": [str(job_dir / "no-such-input.json")]}
+    spec = elastic_job(job_dir, script=failing, node_check=False, max_restarts=1, master_restart={"scope": "never"})
+    with PrimeMaster.create(spec) as master:
+        master.start()
+        with pytest.raises(JobFailedError, match=r"restart budget spent \(1\); last cause: rank \d \(trainer-\d\): "
+                           r"script exited with code 2"):  # fmt: skip
+            master.wait(timeout=60)
+        assert node_processes(job_dir) == []
+        assert rendezvous_steps(master)[-3:] == ["RUNNING", "RESTARTING", "FAILED"]
+        assert "restart budget spent" in read_elastic_status(job_dir)["error"]
+
+
+def test_failing_node_check_fails_prepare_with_the_reason(job_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLPLEX_TEST_FAULTS", "node_check@trainer-1")
+    master = PrimeMaster.create(elastic_job(job_dir, entrypoint="control_workers:CheckedElasticWorker"))
+    try:
+        with pytest.raises(JobFailedError, match="node check failed: trainer-1: injected node check failure"):
+            master.start()
+        assert node_processes(job_dir) == []
+        assert not [p for p in psutil.process_iter(["cmdline"]) if str(job_dir) in " ".join(p.info["cmdline"] or [])]
+        store = SqliteStateStore.in_dir(job_dir, create=False)
+        job = store.job(master.job_id)
+        assert job.state == "FAILED" and "elastic-0" in job.cause
+        assert rendezvous_steps(master)[-1] == "FAILED"
+        assert read_elastic_status(job_dir)["state"] == "FAILED"
+        store.close()
+    finally:
+        master.close()
+
+
+def test_elastic_role_configs_are_validated_naming_role_and_field() -> None:
+    with pytest.raises(JobSpecError, match=r"(?s)role 'trainer': field 'config'.*exactly one of 'script'"):
+        parse_role_config(ScriptConfig, {"script": SCRIPT, "module": "x"}, "trainer")
+    with pytest.raises(JobSpecError, match=r"(?s)role 'elastic': field 'config'.*field 'workers'"):
+        parse_role_config(ElasticConfig, {"workers": ""}, "elastic")

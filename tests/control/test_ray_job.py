@@ -1,0 +1,235 @@
+"""The Ray backend on a real local Ray (num_cpus=2): node actors, faults, the master as an actor.
+
+Faults are injected as in the local tests: signals sent by the test to an actor's process, or
+RLPLEX_TEST_FAULTS read by the test workers (RLPLEX_* variables reach the node actors).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conftest import HERE, SRC, node_processes, wait_for
+from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, SqliteStateStore
+from rlplex.errors import JobFailedError
+
+ray = pytest.importorskip("ray")
+
+from rlplex.control.ray_master import RayMasterHandle  # noqa: E402
+from rlplex.control.ray_scheduler import NAMESPACE  # noqa: E402
+
+JOB = """
+name = "both"
+output_dir = "{out}"
+heartbeat_interval_s = 0.1
+capacity = {{ cpu = 2 }}
+[roles.counter]
+count = 2
+entrypoint = "control_workers:Counter"
+resources = {{ cpu = 0.5 }}
+config = {{ items = 40, delay_s = 0.01 }}
+"""
+
+
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    # Ray's workers must import this worktree's rlplex and the test workers.
+    path = os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")])
+    context = ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE,
+                       runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
+    try:
+        yield str(context.address_info["gcs_address"])
+    finally:
+        ray.shutdown()
+
+
+def leftovers() -> list[str]:
+    actors = [str(e["name"]) for e in ray.util.list_named_actors(all_namespaces=True) if e["namespace"] == NAMESPACE]
+    groups = [str(i["name"]) for i in ray.util.placement_group_table().values() if i["state"] != "REMOVED"]
+    return actors + groups
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_on_ray(ray_address: str) -> Iterator[None]:
+    """After each test no actor or placement group of ours may be left (killed first, then the test fails)."""
+    yield
+    try:
+        wait_for(lambda: not leftovers(), 10, "no rlplex actors or placement groups left")
+    finally:
+        left = leftovers()
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry["namespace"] == NAMESPACE:
+                ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE))
+        assert not left, f"left on Ray: {left}"
+
+
+def counter_job(job_dir: Path, items: int = 40, delay_s: float = 0.02, count: int = 2, **role: Any) -> JobSpec:
+    # Every Ray actor is a fresh Python process (about a second each here): the jobs stay small.
+    return (
+        JobBuilder("rayfaults", job_dir, backend="ray", capacity={"cpu": 2}, heartbeat_interval_s=0.1)
+        .role("counter", entrypoint="control_workers:Counter", count=count, resources={"cpu": 0.5},
+              config={"items": items, "delay_s": delay_s}, **role)
+        .build()
+    )  # fmt: skip
+
+
+def items_done(job_dir: Path) -> list[int]:
+    return sorted(int(x) for f in (job_dir / "items").glob("*.txt") for x in f.read_text().split())
+
+
+def decisions(store: SqliteStateStore, job_id: str) -> list[tuple[str, str, str]]:
+    return [(d.old, d.entity, d.cause) for d in store.decisions(job_id)]
+
+
+def progress_of(master: PrimeMaster, node_id: str) -> float:
+    master.monitor()
+    node = next(n for n in master.get_nodes_by_role()["counter"] if n.node_id == node_id)
+    return float(node.progress.get("items", 0))
+
+
+def test_the_same_job_file_runs_on_both_backends(tmp_path: Path, ray_address: str, child_env: dict[str, str]) -> None:
+    out = tmp_path / "job"
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(JOB.format(out=out))
+    with PrimeMaster.create(job_file, backend="local") as master:
+        master.start()
+        assert master.wait(timeout=30) == JobState.STOPPED
+    assert items_done(out) == list(range(40)) and node_processes(out) == []
+    shutil.move(out, tmp_path / "local")
+
+    # The CLI runs the master as an actor on the test's cluster (--ray-address beats RLPLEX_BACKEND).
+    env = {**child_env, "RLPLEX_BACKEND": "local", "COLUMNS": "200"}
+    command = [sys.executable, "-m", "rlplex.cli", "job", "run", str(job_file), "--backend", "ray",
+               "--ray-address", ray_address]  # fmt: skip
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "master actor started on Ray" in result.stdout and "STOPPED" in result.stdout
+    assert items_done(out) == list(range(40))
+    store = SqliteStateStore.in_dir(out, create=False)
+    job_id = store.latest_job_id()
+    assert job_id is not None and store.job(job_id).state == "STOPPED"
+    assert '"backend":"ray"' in store.job(job_id).spec_json
+    assert [(n.node_id, n.state, n.restarts) for n in store.nodes(job_id)] == [
+        ("counter-0", "FINISHED", 0), ("counter-1", "FINISHED", 0)
+    ]  # fmt: skip
+    assert all(n.pid > 0 and n.pid != os.getpid() for n in store.nodes(job_id))
+    store.close()
+
+
+def test_sigkilled_node_actor_is_restarted_and_the_job_finishes(job_dir: Path) -> None:
+    with PrimeMaster.create(counter_job(job_dir, items=40, delay_s=0.05)) as master:
+        master.start()
+        wait_for(lambda: progress_of(master, "counter-1") >= 3, 20, "counter-1 to process 3 items")
+        victim = master.get_nodes_by_role()["counter"][1].pid
+        assert victim not in (0, os.getpid())
+        os.kill(victim, signal.SIGKILL)
+        assert master.wait(timeout=40) == JobState.STOPPED
+        assert items_done(job_dir) == list(range(40))
+        nodes = {n.node_id: n for n in master.store.nodes(master.job_id)}
+        assert nodes["counter-1"].restarts == 1 and nodes["counter-1"].pid not in (0, victim)
+        assert nodes["counter-0"].restarts == 0
+        ((action, target, cause),) = decisions(master.store, master.job_id)
+        assert (action, target) == ("RESTART_WORKER", "counter-1")
+        assert "node counter-1 (role 'counter') failed: process exited" in cause
+
+
+def test_a_hung_worker_is_detected_and_replaced(job_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLPLEX_TEST_FAULTS", "stall@counter-0")
+    with PrimeMaster.create(counter_job(job_dir, items=10, count=1, progress_timeout_s=1.0)) as master:
+        master.start()
+        assert master.wait(timeout=40) == JobState.STOPPED
+        assert items_done(job_dir) == list(range(10))
+        ((action, target, cause),) = decisions(master.store, master.job_id)
+        assert (action, target) == ("RESTART_WORKER", "counter-0") and "no progress for" in cause
+
+
+def test_exhausted_restart_budget_fails_the_job_and_leaves_no_actor(
+    job_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RLPLEX_TEST_FAULTS", "crash@counter-0")
+    with PrimeMaster.create(counter_job(job_dir, count=1, restart={"max_restarts": 1})) as master:
+        master.start()
+        with pytest.raises(JobFailedError, match=r"role 'counter' exhausted its restart budget \(1\)"):
+            master.wait(timeout=40)
+        assert master.state == JobState.FAILED and leftovers() == []
+        job = master.store.job(master.job_id)
+        assert "injected crash" in job.cause and "restart budget" in job.cause
+        assert [d[0] for d in decisions(master.store, master.job_id)] == ["RESTART_WORKER", "FAIL_JOB"]
+
+
+def test_failing_self_check_fails_prepare_and_leaves_nothing(job_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RLPLEX_TEST_FAULTS", "self_check@counter-1")
+    master = PrimeMaster.create(counter_job(job_dir, count=2))
+    try:
+        with pytest.raises(JobFailedError, match="injected self_check failure: disk not writable"):
+            master.start()
+        assert leftovers() == []
+        job = master.store.job(master.job_id)
+        assert job.state == "FAILED" and "counter-1" in job.cause
+        assert all(n.state == "STOPPED" for n in master.store.nodes(master.job_id))
+    finally:
+        master.close()
+
+
+def test_a_role_scales_up_and_down_on_ray(job_dir: Path) -> None:
+    """Scaling down gives the bundle back to Ray (a second scale-up fits in the same cluster)."""
+    spec = (
+        JobBuilder("rayscale", job_dir, backend="ray", capacity={"cpu": 2})
+        .role("idle", entrypoint="control_workers:Idle", count=1, resources={"cpu": 0.75})
+        .build()
+    )
+    with PrimeMaster.create(spec) as master:
+        master.start()
+
+        def running() -> list[str]:
+            master.monitor()
+            return [n.node_id for n in master.get_nodes_by_role()["idle"] if n.state == "RUNNING"]
+
+        for count in (2, 1, 2):
+            master.scale_role("idle", count)
+            wait_for(lambda: len(running()) == count, 30, f"{count} idle nodes RUNNING")  # noqa: B023
+        names = {str(e["name"]) for e in ray.util.list_named_actors(all_namespaces=True)}
+        assert {f"rlplex-{master.job_id}-idle-{i}" for i in range(2)} <= names
+        master.stop()
+        assert master.state == JobState.STOPPED
+
+
+def test_killed_master_actor_resumes_without_restarting_live_nodes(job_dir: Path) -> None:
+    handle = RayMasterHandle.launch(counter_job(job_dir, items=60, delay_s=0.04))
+    try:
+        store = SqliteStateStore.in_dir(job_dir)
+
+        def progressed() -> bool:
+            job_id = store.latest_job_id()
+            nodes = store.nodes(job_id) if job_id else []
+            return len(nodes) == 2 and all(n.state == "RUNNING" and n.progress.get("items", 0) >= 3 for n in nodes)
+
+        wait_for(progressed, 30, "every node RUNNING with progress")
+        job_id = store.latest_job_id()
+        assert job_id is not None
+        before = {n.node_id: n.pid for n in store.nodes(job_id)}
+        first = handle.info()
+        assert not first["resumed"]
+        os.kill(int(first["pid"]), signal.SIGKILL)
+
+        assert handle.wait(timeout=60) == JobState.STOPPED
+        final = handle.info()
+        assert final["resumed"] and final["pid"] != first["pid"] and final["job_id"] == job_id
+        nodes = store.nodes(job_id)
+        assert {n.node_id: n.pid for n in nodes} == before
+        assert all(n.restarts == 0 and n.state == "FINISHED" for n in nodes)
+        assert store.job(job_id).restarts == 0 and items_done(job_dir) == list(range(60))
+        assert [r.new for r in store.transitions(job_id) if r.entity == "job"] == [
+            "READY", "RUNNING", "READY", "RUNNING", "STOPPING", "STOPPED"
+        ]  # fmt: skip
+        store.close()
+    finally:
+        handle.close()

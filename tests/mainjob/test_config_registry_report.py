@@ -1,0 +1,139 @@
+"""The main job's files: config validation, the run registry and requests, the view and the report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rlplex.errors import ConfigError, RunConfigError, WaitTimeoutError
+from rlplex.mainjob.config import MainJobConfig, RunEntry, load_main_job
+from rlplex.mainjob.registry import (
+    answer,
+    pending_requests,
+    read_registry,
+    run_for_rank,
+    submit_add,
+    wait_for_answer,
+    write_registry,
+)
+from rlplex.mainjob.report import REPORT_FILE, reward_rise, write_report
+from rlplex.mainjob.view import collect, render
+from rlplex.multirun.rundir import STABLE_MARKER, RunDir
+
+RUN = {"task": "reverse", "max_steps": 4, "batch_size": 8}
+
+JOB = """
+name = "mj"
+output_dir = "{out}"
+[trainer]
+world_size = 2
+[[runs]]
+id = "run_a"
+config = {{ task = "reverse", max_steps = 4, batch_size = 8 }}
+[[later_runs]]
+id = "run_late"
+config = {{ task = "reverse", max_steps = 2, batch_size = 8 }}
+[[events]]
+when = {{ run = "run_a", step = 2 }}
+add_run = "run_late"
+"""
+
+
+def write_job(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "job.toml"
+    path.write_text(text.format(out=tmp_path / "out"))
+    return path
+
+
+def test_a_valid_job_loads_and_knows_its_runs_folder(tmp_path: Path) -> None:
+    config = load_main_job(write_job(tmp_path, JOB))
+    assert [r.id for r in config.runs] == ["run_a"] and config.events[0].add_run == "run_late"
+    assert config.runs_dir == tmp_path / "out" / "runs"
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        ('add_run = "run_late"', 'add_run = "run_nope"', "events[0].add_run: 'run_nope' is not in later_runs"),
+        ('id = "run_a"', 'id = "a/../b"', "runs.0.id"),
+        ("world_size = 2", "world_size = 0", "trainer.world_size"),
+        ("max_steps = 4,", "max_steps = -1,", "run 'run_a': config"),
+        ('when = {{ run = "run_a", step = 2 }}', 'when = {{ run = "run_x", step = 2 }}', "when.run: no run 'run_x'"),
+    ],
+)
+def test_a_bad_job_names_the_field(tmp_path: Path, old: str, new: str, message: str) -> None:
+    assert old in JOB
+    with pytest.raises((ConfigError, RunConfigError)) as caught:
+        load_main_job(write_job(tmp_path, JOB.replace(old, new)))
+    assert message in str(caught.value) and "job.toml" in str(caught.value)
+
+
+def test_registry_maps_ranks_to_runs_and_requests_get_answers(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no main job here"):
+        submit_add(tmp_path, RunEntry(id="run_b", config=RUN))
+    write_registry(tmp_path, [RunEntry(id="run_a", config=RUN)])
+    assert run_for_rank(tmp_path, 0).id == "run_a"
+    with pytest.raises(ConfigError, match="no run for orchestrator rank 1"):
+        run_for_rank(tmp_path, 1)
+    good = submit_add(tmp_path, RunEntry(id="run_b", config=RUN))
+    (tmp_path / "requests" / "add-9-bad.json").write_text("{not json")
+    found = pending_requests(tmp_path)
+    assert len(found) == 2
+    request, broken = found
+    assert not isinstance(request, tuple) and request.entry.id == "run_b"
+    assert isinstance(broken, tuple) and "malformed request" in broken[1]
+    answer(good, True, "run_b is orchestrator rank 1")
+    assert wait_for_answer(good, timeout_s=1.0) == (True, "run_b is orchestrator rank 1")
+    assert not good.exists()
+    with pytest.raises(WaitTimeoutError, match="no answer"):
+        wait_for_answer(tmp_path / "requests" / "add-9-bad.json", timeout_s=0.2)
+    (tmp_path / "runs.json").write_text("{}")
+    with pytest.raises(ConfigError, match="expected a JSON list"):
+        read_registry(tmp_path)
+
+
+def fake_run(runs_dir: Path, run_id: str, trained: int, rewards: list[float]) -> RunDir:
+    (runs_dir / run_id).mkdir(parents=True)
+    run = RunDir(runs_dir, run_id)
+    for step in range(trained + 1):
+        directory = run.ensure_dir("broadcast", f"step_{step}")
+        (directory / STABLE_MARKER).write_text("")
+    lines = ["step,reward_mean,tokens_per_s"] + [f"{i},{r},{100 + i}" for i, r in enumerate(rewards)]
+    (run.root / "progress.csv").write_text("\n".join(lines) + "\n7,0.9")  # a torn last line
+    return run
+
+
+def test_view_and_report_show_each_runs_state_rise_and_curves(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    entries = [RunEntry(id=i, config=RUN) for i in ("run_done", "run_mid", "run_evicted", "run_waiting")]
+    write_registry(tmp_path, entries)
+    fake_run(runs, "run_done", 4, [0.2, 0.3, 0.5, 0.7])
+    fake_run(runs, "run_mid", 2, [0.4, 0.5])
+    evicted = fake_run(runs, "run_evicted", 1, [0.1])
+    evicted.write_text(evicted.evicted, "bad rollouts: rewards holds NaN\n")
+    (runs / "run_waiting").mkdir()
+    view = collect(tmp_path)
+    states = {run.run_id: (run.state, run.trained_steps) for run in view.runs}
+    assert states == {"run_done": ("finished", 4), "run_mid": ("running", 2), "run_evicted": ("evicted", 1),
+                      "run_waiting": ("waiting", 0)}  # fmt: skip
+    assert view.runs[0].reward == 0.7 and view.runs[0].tokens_per_s == 103
+    assert reward_rise(view.runs[0]) == pytest.approx((0.5 + 0.7) / 2 - (0.2 + 0.3) / 2)
+    render(view)  # renders without a store
+    report = write_report(tmp_path, wall_time_s=12.5, trainer_tokens_per_s=800.0)
+    text = report.read_text()
+    assert report.name == REPORT_FILE
+    for section in ("## Runs", "## Learning curves", "## Nodes and restarts", "## Evictions", "800 tokens/s"):
+        assert section in text, section
+    assert "| run_done | finished | 4/4 | 0.200 | 0.700 | +0.350 |" in text
+    assert "run_evicted: bad rollouts: rewards holds NaN" in text
+    for png in ("rewards.png", "run_done.png", "run_mid.png"):
+        assert (tmp_path / "plots" / png).stat().st_size > 1000
+    assert list((tmp_path / "tb" / "run_done").glob("events.out.tfevents.*"))
+
+
+def test_job_config_model_refuses_duplicate_ids() -> None:
+    with pytest.raises(ValueError, match="repeated"):
+        MainJobConfig.model_validate(
+            {"name": "x", "output_dir": "o", "runs": [{"id": "run_a", "config": RUN}, {"id": "run_a", "config": RUN}]}
+        )
