@@ -17,6 +17,7 @@ from mr_train_helpers import (
     broadcast_weights,
     make_runs,
     make_trainer,
+    new_train_run,
     synthetic_batch,
     train_alone,
     train_until,
@@ -96,7 +97,7 @@ def test_malformed_rollouts_evict_only_that_run(tmp_path: Path, alone: dict) -> 
     make_runs(tmp_path, ["run_a"])
     bad = {f"run_bad{i}": how for i, how in enumerate(BAD)}
     for run_id, how in bad.items():
-        run = new_run(tmp_path, run_id)
+        run = new_train_run(tmp_path, run_id)
         write_synthetic(tmp_path, run_id, range(1))
         _corrupt(run, 0, how)
     trainer = make_trainer(tmp_path, 1 + len(bad), **PACKED)
@@ -182,3 +183,14 @@ def test_stop_file_ends_the_loop_with_a_checkpoint_of_each_run(tmp_path: Path) -
     (tmp_path / STOP_FILE).touch()
     assert trainer.run(until_idle_s=60) == 0
     assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) == RunDir(tmp_path, "run_c").checkpoint_step(2)
+
+
+def test_a_run_declaring_another_base_model_is_rejected_with_the_reason(tmp_path: Path) -> None:
+    new_run(tmp_path, "run_other", task="add", model={"base": {"warmup_steps": 0}})
+    make_runs(tmp_path, ["run_c"], steps=1)
+    trainer = make_trainer(tmp_path, 2)
+    trainer.iteration()
+    assert sorted(trainer.manager.id_2_idx) == ["run_c"]
+    assert trainer.manager.run_statuses()["run_other"] == "rejected"
+    reason = RunDir(tmp_path, "run_other").config_error.read_text()
+    assert "'task' / 'model.base'" in reason and "'add'" in reason

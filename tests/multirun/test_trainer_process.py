@@ -13,8 +13,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-from mr_helpers import new_run
-from mr_train_helpers import FakeOrchestrator
+import torch
+from mr_train_helpers import FakeOrchestrator, base_model, new_train_run
+from safetensors.torch import load_file
 from test_sync_multirank import free_port
 
 from rlplex.multirun.checkpoint import latest_stable_checkpoint_path
@@ -70,12 +71,14 @@ def test_two_torchrun_style_ranks_learn_from_a_fake_orchestrator_and_stop_togeth
             "2",
             "--checkpoint-every",
             "5",
+            "--base-warmup-steps",
+            "0",
             env={"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
         )
         for rank in range(2)
     ]
     try:
-        run = new_run(tmp_path, "run_learn", max_steps=2 * STEPS, batch_size=32, optim={"lr": 0.02})
+        run = new_train_run(tmp_path, "run_learn", max_steps=2 * STEPS, batch_size=32, optim={"lr": 0.02})
         orchestrator = FakeOrchestrator(run, rank=8, alpha=16.0)
         nll, rewards = [], []
         for step in range(STEPS + 1):
@@ -91,6 +94,12 @@ def test_two_torchrun_style_ranks_learn_from_a_fake_orchestrator_and_stop_togeth
     finally:
         stop_all(procs)
     assert [p.returncode for p in procs] == [0, 0], [log[-2000:] for log in logs]
+    # The trainer's base came from the shared cache and is the model the fake orchestrator samples with.
+    (cached,) = (tmp_path / "base_model").glob("*.safetensors")
+    trainer_base = load_file(str(cached))
+    for name, tensor in base_model().state_dict().items():
+        if name in trainer_base:
+            assert torch.equal(trainer_base[name], tensor), name
     # Step 8 is not a checkpoint step (every 5): the trainer checkpoints every run on its way out.
     assert latest_stable_checkpoint_path(run) == run.checkpoint_step(STEPS)
     assert run.checkpoint_step(5).is_dir()
