@@ -363,6 +363,18 @@ class MultiRunTrainer:
             "slot": done.idx,
         }
         self.progress_log.append(self.manager.run_dir(run_id), row)
+        log.info(
+            "run %s (slot %d): step %d/%d loss %.4f reward %.3f grad_norm %.3f lr %.2e tokens %d",
+            run_id,
+            done.idx,
+            step,
+            max_steps,
+            stats.loss,
+            done.reward_mean,
+            stats.grad_norm,
+            stats.lr,
+            progress.total_tokens,
+        )
 
     def finish(self) -> None:
         """Rank 0: checkpoint every run whose progress is ahead of its last checkpoint."""
