@@ -88,6 +88,7 @@ def train_until(trainer: MultiRunTrainer, done: dict[str, int], max_iterations: 
     for _ in range(max_iterations):
         steps = {rid: trainer.manager.progress[idx].step for rid, idx in trainer.manager.id_2_idx.items()}
         if all(steps.get(rid, -1) >= step for rid, step in done.items()):
+            trainer.flush()
             return
         trainer.iteration()
     raise AssertionError(f"runs did not reach {done}: {steps}")

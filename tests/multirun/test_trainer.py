@@ -50,6 +50,7 @@ def test_runs_trained_together_equal_runs_trained_alone(tmp_path: Path, alone: d
         prepared = trainer.prepare()
         mixed += sum(len(set(m.adapter_ids.tolist())) > 1 for m in prepared.micro_batches)
         trainer.execute(prepared)
+    trainer.flush()
     assert mixed > 0, "no micro-batch mixed runs: the test would not test isolation"
     for name in RUNS:
         run = RunDir(tmp_path, name)
@@ -125,6 +126,7 @@ def test_run_deleted_mid_training_is_forgotten_and_its_slot_reused(tmp_path: Pat
         trainer.execute(prepared)
     shutil.rmtree(tmp_path / "run_b")  # deleted between packing and the writes of its step
     trainer.execute(prepared)
+    trainer.flush()
     assert not (tmp_path / "run_b").exists()
     trainer.iteration()
     assert "run_b" not in trainer.manager.id_2_idx and b_slot not in trainer.optim.optimizers

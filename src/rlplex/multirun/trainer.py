@@ -25,6 +25,7 @@ checkpoint of every run whose progress is ahead of its last checkpoint.
 
 from __future__ import annotations
 
+import copy
 import logging
 import signal
 import time
@@ -42,6 +43,7 @@ from rlplex.errors import AdapterError, CheckpointError, MultiRunError, RunDirGo
 from rlplex.models.lm import token_logprobs
 from rlplex.multirun.base_model import base_model as build_shared_base
 from rlplex.multirun.base_model import base_model_key
+from rlplex.multirun.checkpoint import RunProgress, save_checkpoint
 from rlplex.multirun.lora import DEFAULT_TARGET_MODULES, apply_multi_lora
 from rlplex.multirun.manager import MultiRunManager, setup_multi_run_manager
 from rlplex.multirun.orch_config import BaseModelConfig, OrchestratorConfig, read_orch_config
@@ -49,7 +51,7 @@ from rlplex.multirun.packer import MicroBatch, Packer
 from rlplex.multirun.peft_export import is_stable_adapter, write_peft_adapter
 from rlplex.multirun.rollout_io import MalformedRolloutError, read_rollouts, rollouts_ready
 from rlplex.multirun.run_optim import CLIP_EPS, RunOptimizers, StepStats, clipped_pg_loss
-from rlplex.multirun.trainer_log import ProgressLog
+from rlplex.multirun.trainer_log import BackgroundWriter, ProgressLog
 from rlplex.tasks import CharTokenizer
 
 log = logging.getLogger(__name__)
@@ -120,7 +122,9 @@ class MultiRunTrainer:
         self.packer = Packer(config.micro_tokens, config.micro_batches * self.world_size, self.tokenizer.pad_id)
         self.progress_log = ProgressLog()
         self._evicted: set[str] = set()
-        self._checkpointed: dict[int, int] = {}
+        self._checkpoint_due: dict[str, int] = {}
+        """The newest checkpoint step submitted per run id."""
+        self.writer = BackgroundWriter()
         self._stop_requested = False
         self._rewards: dict[int, tuple[float, int]] = {}
 
@@ -165,7 +169,7 @@ class MultiRunTrainer:
     def _on_create(self, idx: int, run_id: str) -> None:
         step = self.manager.progress[idx].step
         resumed = self.manager.resume_step(idx)
-        self._checkpointed[idx] = resumed if resumed is not None else -1
+        self._checkpoint_due[run_id] = resumed if resumed is not None else -1
         if not self.is_master or idx in self.optim.resume_failures:
             return
         self.packer.drop(idx)
@@ -178,7 +182,7 @@ class MultiRunTrainer:
         self.packer.drop(idx)
         self._rewards.pop(idx, None)
         self._evicted.discard(run_id)
-        self._checkpointed.pop(idx, None)
+        self._checkpoint_due.pop(run_id, None)
 
     # ---- one iteration -----------------------------------------------------------------------
     def iteration(self, master_stop: bool = False) -> IterationResult:
@@ -310,39 +314,43 @@ class MultiRunTrainer:
                 self._publish(s, run_id, stats)
         return stepped
 
-    # ---- outputs (rank 0) --------------------------------------------------------------------
-    def _write_broadcast(self, idx: int, run_id: str, step: int) -> bool:
+    # ---- outputs (rank 0, written by the background writer in submission order) --------------
+    def _write_broadcast(self, idx: int, run_id: str, step: int) -> None:
         lora_cfg = self.manager.config[idx].model.lora
         path = self.manager.run_dir(run_id).broadcast_step(step)
-        try:
-            write_peft_adapter(
-                path,
-                self.manager.get_state_dict_for_run(idx),
-                f"rlplex/tiny-lm-{self.base_key}",
-                rank=lora_cfg.rank,
-                alpha=lora_cfg.alpha,
-                target_modules={name.rsplit(".", 1)[-1] for name in self.manager.lora_modules},
-            )
-        except AdapterError as error:
-            log.warning("run %s: broadcast step %d not written: %s", run_id, step, error)
-            return False
-        return True
+        state = self.manager.get_state_dict_for_run(idx)  # a copy: the next step cannot change it
+        targets = {name.rsplit(".", 1)[-1] for name in self.manager.lora_modules}
 
-    def _checkpoint(self, idx: int, run_id: str, step: int) -> bool:
-        try:
-            self.manager.save_run_checkpoint(
-                idx,
-                step,
-                self.manager.get_state_dict_for_run(idx),
-                self.optim.optimizers[idx].state_dict(),
-                self.optim.schedulers[idx].state_dict(),
-                run_id=run_id,
-            )
-        except (RunDirGoneError, CheckpointError, MultiRunError) as error:
-            log.warning("run %s: checkpoint step %d not written: %s", run_id, step, error)
-            return False
-        self._checkpointed[idx] = step
-        return True
+        def job() -> None:
+            try:
+                write_peft_adapter(
+                    path, state, f"rlplex/tiny-lm-{self.base_key}", lora_cfg.rank, lora_cfg.alpha, targets
+                )
+            except AdapterError as error:
+                log.warning("run %s: broadcast step %d not written: %s", run_id, step, error)
+
+        self.writer.submit(job)
+
+    def _checkpoint(self, idx: int, run_id: str, step: int) -> None:
+        # Copies taken now; the job writes by run id, so a slot reused meanwhile cannot receive it.
+        adapter = self.manager.get_state_dict_for_run(idx)
+        optimizer = copy.deepcopy(self.optim.optimizers[idx].state_dict())
+        scheduler = copy.deepcopy(self.optim.schedulers[idx].state_dict())
+        progress = RunProgress.from_state_dict(self.manager.progress[idx].state_dict())
+        run = self.manager.run_dir(run_id)
+
+        def job() -> None:
+            try:
+                save_checkpoint(run, step, adapter, optimizer, scheduler, progress)
+            except (RunDirGoneError, CheckpointError, MultiRunError) as error:
+                log.warning("run %s: checkpoint step %d not written: %s", run_id, step, error)
+
+        self._checkpoint_due[run_id] = step
+        self.writer.submit(job)
+
+    def flush(self) -> None:
+        """Wait until every output submitted so far is on disk (or has failed with a warning)."""
+        self.writer.flush()
 
     def _publish(self, done: StepDone, run_id: str, stats: StepStats) -> None:
         step = done.step + 1
@@ -362,7 +370,8 @@ class MultiRunTrainer:
             "lr": stats.lr,
             "slot": done.idx,
         }
-        self.progress_log.append(self.manager.run_dir(run_id), row)
+        run = self.manager.run_dir(run_id)
+        self.writer.submit(lambda: self.progress_log.append(run, row))
         log.info(
             "run %s (slot %d): step %d/%d loss %.4f reward %.3f grad_norm %.3f lr %.2e tokens %d",
             run_id,
@@ -382,8 +391,9 @@ class MultiRunTrainer:
             return
         for idx, run_id in sorted(self.manager.idx_2_id.items()):
             step = self.manager.progress[idx].step
-            if run_id not in self._evicted and step > self._checkpointed.get(idx, -1) and step > 0:
+            if run_id not in self._evicted and step > self._checkpoint_due.get(run_id, -1) and step > 0:
                 self._checkpoint(idx, run_id, step)
+        self.flush()
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, steps: int | None = None, until_idle_s: float | None = None) -> int:
