@@ -78,7 +78,13 @@ def prepare(output_dir: Path, run_ids: list[int], batches: list[list[RolloutBatc
     runs = []
     for k in run_ids:
         config = OrchestratorConfig.model_validate(
-            {"task": "reverse", "max_steps": steps, "batch_size": batches[k][0].n, "optim": {"lr": 1e-3}}
+            {
+                "task": "reverse",
+                "max_steps": steps,
+                "batch_size": batches[k][0].n,
+                "optim": {"lr": 1e-3},
+                "model": {"base": {"warmup_steps": 0}},  # the untrained tiny LM, as make_batches scores with
+            }
         )
         run = create_run(output_dir, f"run_{k}", config)
         staging = RunDir(output_dir / ".staging", run.run_id)
@@ -118,7 +124,7 @@ def measure(groups: list[tuple[Path, list[RunDir]]], threads: int, steps: int, m
     for output_dir, runs in groups:
         command = [sys.executable, "-m", "rlplex.multirun.trainer", "--output-dir", str(output_dir)]
         command += ["--max-runs", str(len(runs)), "--threads", str(threads), "--micro-tokens", str(micro_tokens)]
-        command += ["--checkpoint-every", str(10 * steps)]
+        command += ["--checkpoint-every", str(10 * steps), "--base-warmup-steps", "0"]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     all_runs = [run for _, runs in groups for run in runs]
     try:

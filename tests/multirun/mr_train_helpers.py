@@ -14,6 +14,16 @@ from rlplex.multirun.trainer import MultiRunTrainer, TrainerConfig
 from rlplex.tasks import CharTokenizer
 
 _BASE: dict[int, torch.nn.Module] = {}
+TEST_BASE = {"warmup_steps": 0}
+"""The runs and trainers of these tests share the untrained tiny LM (no warm-up): `base_model()`."""
+
+
+def new_train_run(output_dir: Path, name: str, **overrides: object) -> RunDir:
+    """`mr_helpers.new_run` with the tests' base model declared in `model.base`."""
+    from mr_helpers import new_run
+
+    model = dict(overrides.pop("model", {}))  # type: ignore[call-overload]
+    return new_run(output_dir, name, model={**model, "base": TEST_BASE}, **overrides)
 
 
 def base_model() -> torch.nn.Module:
@@ -65,7 +75,9 @@ def write_synthetic(output_dir: Path, run_id: str, steps: range, **kwargs: objec
 
 
 def make_trainer(output_dir: Path, max_runs: int, **overrides: object) -> MultiRunTrainer:
-    config = TrainerConfig.model_validate({"output_dir": output_dir, "max_runs": max_runs, **overrides})
+    config = TrainerConfig.model_validate(
+        {"output_dir": output_dir, "max_runs": max_runs, "base": TEST_BASE, **overrides}
+    )
     import copy
 
     return MultiRunTrainer(config, base_model=copy.deepcopy(base_model()))
@@ -76,6 +88,7 @@ def train_until(trainer: MultiRunTrainer, done: dict[str, int], max_iterations: 
     for _ in range(max_iterations):
         steps = {rid: trainer.manager.progress[idx].step for rid, idx in trainer.manager.id_2_idx.items()}
         if all(steps.get(rid, -1) >= step for rid, step in done.items()):
+            trainer.flush()
             return
         trainer.iteration()
     raise AssertionError(f"runs did not reach {done}: {steps}")
@@ -167,12 +180,10 @@ PACKED = {"micro_tokens": 40, "micro_batches": 2}
 
 def make_runs(output_dir: Path, names: list[str], steps: int = STEPS, as_name: dict[str, str] | None = None) -> None:
     """Create runs from RUNS (optionally under another name) with rollouts for steps [0, steps)."""
-    from mr_helpers import new_run
-
     for name in names:
         run_id = (as_name or {}).get(name, name)
         config, data = RUNS[name]
-        new_run(output_dir, run_id, **config)
+        new_train_run(output_dir, run_id, **config)
         write_synthetic(output_dir, run_id, range(steps), **data)
 
 

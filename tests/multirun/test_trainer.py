@@ -17,6 +17,7 @@ from mr_train_helpers import (
     broadcast_weights,
     make_runs,
     make_trainer,
+    new_train_run,
     synthetic_batch,
     train_alone,
     train_until,
@@ -28,6 +29,7 @@ from test_sync_multirank import run_world
 from rlplex.multirun.checkpoint import latest_stable_checkpoint_path
 from rlplex.multirun.rollout_io import ROLLOUT_FILE
 from rlplex.multirun.rundir import RunDir
+from rlplex.multirun.trainer import STOP_FILE
 from rlplex.multirun.trainer_log import read_progress_csv
 
 
@@ -48,6 +50,7 @@ def test_runs_trained_together_equal_runs_trained_alone(tmp_path: Path, alone: d
         prepared = trainer.prepare()
         mixed += sum(len(set(m.adapter_ids.tolist())) > 1 for m in prepared.micro_batches)
         trainer.execute(prepared)
+    trainer.flush()
     assert mixed > 0, "no micro-batch mixed runs: the test would not test isolation"
     for name in RUNS:
         run = RunDir(tmp_path, name)
@@ -95,7 +98,7 @@ def test_malformed_rollouts_evict_only_that_run(tmp_path: Path, alone: dict) -> 
     make_runs(tmp_path, ["run_a"])
     bad = {f"run_bad{i}": how for i, how in enumerate(BAD)}
     for run_id, how in bad.items():
-        run = new_run(tmp_path, run_id)
+        run = new_train_run(tmp_path, run_id)
         write_synthetic(tmp_path, run_id, range(1))
         _corrupt(run, 0, how)
     trainer = make_trainer(tmp_path, 1 + len(bad), **PACKED)
@@ -123,6 +126,7 @@ def test_run_deleted_mid_training_is_forgotten_and_its_slot_reused(tmp_path: Pat
         trainer.execute(prepared)
     shutil.rmtree(tmp_path / "run_b")  # deleted between packing and the writes of its step
     trainer.execute(prepared)
+    trainer.flush()
     assert not (tmp_path / "run_b").exists()
     trainer.iteration()
     assert "run_b" not in trainer.manager.id_2_idx and b_slot not in trainer.optim.optimizers
@@ -171,3 +175,48 @@ def test_world_size_2_isolation_and_resume_across_world_sizes(tmp_path: Path, al
     reference = train_alone(tmp_path / "ref", "run_a", steps=4, run_id="run_r")
     assert_same_weights(broadcast_weights(prepared, "run_r", 4), reference)
     assert results[0]["resume_slot"] == 0 and results[0]["resume_step"] == 2
+
+
+def test_stop_file_ends_the_loop_with_a_checkpoint_of_each_run(tmp_path: Path) -> None:
+    make_runs(tmp_path, ["run_c"], steps=2)
+    trainer = make_trainer(tmp_path, 1, checkpoint_every=10)
+    train_until(trainer, {"run_c": 2})
+    assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) is None  # not a checkpoint step
+    (tmp_path / STOP_FILE).touch()
+    assert trainer.run(until_idle_s=60) == 0
+    assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) == RunDir(tmp_path, "run_c").checkpoint_step(2)
+
+
+def test_a_run_declaring_another_base_model_is_rejected_with_the_reason(tmp_path: Path) -> None:
+    new_run(tmp_path, "run_other", task="add", model={"base": {"warmup_steps": 0}})
+    make_runs(tmp_path, ["run_c"], steps=1)
+    trainer = make_trainer(tmp_path, 2)
+    trainer.iteration()
+    assert sorted(trainer.manager.id_2_idx) == ["run_c"]
+    assert trainer.manager.run_statuses()["run_other"] == "rejected"
+    reason = RunDir(tmp_path, "run_other").config_error.read_text()
+    assert "'task' / 'model.base'" in reason and "'add'" in reason
+
+
+def test_cli_takes_the_base_from_an_orch_toml_and_stops_after_steps(tmp_path: Path) -> None:
+    import signal
+
+    from rlplex.multirun.base_model import base_model_key
+    from rlplex.multirun.orch_config import read_orch_config
+    from rlplex.multirun.trainer import main
+
+    make_runs(tmp_path, ["run_c"], steps=3)
+    declared = tmp_path / "declared.toml"
+    declared.write_text('task = "reverse"\nmax_steps = 5\nbatch_size = 4\n[model.base]\nwarmup_steps = 7\n')
+    handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    try:
+        args = ["--output-dir", str(tmp_path), "--max-runs", "1", "--base-from", str(declared)]
+        assert main([*args, "--base-warmup-steps", "0", "--steps", "2"]) == 0
+    finally:
+        signal.signal(signal.SIGTERM, handlers[0])
+        signal.signal(signal.SIGINT, handlers[1])
+    # warm-up overridden to 0: the key of the runs' base, so run_c was admitted and trained 2 steps
+    key = base_model_key(read_orch_config(RunDir(tmp_path, "run_c").orch_config))
+    assert [p.stem for p in (tmp_path / "base_model").glob("*.safetensors")] == [key]
+    assert [r["step"] for r in read_progress_csv(RunDir(tmp_path, "run_c"))] == [1, 2]
+    assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) == RunDir(tmp_path, "run_c").checkpoint_step(2)

@@ -1,4 +1,8 @@
-"""One trainer, many runs: the run directory protocol and the `MultiRunManager` (seeds 000, 001)."""
+"""One trainer, many runs: the run directory protocol and the `MultiRunManager` (seeds 000, 001).
+
+The trainer (`rlplex.multirun.trainer.MultiRunTrainer`, `python -m rlplex.multirun.trainer`) is
+not imported here: it loads transformers, which the run-directory side does not need.
+"""
 
 from rlplex.multirun.checkpoint import RunCheckpoint, RunProgress, load_checkpoint
 from rlplex.multirun.lora import AdapterBatch, MultiLoRALinear, MultiLoRAModules, apply_multi_lora
@@ -19,7 +23,9 @@ from rlplex.multirun.orch_config import (
     orch_config_to_toml,
     read_orch_config,
 )
+from rlplex.multirun.packer import MicroBatch, Packer
 from rlplex.multirun.peft_export import write_peft_adapter
+from rlplex.multirun.run_optim import RunOptimizers, clipped_pg_loss
 from rlplex.multirun.rundir import STABLE_MARKER, RunDir
 
 __all__ = [
@@ -28,17 +34,21 @@ __all__ = [
     "STABLE_MARKER",
     "AdapterBatch",
     "LoraConfig",
+    "MicroBatch",
     "ModelConfig",
     "MultiLoRALinear",
     "MultiLoRAModules",
     "MultiRunManager",
     "OptimConfig",
     "OrchestratorConfig",
+    "Packer",
     "RunCheckpoint",
     "RunDir",
+    "RunOptimizers",
     "RunProgress",
     "RunStatus",
     "apply_multi_lora",
+    "clipped_pg_loss",
     "create_run",
     "get_multi_run_manager",
     "load_checkpoint",

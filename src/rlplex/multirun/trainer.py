@@ -25,6 +25,7 @@ checkpoint of every run whose progress is ahead of its last checkpoint.
 
 from __future__ import annotations
 
+import copy
 import logging
 import signal
 import time
@@ -39,20 +40,23 @@ from pydantic import Field
 
 from rlplex.config import StrictModel
 from rlplex.errors import AdapterError, CheckpointError, MultiRunError, RunDirGoneError
-from rlplex.models.lm import TinyLMConfig, build_tiny_lm, token_logprobs
+from rlplex.models.lm import token_logprobs
+from rlplex.multirun.base_model import base_model as build_shared_base
+from rlplex.multirun.base_model import base_model_key
+from rlplex.multirun.checkpoint import RunProgress, save_checkpoint
 from rlplex.multirun.lora import DEFAULT_TARGET_MODULES, apply_multi_lora
 from rlplex.multirun.manager import MultiRunManager, setup_multi_run_manager
+from rlplex.multirun.orch_config import BaseModelConfig, OrchestratorConfig, read_orch_config
 from rlplex.multirun.packer import MicroBatch, Packer
 from rlplex.multirun.peft_export import is_stable_adapter, write_peft_adapter
 from rlplex.multirun.rollout_io import MalformedRolloutError, read_rollouts, rollouts_ready
 from rlplex.multirun.run_optim import CLIP_EPS, RunOptimizers, StepStats, clipped_pg_loss
-from rlplex.multirun.trainer_log import ProgressLog
+from rlplex.multirun.trainer_log import BackgroundWriter, ProgressLog
 from rlplex.tasks import CharTokenizer
 
 log = logging.getLogger(__name__)
 
 STOP_FILE = "STOP_TRAINER"
-BASE_MODEL_NAME = "rlplex/tiny-lm"
 
 
 class TrainerConfig(StrictModel):
@@ -63,8 +67,8 @@ class TrainerConfig(StrictModel):
     micro_tokens: int = Field(4096, ge=1, description="Row tokens per micro-batch (padded width x rows).")
     micro_batches: int = Field(4, ge=1, description="Micro-batches per rank per iteration.")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint a run every N of its steps (and at its last).")
-    model: TinyLMConfig = TinyLMConfig()
-    base_model: Path | None = Field(None, description="safetensors state dict of the shared base model.")
+    task: str = Field("reverse", min_length=1, description="The task the shared base model is warmed up on.")
+    base: BaseModelConfig = Field(BaseModelConfig(), description="The shared base model, as runs declare it.")
     clip_eps: float = Field(CLIP_EPS, gt=0)
     poll_interval_s: float = Field(0.05, gt=0)
 
@@ -94,6 +98,10 @@ class IterationResult:
 
 
 class MultiRunTrainer:
+    """The trainer of every rank. The shared frozen base is `base_model(task, base)` from the
+    run directory's cache (the orchestrators load the same file); runs that declare another
+    base are rejected with the reason. `base_model` may be passed in: it must hold those weights."""
+
     def __init__(self, config: TrainerConfig, base_model: torch.nn.Module | None = None) -> None:
         self.config = config
         distributed = dist.is_available() and dist.is_initialized()
@@ -101,35 +109,46 @@ class MultiRunTrainer:
         self.world_size = dist.get_world_size() if distributed else 1
         self.manager: MultiRunManager = setup_multi_run_manager(config.output_dir, config.max_runs)
         self.tokenizer = CharTokenizer()
-        model = base_model if base_model is not None else self._build_base()
+        self.base_config = self._reference_config()
+        self.base_key = base_model_key(self.base_config)
+        model = base_model if base_model is not None else build_shared_base(self.base_config, config.output_dir)
         self.model = model.eval()
         self.lora = apply_multi_lora(self.model, config.target_modules, rank=config.max_lora_rank, manager=self.manager)
         self.vocab_size = int(cast(Any, self.model).get_input_embeddings().num_embeddings)
         self.optim = RunOptimizers(self.manager)
         self.manager.register_creation_hook(self._on_create, name="rlplex.multirun.trainer.initial_broadcast")
         self.manager.register_forgotten_hook(self._on_forgotten, name="rlplex.multirun.trainer.forget")
+        self.manager.register_config_validation_hook(self._same_base, name="rlplex.multirun.trainer.same_base")
         self.packer = Packer(config.micro_tokens, config.micro_batches * self.world_size, self.tokenizer.pad_id)
         self.progress_log = ProgressLog()
         self._evicted: set[str] = set()
-        self._checkpointed: dict[int, int] = {}
+        self._checkpoint_due: dict[str, int] = {}
+        """The newest checkpoint step submitted per run id."""
+        self.writer = BackgroundWriter()
         self._stop_requested = False
         self._rewards: dict[int, tuple[float, int]] = {}
 
     # ---- set-up ------------------------------------------------------------------------------
-    def _build_base(self) -> torch.nn.Module:
-        model = build_tiny_lm(self.config.model, self.tokenizer)
-        if self.config.base_model is not None:
-            from safetensors.torch import load_file
+    def _reference_config(self) -> OrchestratorConfig:
+        """A run config that declares the trainer's base model (task + model.base)."""
+        return OrchestratorConfig.model_validate(
+            {
+                "task": self.config.task,
+                "max_steps": 1,
+                "batch_size": 2,
+                "model": {"base": self.config.base.model_dump()},
+            }
+        )
 
-            state = load_file(str(self.config.base_model))
-            missing, unexpected = model.load_state_dict(state, strict=False)
-            real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
-            if real_missing or unexpected:
-                raise MultiRunError(
-                    f"{self.config.base_model}: base model does not fit the tiny LM config "
-                    f"(missing {real_missing[:3]}, unexpected {unexpected[:3]})"
-                )
-        return model
+    def _same_base(self, config: OrchestratorConfig) -> tuple[bool, str]:
+        """Config validation: a run must declare the base model this trainer trains on."""
+        key = base_model_key(config)
+        if key == self.base_key:
+            return True, ""
+        return False, (
+            f"fields 'task' / 'model.base': the run's base model (task {config.task!r}, key {key}) is not this "
+            f"trainer's (task {self.config.task!r}, {self.config.base.model_dump()}, key {self.base_key})"
+        )
 
     def request_stop(self) -> None:
         self._stop_requested = True
@@ -150,7 +169,7 @@ class MultiRunTrainer:
     def _on_create(self, idx: int, run_id: str) -> None:
         step = self.manager.progress[idx].step
         resumed = self.manager.resume_step(idx)
-        self._checkpointed[idx] = resumed if resumed is not None else -1
+        self._checkpoint_due[run_id] = resumed if resumed is not None else -1
         if not self.is_master or idx in self.optim.resume_failures:
             return
         self.packer.drop(idx)
@@ -163,7 +182,7 @@ class MultiRunTrainer:
         self.packer.drop(idx)
         self._rewards.pop(idx, None)
         self._evicted.discard(run_id)
-        self._checkpointed.pop(idx, None)
+        self._checkpoint_due.pop(run_id, None)
 
     # ---- one iteration -----------------------------------------------------------------------
     def iteration(self, master_stop: bool = False) -> IterationResult:
@@ -295,39 +314,43 @@ class MultiRunTrainer:
                 self._publish(s, run_id, stats)
         return stepped
 
-    # ---- outputs (rank 0) --------------------------------------------------------------------
-    def _write_broadcast(self, idx: int, run_id: str, step: int) -> bool:
+    # ---- outputs (rank 0, written by the background writer in submission order) --------------
+    def _write_broadcast(self, idx: int, run_id: str, step: int) -> None:
         lora_cfg = self.manager.config[idx].model.lora
         path = self.manager.run_dir(run_id).broadcast_step(step)
-        try:
-            write_peft_adapter(
-                path,
-                self.manager.get_state_dict_for_run(idx),
-                str(self.config.base_model) if self.config.base_model else BASE_MODEL_NAME,
-                rank=lora_cfg.rank,
-                alpha=lora_cfg.alpha,
-                target_modules={name.rsplit(".", 1)[-1] for name in self.manager.lora_modules},
-            )
-        except AdapterError as error:
-            log.warning("run %s: broadcast step %d not written: %s", run_id, step, error)
-            return False
-        return True
+        state = self.manager.get_state_dict_for_run(idx)  # a copy: the next step cannot change it
+        targets = {name.rsplit(".", 1)[-1] for name in self.manager.lora_modules}
 
-    def _checkpoint(self, idx: int, run_id: str, step: int) -> bool:
-        try:
-            self.manager.save_run_checkpoint(
-                idx,
-                step,
-                self.manager.get_state_dict_for_run(idx),
-                self.optim.optimizers[idx].state_dict(),
-                self.optim.schedulers[idx].state_dict(),
-                run_id=run_id,
-            )
-        except (RunDirGoneError, CheckpointError, MultiRunError) as error:
-            log.warning("run %s: checkpoint step %d not written: %s", run_id, step, error)
-            return False
-        self._checkpointed[idx] = step
-        return True
+        def job() -> None:
+            try:
+                write_peft_adapter(
+                    path, state, f"rlplex/tiny-lm-{self.base_key}", lora_cfg.rank, lora_cfg.alpha, targets
+                )
+            except AdapterError as error:
+                log.warning("run %s: broadcast step %d not written: %s", run_id, step, error)
+
+        self.writer.submit(job)
+
+    def _checkpoint(self, idx: int, run_id: str, step: int) -> None:
+        # Copies taken now; the job writes by run id, so a slot reused meanwhile cannot receive it.
+        adapter = self.manager.get_state_dict_for_run(idx)
+        optimizer = copy.deepcopy(self.optim.optimizers[idx].state_dict())
+        scheduler = copy.deepcopy(self.optim.schedulers[idx].state_dict())
+        progress = RunProgress.from_state_dict(self.manager.progress[idx].state_dict())
+        run = self.manager.run_dir(run_id)
+
+        def job() -> None:
+            try:
+                save_checkpoint(run, step, adapter, optimizer, scheduler, progress)
+            except (RunDirGoneError, CheckpointError, MultiRunError) as error:
+                log.warning("run %s: checkpoint step %d not written: %s", run_id, step, error)
+
+        self._checkpoint_due[run_id] = step
+        self.writer.submit(job)
+
+    def flush(self) -> None:
+        """Wait until every output submitted so far is on disk (or has failed with a warning)."""
+        self.writer.flush()
 
     def _publish(self, done: StepDone, run_id: str, stats: StepStats) -> None:
         step = done.step + 1
@@ -347,7 +370,20 @@ class MultiRunTrainer:
             "lr": stats.lr,
             "slot": done.idx,
         }
-        self.progress_log.append(self.manager.run_dir(run_id), row)
+        run = self.manager.run_dir(run_id)
+        self.writer.submit(lambda: self.progress_log.append(run, row))
+        log.info(
+            "run %s (slot %d): step %d/%d loss %.4f reward %.3f grad_norm %.3f lr %.2e tokens %d",
+            run_id,
+            done.idx,
+            step,
+            max_steps,
+            stats.loss,
+            done.reward_mean,
+            stats.grad_norm,
+            stats.lr,
+            progress.total_tokens,
+        )
 
     def finish(self) -> None:
         """Rank 0: checkpoint every run whose progress is ahead of its last checkpoint."""
@@ -355,8 +391,9 @@ class MultiRunTrainer:
             return
         for idx, run_id in sorted(self.manager.idx_2_id.items()):
             step = self.manager.progress[idx].step
-            if run_id not in self._evicted and step > self._checkpointed.get(idx, -1) and step > 0:
+            if run_id not in self._evicted and step > self._checkpoint_due.get(run_id, -1) and step > 0:
                 self._checkpoint(idx, run_id, step)
+        self.flush()
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, steps: int | None = None, until_idle_s: float | None = None) -> int:
@@ -409,8 +446,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-tokens", type=int, default=4096)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--checkpoint-every", type=int, default=1)
-    parser.add_argument("--base-model", type=Path, default=None)
-    parser.add_argument("--model-seed", type=int, default=0)
+    parser.add_argument("--task", default="reverse", help="task of the shared base model (runs must match)")
+    parser.add_argument("--base-from", type=Path, default=None, help="take task and model.base from this orch.toml")
+    parser.add_argument("--base-warmup-steps", type=int, default=None)
+    parser.add_argument("--base-seed", type=int, default=None)
     parser.add_argument("--steps", type=int, default=None, help="stop after N iterations that trained")
     parser.add_argument("--until-idle", type=float, default=None, help="stop after S seconds with nothing to train")
     parser.add_argument("--threads", type=int, default=None)
@@ -418,6 +457,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
+    task, base = args.task, BaseModelConfig()
+    if args.base_from is not None:
+        declared = read_orch_config(args.base_from)
+        task, base = declared.task, declared.model.base
+    overrides = {"warmup_steps": args.base_warmup_steps, "seed": args.base_seed}
+    base = BaseModelConfig.model_validate(
+        {**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
+    )
     config = TrainerConfig(
         output_dir=args.output_dir,
         max_runs=args.max_runs,
@@ -425,8 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         micro_tokens=args.micro_tokens,
         micro_batches=args.micro_batches,
         checkpoint_every=args.checkpoint_every,
-        base_model=args.base_model,
-        model=TinyLMConfig(seed=args.model_seed),
+        task=task,
+        base=base,
     )
     owns_group = _init_distributed()
     try:

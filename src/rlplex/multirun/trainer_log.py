@@ -1,7 +1,11 @@
-"""The trainer's per-run progress log: `run_*/logs/trainer_progress.csv`, one row per step.
+"""Rank 0's outputs: the background writer, and the per-run progress log
+`run_*/logs/trainer_progress.csv` (one row per step).
 
-Appended by rank 0 after each step of a run. The `logs/` level is made with `RunDir.ensure_dir`
-and the file opened without creating parents, so a run deleted meanwhile stays deleted.
+`BackgroundWriter` runs the output jobs (broadcast adapters, checkpoints, progress rows) on one
+thread in submission order, so the next iteration's forward and backward overlap the fsyncs;
+each job holds copies of the state it writes. The queue is bounded: a slow disk slows the
+trainer instead of filling memory. The `logs/` level is made with `RunDir.ensure_dir` and the
+CSV opened without creating parents, so a run deleted meanwhile stays deleted.
 """
 
 from __future__ import annotations
@@ -10,6 +14,9 @@ import csv
 import io
 import logging
 import os
+import queue
+import threading
+from collections.abc import Callable
 from typing import Any
 
 from rlplex.errors import MultiRunError, RunDirGoneError
@@ -22,6 +29,31 @@ PROGRESS_CSV = "trainer_progress.csv"
 
 def progress_csv_path(run: RunDir) -> os.PathLike[str]:
     return run.root / "logs" / PROGRESS_CSV
+
+
+class BackgroundWriter:
+    def __init__(self, max_pending: int = 64) -> None:
+        self._queue: queue.Queue[Callable[[], None]] = queue.Queue(maxsize=max_pending)
+        self._thread: threading.Thread | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._work, name="rlplex-trainer-writer", daemon=True)
+            self._thread.start()
+        self._queue.put(job)
+
+    def flush(self) -> None:
+        self._queue.join()
+
+    def _work(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                job()
+            except Exception:  # one failed write must not stop the others (each job logs its own faults)
+                log.exception("trainer output job failed")
+            finally:
+                self._queue.task_done()
 
 
 class ProgressLog:
