@@ -28,7 +28,7 @@ from rlplex.errors import RunConfigError
 from rlplex.models.lm import TinyLMConfig, token_logprobs
 from rlplex.multirun import OrchestratorConfig, RunDir, apply_multi_lora, orch_config_to_toml, write_peft_adapter
 from rlplex.multirun.base_model import base_model, base_model_path
-from rlplex.multirun.orch_config import BaseModelConfig
+from rlplex.multirun.orch_config import BaseModelConfig, read_orch_config
 from rlplex.multirun.orchestrator import MAX_EMPTY_BATCH_ATTEMPTS, WaitOptions, main, run_orchestrator
 from rlplex.multirun.rollout_io import ROLLOUT_FILE, read_rollouts, rollouts_ready
 from rlplex.multirun.rundir import write_eviction
@@ -374,3 +374,8 @@ def test_base_model_is_cached_and_matches_tiny_lm_fields(tmp_path: Path, base_ca
     path.write_bytes(b"corrupt")
     rebuilt = base_model(make_config(), out)
     assert torch.equal(rebuilt.lm_head.weight, first.lm_head.weight)
+
+
+def test_example_config_is_valid() -> None:
+    config = read_orch_config(Path(__file__).parents[2] / "examples" / "multirun_orch.toml")
+    assert (config.task, config.batch_size, config.group_size, config.max_async_level) == ("reverse", 64, 8, 1)
