@@ -22,12 +22,14 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def run_world(scenario: str, out: Path, world: int = 2, timeout_s: float = 90.0) -> list[dict[str, Any]]:
+def run_world(
+    scenario: str, out: Path, world: int = 2, timeout_s: float = 90.0, worker: str = "mr_rank_worker.py"
+) -> list[dict[str, Any]]:
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{HERE}", "OMP_NUM_THREADS": "1"}
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HERE / "mr_rank_worker.py"), scenario, str(rank), str(world), str(port), str(out)],
+            [sys.executable, str(HERE / worker), scenario, str(rank), str(world), str(port), str(out)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

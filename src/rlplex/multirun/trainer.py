@@ -1,0 +1,444 @@
+"""`MultiRunTrainer`: one trainer, many runs, on one rank or a torch.distributed group.
+
+```
+ every iteration                       rank 0                         every rank
+ 1 discover_runs()                     scan run_*, admit, evict
+ 2 synchronize_state()                                                 deletion, creation hooks
+ 3 stop?                                                               all-reduce(max) of stop flags
+ 4 read ready rollouts/step_s          validate (malformed: evict)
+ 5 pack (fair by loss tokens)          plan -> micro-batches
+ 6 broadcast plan                      header + tensors (no pickle) ->
+ 7 forward/backward                                                    micro-batches i = rank mod W
+ 8 step the runs whose step is whole                                   all-reduce grads, clip, step
+ 9 publish                             broadcast/step_{s+1}, checkpoints/step_{s+1}, progress.csv
+```
+
+A run trains step s from `rollouts/step_s`; after its optimizer step its progress step is
+s + 1 and `broadcast/step_{s+1}` appears. When a run is created (fresh or resumed),
+`broadcast/step_<its step>` is written if missing, so its orchestrator can start.
+
+Entry point (torchrun-style: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT when present):
+`python -m rlplex.multirun.trainer --output-dir D --max-runs K [--steps N] [--until-idle S]`.
+It stops cleanly on SIGTERM / SIGINT or when the file `D/STOP_TRAINER` exists, writing a
+checkpoint of every run whose progress is ahead of its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from pydantic import Field
+
+from rlplex.config import StrictModel
+from rlplex.errors import AdapterError, CheckpointError, MultiRunError, RunDirGoneError
+from rlplex.models.lm import TinyLMConfig, build_tiny_lm, token_logprobs
+from rlplex.multirun.lora import DEFAULT_TARGET_MODULES, apply_multi_lora
+from rlplex.multirun.manager import MultiRunManager, setup_multi_run_manager
+from rlplex.multirun.packer import MicroBatch, Packer
+from rlplex.multirun.peft_export import is_stable_adapter, write_peft_adapter
+from rlplex.multirun.rollout_io import MalformedRolloutError, read_rollouts, rollouts_ready
+from rlplex.multirun.run_optim import CLIP_EPS, RunOptimizers, StepStats, clipped_pg_loss
+from rlplex.multirun.trainer_log import ProgressLog
+from rlplex.tasks import CharTokenizer
+
+log = logging.getLogger(__name__)
+
+STOP_FILE = "STOP_TRAINER"
+BASE_MODEL_NAME = "rlplex/tiny-lm"
+
+
+class TrainerConfig(StrictModel):
+    output_dir: Path
+    max_runs: int = Field(ge=1)
+    max_lora_rank: int = Field(8, ge=1)
+    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    micro_tokens: int = Field(4096, ge=1, description="Row tokens per micro-batch (padded width x rows).")
+    micro_batches: int = Field(4, ge=1, description="Micro-batches per rank per iteration.")
+    checkpoint_every: int = Field(1, ge=1, description="Checkpoint a run every N of its steps (and at its last).")
+    model: TinyLMConfig = TinyLMConfig()
+    base_model: Path | None = Field(None, description="safetensors state dict of the shared base model.")
+    clip_eps: float = Field(CLIP_EPS, gt=0)
+    poll_interval_s: float = Field(0.05, gt=0)
+
+
+@dataclass
+class StepDone:
+    idx: int
+    step: int
+    tokens: int
+    samples: int
+    reward_mean: float = 0.0
+    policy_step: int = 0
+
+
+@dataclass
+class Prepared:
+    stop: bool
+    micro_batches: list[MicroBatch]
+    steps: list[StepDone]
+
+
+@dataclass
+class IterationResult:
+    stop: bool
+    micro_batches: int
+    stepped: list[tuple[int, str, int]]  # (slot, run id, new step)
+
+
+class MultiRunTrainer:
+    def __init__(self, config: TrainerConfig, base_model: torch.nn.Module | None = None) -> None:
+        self.config = config
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if distributed else 0
+        self.world_size = dist.get_world_size() if distributed else 1
+        self.manager: MultiRunManager = setup_multi_run_manager(config.output_dir, config.max_runs)
+        self.tokenizer = CharTokenizer()
+        model = base_model if base_model is not None else self._build_base()
+        self.model = model.eval()
+        self.lora = apply_multi_lora(self.model, config.target_modules, rank=config.max_lora_rank, manager=self.manager)
+        self.vocab_size = int(cast(Any, self.model).get_input_embeddings().num_embeddings)
+        self.optim = RunOptimizers(self.manager)
+        self.manager.register_creation_hook(self._on_create, name="rlplex.multirun.trainer.initial_broadcast")
+        self.manager.register_forgotten_hook(self._on_forgotten, name="rlplex.multirun.trainer.forget")
+        self.packer = Packer(config.micro_tokens, config.micro_batches * self.world_size, self.tokenizer.pad_id)
+        self.progress_log = ProgressLog()
+        self._evicted: set[str] = set()
+        self._checkpointed: dict[int, int] = {}
+        self._stop_requested = False
+        self._rewards: dict[int, tuple[float, int]] = {}
+
+    # ---- set-up ------------------------------------------------------------------------------
+    def _build_base(self) -> torch.nn.Module:
+        model = build_tiny_lm(self.config.model, self.tokenizer)
+        if self.config.base_model is not None:
+            from safetensors.torch import load_file
+
+            state = load_file(str(self.config.base_model))
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            real_missing = [k for k in missing if not k.endswith("lm_head.weight")]  # tied to the embeddings
+            if real_missing or unexpected:
+                raise MultiRunError(
+                    f"{self.config.base_model}: base model does not fit the tiny LM config "
+                    f"(missing {real_missing[:3]}, unexpected {unexpected[:3]})"
+                )
+        return model
+
+    def request_stop(self) -> None:
+        self._stop_requested = True
+
+    def install_signal_handlers(self) -> None:
+        def handler(signum: int, frame: FrameType | None) -> None:
+            log.warning("trainer rank %d: signal %d, stopping after this iteration", self.rank, signum)
+            self._stop_requested = True
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    @property
+    def is_master(self) -> bool:
+        return self.rank == 0
+
+    # ---- hooks -------------------------------------------------------------------------------
+    def _on_create(self, idx: int, run_id: str) -> None:
+        step = self.manager.progress[idx].step
+        resumed = self.manager.resume_step(idx)
+        self._checkpointed[idx] = resumed if resumed is not None else -1
+        if not self.is_master or idx in self.optim.resume_failures:
+            return
+        self.packer.drop(idx)
+        self._rewards.pop(idx, None)
+        run = self.manager.run_dir(run_id)
+        if not is_stable_adapter(run.broadcast_step(step)):
+            self._write_broadcast(idx, run_id, step)
+
+    def _on_forgotten(self, idx: int, run_id: str) -> None:
+        self.packer.drop(idx)
+        self._rewards.pop(idx, None)
+        self._evicted.discard(run_id)
+        self._checkpointed.pop(idx, None)
+
+    # ---- one iteration -----------------------------------------------------------------------
+    def iteration(self, master_stop: bool = False) -> IterationResult:
+        """One trainer iteration on every rank; `master_stop` (rank 0's say) ends the loop."""
+        return self.execute(self.prepare(master_stop))
+
+    def prepare(self, master_stop: bool = False) -> Prepared:
+        """Steps 1-6: the run table, the stop decision and the packed plan, the same on every rank."""
+        if self.is_master:
+            self.manager.discover_runs()
+        self.manager.synchronize_state()
+        stop = self._stop_requested or (self.is_master and (master_stop or self._stop_file().exists()))
+        if self.world_size > 1:
+            flag = torch.tensor([int(stop)])
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            stop = bool(flag.item())
+        micros: list[MicroBatch] = []
+        steps: list[StepDone] = []
+        if self.is_master and not stop:
+            micros, steps = self._plan()
+        if self.world_size > 1 and not stop:
+            micros, steps = self._broadcast_plan(micros, steps)
+        return Prepared(stop, micros, steps)
+
+    def execute(self, prepared: Prepared) -> IterationResult:
+        """Steps 7-9: this rank's micro-batches, then the runs whose step is whole."""
+        if prepared.stop:
+            return IterationResult(True, 0, [])
+        for micro in prepared.micro_batches[self.rank :: self.world_size]:
+            self._forward_backward(micro)
+        stepped = self._step_runs(prepared.steps)
+        return IterationResult(False, len(prepared.micro_batches), stepped)
+
+    def _stop_file(self) -> Path:
+        return self.config.output_dir / STOP_FILE
+
+    def _plan(self) -> tuple[list[MicroBatch], list[StepDone]]:
+        """Rank 0: read newly ready steps, pack, and take the complete steps out of the packer."""
+        for idx, run_id in sorted(self.manager.idx_2_id.items()):
+            if run_id in self._evicted or idx in self.packer.pending:
+                continue
+            if idx in self.optim.resume_failures:
+                self._evict(idx, run_id, self.optim.resume_failures[idx])
+                continue
+            step = self.manager.progress[idx].step
+            run = self.manager.run_dir(run_id)
+            if step >= self.manager.config[idx].max_steps or not rollouts_ready(run, step):
+                continue
+            try:
+                batch = read_rollouts(run, step, self.vocab_size)
+            except MalformedRolloutError as error:
+                self._evict(idx, run_id, str(error))
+                continue
+            self.packer.add(idx, batch)
+        plan = self.packer.plan()
+        micros = [self.packer.materialize(pieces) for pieces in plan.micro_batches]
+        steps = []
+        for idx in plan.completes:
+            pending = self.packer.finish(idx)
+            b = pending.batch
+            self._rewards[idx] = (float(b.rewards.mean()), b.policy_step)
+            steps.append(StepDone(idx, b.step, int(b.attention.sum()), b.n, float(b.rewards.mean()), b.policy_step))
+        return micros, steps
+
+    def _evict(self, idx: int, run_id: str, reason: str) -> None:
+        self._evicted.add(run_id)
+        self.packer.drop(idx)
+        self.manager.evict_run(idx, reason)
+
+    def _broadcast_plan(
+        self, micros: list[MicroBatch], steps: list[StepDone]
+    ) -> tuple[list[MicroBatch], list[StepDone]]:
+        """Rank 0's plan to every rank as int64 / float32 tensors (the header first)."""
+        header_len = torch.zeros(1, dtype=torch.int64)
+        if self.is_master:
+            fields = [len(micros), len(steps)]
+            for m in micros:
+                fields += [int(m.tokens.shape[0]), int(m.tokens.shape[1])]
+            for s in steps:
+                fields += [s.idx, s.step, s.tokens, s.samples]
+            header = torch.tensor(fields, dtype=torch.int64)
+            header_len[0] = header.numel()
+        dist.broadcast(header_len, 0)
+        if not self.is_master:
+            header = torch.zeros(int(header_len[0]), dtype=torch.int64)
+        dist.broadcast(header, 0)
+        values = header.tolist()
+        n_micro, n_steps = values[0], values[1]
+        shapes = [(values[2 + 2 * i], values[3 + 2 * i]) for i in range(n_micro)]
+        base = 2 + 2 * n_micro
+        if not self.is_master:
+            steps = [StepDone(*values[base + 4 * i : base + 4 * i + 4]) for i in range(n_steps)]
+        received = []
+        for i, (rows, width) in enumerate(shapes):
+            if self.is_master:
+                ints, floats = micros[i].to_wire()
+            else:
+                n_ints, n_floats = MicroBatch.wire_sizes(rows, width)
+                ints, floats = torch.empty(n_ints, dtype=torch.int64), torch.empty(n_floats, dtype=torch.float32)
+            dist.broadcast(ints, 0)
+            dist.broadcast(floats, 0)
+            received.append(micros[i] if self.is_master else MicroBatch.from_wire(ints, floats, rows, width))
+        return received, steps
+
+    def _forward_backward(self, micro: MicroBatch) -> None:
+        with self.manager.active_adapters(micro.adapter_ids):
+            logprobs = token_logprobs(self.model, micro.tokens, micro.attention)
+        row_losses = clipped_pg_loss(
+            logprobs, micro.logprobs, micro.advantages, micro.loss_mask, micro.token_weight, self.config.clip_eps
+        )
+        row_losses.sum().backward()
+        self.optim.add_loss(row_losses, micro.adapter_ids)
+
+    def _step_runs(self, steps: list[StepDone]) -> list[tuple[int, str, int]]:
+        if not steps:
+            return []
+        idxs = [s.idx for s in steps]
+        if self.world_size > 1:
+            self.optim.all_reduce(idxs)
+        stepped = []
+        for s in steps:
+            stats = self.optim.step(s.idx)
+            progress = self.manager.record_progress(s.idx, s.tokens, s.samples)
+            run_id = self.manager.idx_2_id[s.idx]
+            if progress.step != s.step + 1:
+                raise MultiRunError(f"run {run_id}: trained step {s.step} but its progress is at {progress.step}")
+            stepped.append((s.idx, run_id, progress.step))
+            if self.is_master:
+                self._publish(s, run_id, stats)
+        return stepped
+
+    # ---- outputs (rank 0) --------------------------------------------------------------------
+    def _write_broadcast(self, idx: int, run_id: str, step: int) -> bool:
+        lora_cfg = self.manager.config[idx].model.lora
+        path = self.manager.run_dir(run_id).broadcast_step(step)
+        try:
+            write_peft_adapter(
+                path,
+                self.manager.get_state_dict_for_run(idx),
+                str(self.config.base_model) if self.config.base_model else BASE_MODEL_NAME,
+                rank=lora_cfg.rank,
+                alpha=lora_cfg.alpha,
+                target_modules={name.rsplit(".", 1)[-1] for name in self.manager.lora_modules},
+            )
+        except AdapterError as error:
+            log.warning("run %s: broadcast step %d not written: %s", run_id, step, error)
+            return False
+        return True
+
+    def _checkpoint(self, idx: int, run_id: str, step: int) -> bool:
+        try:
+            self.manager.save_run_checkpoint(
+                idx,
+                step,
+                self.manager.get_state_dict_for_run(idx),
+                self.optim.optimizers[idx].state_dict(),
+                self.optim.schedulers[idx].state_dict(),
+                run_id=run_id,
+            )
+        except (RunDirGoneError, CheckpointError, MultiRunError) as error:
+            log.warning("run %s: checkpoint step %d not written: %s", run_id, step, error)
+            return False
+        self._checkpointed[idx] = step
+        return True
+
+    def _publish(self, done: StepDone, run_id: str, stats: StepStats) -> None:
+        step = done.step + 1
+        self._write_broadcast(done.idx, run_id, step)
+        max_steps = self.manager.config[done.idx].max_steps
+        if step % self.config.checkpoint_every == 0 or step >= max_steps:
+            self._checkpoint(done.idx, run_id, step)
+        progress = self.manager.progress[done.idx]
+        row = {
+            "step": step,
+            "total_tokens": progress.total_tokens,
+            "total_samples": progress.total_samples,
+            "loss": stats.loss,
+            "reward_mean": done.reward_mean,
+            "policy_step": done.policy_step,
+            "grad_norm": stats.grad_norm,
+            "lr": stats.lr,
+            "slot": done.idx,
+        }
+        self.progress_log.append(self.manager.run_dir(run_id), row)
+
+    def finish(self) -> None:
+        """Rank 0: checkpoint every run whose progress is ahead of its last checkpoint."""
+        if not self.is_master:
+            return
+        for idx, run_id in sorted(self.manager.idx_2_id.items()):
+            step = self.manager.progress[idx].step
+            if run_id not in self._evicted and step > self._checkpointed.get(idx, -1) and step > 0:
+                self._checkpoint(idx, run_id, step)
+
+    # ---- the loop ----------------------------------------------------------------------------
+    def run(self, steps: int | None = None, until_idle_s: float | None = None) -> int:
+        """Iterate until stopped; `steps`: iterations that trained something; returns that count."""
+        worked = 0
+        idle_since = time.monotonic()
+        try:
+            while True:
+                master_stop = steps is not None and worked >= steps
+                if until_idle_s is not None and time.monotonic() - idle_since > until_idle_s:
+                    master_stop = True
+                result = self.iteration(master_stop)
+                if result.stop:
+                    break
+                if result.micro_batches or result.stepped:
+                    worked += 1
+                    idle_since = time.monotonic()
+                else:
+                    time.sleep(self.config.poll_interval_s)  # nothing ready: poll the run directories
+        finally:
+            self.finish()
+        return worked
+
+
+# ---- command line ----------------------------------------------------------------------------
+def _init_distributed() -> bool:
+    import os
+    from datetime import timedelta
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1 or dist.is_initialized():
+        return False
+    dist.init_process_group(
+        "gloo",
+        rank=int(os.environ["RANK"]),
+        world_size=world,
+        init_method=f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}",
+        timeout=timedelta(seconds=float(os.environ.get("RLPLEX_DIST_TIMEOUT_S", "300"))),
+    )
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m rlplex.multirun.trainer", description=__doc__.split("\n")[0])
+    parser.add_argument("--output-dir", type=Path, required=True)
+    parser.add_argument("--max-runs", type=int, required=True)
+    parser.add_argument("--max-lora-rank", type=int, default=8)
+    parser.add_argument("--micro-tokens", type=int, default=4096)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--checkpoint-every", type=int, default=1)
+    parser.add_argument("--base-model", type=Path, default=None)
+    parser.add_argument("--model-seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=None, help="stop after N iterations that trained")
+    parser.add_argument("--until-idle", type=float, default=None, help="stop after S seconds with nothing to train")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = TrainerConfig(
+        output_dir=args.output_dir,
+        max_runs=args.max_runs,
+        max_lora_rank=args.max_lora_rank,
+        micro_tokens=args.micro_tokens,
+        micro_batches=args.micro_batches,
+        checkpoint_every=args.checkpoint_every,
+        base_model=args.base_model,
+        model=TinyLMConfig(seed=args.model_seed),
+    )
+    owns_group = _init_distributed()
+    try:
+        trainer = MultiRunTrainer(config)
+        trainer.install_signal_handlers()
+        worked = trainer.run(steps=args.steps, until_idle_s=args.until_idle)
+        log.info("trainer rank %d: stopped after %d training iterations", trainer.rank, worked)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
