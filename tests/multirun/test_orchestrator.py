@@ -379,3 +379,21 @@ def test_base_model_is_cached_and_matches_tiny_lm_fields(tmp_path: Path, base_ca
 def test_example_config_is_valid() -> None:
     config = read_orch_config(Path(__file__).parents[2] / "examples" / "multirun_orch.toml")
     assert (config.task, config.batch_size, config.group_size, config.max_async_level) == ("reverse", 64, 8, 1)
+
+
+def test_base_model_file_is_a_plain_state_dict_without_the_tied_head(tmp_path: Path, base_cache: Path) -> None:
+    from safetensors.torch import load_file
+
+    from rlplex.models.lm import build_tiny_lm
+    from rlplex.multirun.base_model import tiny_lm_config
+
+    out = new_output(tmp_path, base_cache)
+    expected = base_model(make_config(), out)
+    state = load_file(str(base_model_path(make_config(), out)))
+    assert "model.embed_tokens.weight" in state and "lm_head.weight" not in state
+    model = build_tiny_lm(tiny_lm_config(make_config()))  # what the trainer does with TrainerConfig.base_model
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])
+    tokens = torch.randint(3, 20, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, expected(tokens).logits, rtol=0, atol=0)
