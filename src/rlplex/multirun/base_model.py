@@ -12,7 +12,11 @@ on the task. The result is cached at ``output_dir/base_model/<key>.safetensors``
   then load the file, so every process gets bit-identical weights and the warm-up runs once;
 - a cache file that cannot be loaded is rebuilt (with a warning) instead of trusted.
 
-The cache lives beside the `run_*` directories; the run scanner ignores it.
+The file is a plain safetensors state dict without the tied ``lm_head.weight``, the layout
+`rlplex.multirun.trainer.TrainerConfig.base_model` loads: a trainer for these runs takes
+``base_model=base_model_path(config, output_dir)`` and ``model=tiny_lm_config(config)`` after
+calling `base_model(config, output_dir)` once. The cache lives beside the `run_*`
+directories; the run scanner ignores it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import os
 from pathlib import Path
 
 from safetensors import SafetensorError
-from safetensors.torch import load_model, save_model
+from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from rlplex.models.lm import TinyLMConfig, build_tiny_lm, supervised_warmup
@@ -36,6 +40,7 @@ log = logging.getLogger(__name__)
 
 BASE_MODEL_DIR = "base_model"
 _FORMAT_VERSION = 1  # bump when the meaning of the cached weights changes
+_TIED = "lm_head.weight"
 
 
 def tiny_lm_config(config: OrchestratorConfig) -> TinyLMConfig:
@@ -73,17 +78,24 @@ def build_base_model(config: OrchestratorConfig) -> LlamaForCausalLM:
 
 def _try_load(model: LlamaForCausalLM, path: Path) -> bool:
     try:
-        missing, unexpected = load_model(model, str(path), strict=True)
+        state = load_file(str(path))
+        missing, unexpected = model.load_state_dict(state, strict=False)
     except (OSError, SafetensorError, RuntimeError, ValueError) as error:
         log.warning("base model cache %s cannot be loaded (%s); rebuilding it", path, error)
         return False
-    return not missing and not unexpected
+    if [k for k in missing if k != _TIED] or unexpected:
+        log.warning("base model cache %s does not fit the model (missing %s, unexpected %s)", path, missing, unexpected)
+        return False
+    return True
 
 
 def _save_atomic(model: LlamaForCausalLM, path: Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        save_model(model, str(tmp))  # save_model handles the tied embedding / lm_head weights
+        # A plain state dict without the tied lm_head (it shares the embedding's storage, which
+        # safetensors refuses): the layout `TrainerConfig.base_model` loads too.
+        state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != _TIED}
+        save_file(state, str(tmp), metadata={"format": "pt"})
         with tmp.open("rb") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)

@@ -254,7 +254,7 @@ def run_orchestrator(
                 }
                 metrics.log(step, stats)
                 _say(
-                    f"{run_id}: step {step + 1}/{config.max_steps} reward {result.reward_mean:.3f} "
+                    f"{run_id}: step {step} written ({step + 1}/{config.max_steps}) reward {result.reward_mean:.3f} "
                     f"tokens/s {result.tokens_per_s:.0f} policy_step {policy_step} lag {step - policy_step}"
                 )
                 step += 1

@@ -1,0 +1,399 @@
+"""The per-run orchestrator as a real process, driven by a fake trainer written in the test.
+
+The fake trainer plays the trainer's half of the contract: it writes `broadcast/step_0` when
+the run appears and `broadcast/step_{s+1}` after it has seen `rollouts/step_s`, each a fresh
+random adapter in the PEFT layout, so the rollouts' log-probs tell which adapter made them.
+"""
+
+from __future__ import annotations
+
+import copy
+import multiprocessing
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from rlplex.diagnostics.metrics import read_metrics_csv
+from rlplex.errors import RunConfigError
+from rlplex.models.lm import TinyLMConfig, token_logprobs
+from rlplex.multirun import OrchestratorConfig, RunDir, apply_multi_lora, orch_config_to_toml, write_peft_adapter
+from rlplex.multirun.base_model import base_model, base_model_path
+from rlplex.multirun.orch_config import BaseModelConfig, read_orch_config
+from rlplex.multirun.orchestrator import MAX_EMPTY_BATCH_ATTEMPTS, WaitOptions, main, run_orchestrator
+from rlplex.multirun.rollout_io import ROLLOUT_FILE, read_rollouts, rollouts_ready
+from rlplex.multirun.rundir import write_eviction
+
+TIMEOUT_S = 60.0
+TARGETS = ("q_proj", "v_proj")
+RANK, ALPHA = 4, 8.0
+SMALL_BASE = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_layers": 1,
+    "num_heads": 2,
+    "warmup_steps": 20,
+    "warmup_batch_size": 32,
+    "warmup_lr": 1e-2,
+}
+
+
+def make_config(**overrides: object) -> OrchestratorConfig:
+    data: dict[str, object] = {
+        "task": "reverse",
+        "max_steps": 3,
+        "batch_size": 16,
+        "group_size": 4,
+        "max_async_level": 0,
+        "model": {"lora": {"rank": RANK, "alpha": ALPHA}, "base": SMALL_BASE},
+    }
+    data.update(overrides)
+    return OrchestratorConfig.model_validate(data)
+
+
+@pytest.fixture(scope="module")
+def base_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Warm the small base model up once; each test copies the cache file into its output_dir."""
+    root = tmp_path_factory.mktemp("base")
+    base_model(make_config(), root)
+    return base_model_path(make_config(), root)
+
+
+def wait_until(condition: Callable[[], bool], what: str, proc: Orchestrator | None = None) -> None:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not condition():
+        if proc is not None and proc.returncode() is not None and not condition():
+            raise AssertionError(
+                f"orchestrator exited with {proc.returncode()} while waiting for {what}:\n{proc.stderr()}"
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)  # the polling interval of a condition wait
+
+
+def _forked_main(argv: list[str], log: str) -> None:
+    """Child side of a forked orchestrator: stderr to `log`, the CLI's exit code as ours."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 2)
+    sys.stderr = open(2, "w", closefd=False)
+    try:
+        code = main(argv)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class Orchestrators:
+    """Starts orchestrator processes with stderr in a file; kills leftovers on teardown.
+
+    `cli=True` runs `python -m rlplex.multirun.orchestrator`; otherwise the process is forked
+    from the test process, whose torch and transformers are already imported: a real process
+    (its own pid, SIGKILL, exit code) without paying the imports again, which on a loaded
+    2-core machine cost more than everything the orchestrator then does.
+    """
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.procs: list[Orchestrator] = []
+
+    def start(
+        self, out: Path, run_id: str, config: OrchestratorConfig | str, log_name: str, cli: bool = False
+    ) -> Orchestrator:
+        path = self.tmp_path / f"{run_id}-{log_name}.toml"
+        path.write_text(config if isinstance(config, str) else orch_config_to_toml(config))
+        log = self.tmp_path / f"{log_name}.log"
+        argv = [str(out), run_id, str(path), "--wait-timeout", str(TIMEOUT_S), "--no-tensorboard"]
+        if cli:
+            with log.open("wb") as handle:
+                popen = subprocess.Popen([sys.executable, "-m", "rlplex.multirun.orchestrator", *argv], stderr=handle)
+            orch = Orchestrator(log, popen=popen)
+        else:
+            process = multiprocessing.get_context("fork").Process(target=_forked_main, args=(argv, str(log)))
+            process.start()
+            orch = Orchestrator(log, process=process)
+        self.procs.append(orch)
+        return orch
+
+    def close(self) -> None:
+        for orch in self.procs:
+            if orch.returncode() is None:
+                orch.kill()
+            orch.wait_exit()
+
+
+class Orchestrator:
+    def __init__(
+        self,
+        log: Path,
+        popen: subprocess.Popen[bytes] | None = None,
+        process: multiprocessing.process.BaseProcess | None = None,
+    ) -> None:
+        self.log, self.popen, self.process = log, popen, process
+
+    def stderr(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def returncode(self) -> int | None:
+        if self.popen is not None:
+            return self.popen.poll()
+        assert self.process is not None
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        if self.popen is not None:
+            self.popen.kill()
+        elif self.process is not None:
+            self.process.kill()
+
+    def wait_exit(self) -> int:
+        if self.popen is not None:
+            try:
+                return self.popen.wait(timeout=TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                pass
+        elif self.process is not None:
+            self.process.join(TIMEOUT_S)
+        code = self.returncode()
+        if code is None:
+            raise AssertionError(f"orchestrator still running; stderr:\n{self.stderr()}")
+        return code
+
+
+@pytest.fixture
+def orchestrators(tmp_path: Path) -> Iterator[Orchestrators]:
+    procs = Orchestrators(tmp_path)
+    try:
+        yield procs
+    finally:
+        procs.close()
+
+
+class FakeTrainer:
+    """Writes random adapters to `broadcast/step_N` and remembers them for re-scoring."""
+
+    def __init__(self, out: Path, run_id: str, config: OrchestratorConfig) -> None:
+        self.run = RunDir(out, run_id)
+        self.base = base_model(config, out)  # from the cache: the orchestrator's weights exactly
+        self.model = copy.deepcopy(self.base)
+        self.lora = apply_multi_lora(self.model, target_modules=TARGETS, rank=RANK, n_adapters=1)
+        self.generator = torch.Generator().manual_seed(7)
+
+    def broadcast(self, step: int) -> None:
+        with torch.no_grad():
+            for _, param in self.lora.named_parameters_for_adapter(0):
+                param.copy_(torch.randn(param.shape, generator=self.generator) * 0.3)
+        state = self.lora.adapter_state_dict(0)
+        write_peft_adapter(self.run.broadcast_step(step), state, None, rank=RANK, alpha=ALPHA, target_modules=TARGETS)
+
+    def peft_model(self, step: int) -> nn.Module:
+        from peft import PeftModel
+
+        return PeftModel.from_pretrained(copy.deepcopy(self.base), str(self.run.broadcast_step(step))).eval()
+
+
+def new_output(tmp_path: Path, base_cache: Path) -> Path:
+    out = tmp_path / "out"
+    (out / "base_model").mkdir(parents=True)
+    shutil.copy(base_cache, out / "base_model" / base_cache.name)
+    return out
+
+
+def start_run(
+    orchestrators: Orchestrators, out: Path, run_id: str, config: OrchestratorConfig, log_name: str = "orch"
+) -> tuple[Orchestrator, FakeTrainer]:
+    orch = orchestrators.start(out, run_id, config, log_name)
+    run = RunDir(out, run_id)
+    wait_until(run.orch_config.is_file, "control/orch.toml", orch)
+    trainer = FakeTrainer(out, run_id, config)
+    trainer.broadcast(0)  # what the trainer does when it admits the run
+    return orch, trainer
+
+
+def waiting_line(step: int, at_least: int) -> str:
+    return f"step {step} waiting for broadcast step >= {at_least}"
+
+
+# With max_async_level 1, step 2 waits for broadcast/step_1, but the fake trainer may already
+# have written step_2 too when the wait ends: the latest stable broadcast is used.
+@pytest.mark.parametrize(("async_level", "expected_policy_steps"), [(0, [{0}, {1}, {2}]), (1, [{0}, {0}, {1, 2}])])
+def test_orchestrator_never_runs_ahead_and_records_the_policy(
+    tmp_path: Path,
+    base_cache: Path,
+    orchestrators: Orchestrators,
+    async_level: int,
+    expected_policy_steps: list[set[int]],
+) -> None:
+    out = new_output(tmp_path, base_cache)
+    config = make_config(max_async_level=async_level)
+    orch, trainer = start_run(orchestrators, out, "run_a", config)
+    run = trainer.run
+    for step in range(config.max_steps):
+        wait_until(lambda s=step: rollouts_ready(run, s), f"rollouts/step_{step}", orch)
+        blocked = step + async_level + 1
+        if blocked < config.max_steps:
+            # The orchestrator has reached the step it may not start without broadcast/step_{step+1}...
+            wait_until(lambda b=blocked, s=step: waiting_line(b, s + 1) in orch.stderr(), "the wait", orch)
+            # ...and has not started it.
+            assert not run.rollout_step(blocked).exists()
+        trainer.broadcast(step + 1)
+    assert orch.wait_exit() == 0, orch.stderr()
+
+    batches = [read_rollouts(run, step, vocab_size=trainer.base.config.vocab_size) for step in range(3)]
+    policy_steps = [b.policy_step for b in batches]
+    assert all(p in allowed for p, allowed in zip(policy_steps, expected_policy_steps, strict=True)), policy_steps
+    for batch in batches:
+        assert batch.n == config.batch_size
+        assert bool((batch.advantages != 0).any())
+        # Re-scored by peft with the adapter the batch names, the sampled tokens have the
+        # log-probs the orchestrator recorded: it generated with exactly that adapter.
+        with torch.no_grad():
+            rescored = token_logprobs(trainer.peft_model(batch.policy_step), batch.tokens, batch.attention)
+        mask = batch.loss_mask
+        torch.testing.assert_close(rescored[mask], batch.logprobs[mask], atol=2e-4, rtol=0)
+    rows = read_metrics_csv(run.root / "progress.csv")
+    assert [row["step"] for row in rows] == [0.0, 1.0, 2.0]
+    assert [row["charts/policy_lag"] for row in rows] == [s - p for s, p in enumerate(policy_steps)]
+    assert all(row["charts/tokens_per_s"] > 0 and 0 <= row["charts/reward_mean"] <= 1 for row in rows)
+
+
+def test_eviction_file_stops_the_orchestrator_with_the_reason(
+    tmp_path: Path, base_cache: Path, orchestrators: Orchestrators
+) -> None:
+    out = new_output(tmp_path, base_cache)
+    orch, trainer = start_run(orchestrators, out, "run_e", make_config())
+    wait_until(lambda: waiting_line(1, 1) in orch.stderr(), "step 1 to wait for the trainer", orch)
+    write_eviction(trainer.run, "malformed rollouts at step 0\n(second line)")  # what evict_run writes
+    assert orch.wait_exit() == 3
+    last_line = orch.stderr().strip().splitlines()[-1]
+    assert last_line == "rlplex orchestrator: run_e evicted: malformed rollouts at step 0 | (second line)"
+    assert not trainer.run.rollout_step(1).exists()
+
+
+def test_evicted_run_raises_runtime_error_in_process(tmp_path: Path) -> None:
+    config = make_config()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "run_x").mkdir()
+    write_eviction(RunDir(out, "run_x"), "run exceeded memory limits")
+    with pytest.raises(RuntimeError, match="run_x evicted: run exceeded memory limits"):
+        run_orchestrator(out, "run_x", config, wait=WaitOptions(timeout_s=5), tensorboard=False)
+
+
+def test_self_eviction_after_batches_without_signal(
+    tmp_path: Path, base_cache: Path, orchestrators: Orchestrators
+) -> None:
+    out = new_output(tmp_path, base_cache)
+    # Greedy decoding gives every completion of a group the same reward: zero advantages.
+    orch, trainer = start_run(orchestrators, out, "run_z", make_config(temperature=0.0))
+    assert orch.wait_exit() == 3
+    reason = trainer.run.eviction_reason() or ""
+    assert f"{MAX_EMPTY_BATCH_ATTEMPTS} consecutive batches" in reason and "no learning signal" in reason
+    assert orch.stderr().count("no learning signal (all advantages zero)") == MAX_EMPTY_BATCH_ATTEMPTS + 1
+    assert not trainer.run.rollouts.exists() or not any(trainer.run.rollouts.iterdir())
+
+
+def test_restart_after_sigkill_resumes_without_regenerating(
+    tmp_path: Path, base_cache: Path, orchestrators: Orchestrators
+) -> None:
+    out = new_output(tmp_path, base_cache)
+    config = make_config()
+    orch, trainer = start_run(orchestrators, out, "run_k", config, "first")
+    run = trainer.run
+    wait_until(lambda: waiting_line(1, 1) in orch.stderr(), "step 1 to wait for the trainer", orch)
+    orch.kill()  # SIGKILL
+    assert orch.wait_exit() == -signal.SIGKILL
+    step0 = run.rollout_step(0) / ROLLOUT_FILE
+    before = os.stat(step0)
+    # A step the crash left half-written: files but no STABLE marker.
+    (run.rollout_step(1)).mkdir()
+    (run.rollout_step(1) / ROLLOUT_FILE).write_bytes(b"truncated")
+
+    orch = orchestrators.start(out, "run_k", config, "second")
+    wait_until(lambda: "resuming at step 1" in orch.stderr(), "the restart to resume", orch)
+    for step in (1, 2):
+        trainer.broadcast(step)
+        wait_until(lambda s=step: rollouts_ready(run, s), f"rollouts/step_{step}", orch)
+    trainer.broadcast(3)
+    assert orch.wait_exit() == 0, orch.stderr()
+    after = os.stat(step0)
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert [read_rollouts(run, s).policy_step for s in (1, 2)] == [1, 2]
+    rows = read_metrics_csv(run.root / "progress.csv")
+    assert [row["step"] for row in rows] == [0.0, 1.0, 2.0]
+
+
+def test_bad_orch_toml_is_refused_naming_the_field(tmp_path: Path, orchestrators: Orchestrators) -> None:
+    out = tmp_path / "out"
+    body = 'task = "reverse"\nmax_steps = 3\nbatch_size = 6\ngroup_size = 4\n'
+    orch = orchestrators.start(out, "run_bad", body, "bad", cli=True)
+    assert orch.wait_exit() == 2
+    message = orch.stderr()
+    assert "run_bad-bad.toml" in message and "field 'group_size'" in message and "not a multiple" in message
+    assert not (out / "run_bad").exists()
+
+
+def test_unknown_task_and_changed_config_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "orch.toml"
+    path.write_text('task = "juggle"\nmax_steps = 3\nbatch_size = 4\n')
+    assert main([str(tmp_path / "out"), "run_t", str(path)]) == 2
+    assert "field 'task': unknown task 'juggle'" in capsys.readouterr().err
+    with pytest.raises(RunConfigError, match="different config"):
+        out = tmp_path / "out2"
+        out.mkdir()
+        config = make_config()
+        run = RunDir(out, "run_c")
+        (out / "run_c").mkdir()
+        run.write_text(run.orch_config, orch_config_to_toml(config))
+        run.write_text(run.rollout_step(0) / "STABLE", "")
+        run_orchestrator(out, "run_c", make_config(seed=5), WaitOptions(timeout_s=1), tensorboard=False)
+
+
+def test_base_model_is_cached_and_matches_tiny_lm_fields(tmp_path: Path, base_cache: Path) -> None:
+    assert set(TinyLMConfig.model_fields) <= set(BaseModelConfig.model_fields)
+    out = new_output(tmp_path, base_cache)
+    path = base_model_path(make_config(), out)
+    stamp = os.stat(path).st_mtime_ns
+    first, second = base_model(make_config(), out), base_model(make_config(), out)
+    assert os.stat(path).st_mtime_ns == stamp  # loaded, not warmed up again
+    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    assert base_model_path(make_config(seed=9), out) == path  # the run seed is not part of the base
+    other = make_config(model={"lora": {"rank": RANK}, "base": {**SMALL_BASE, "warmup_steps": 3}})
+    assert base_model_path(other, out) != path
+    path.write_bytes(b"corrupt")
+    rebuilt = base_model(make_config(), out)
+    assert torch.equal(rebuilt.lm_head.weight, first.lm_head.weight)
+
+
+def test_example_config_is_valid() -> None:
+    config = read_orch_config(Path(__file__).parents[2] / "examples" / "multirun_orch.toml")
+    assert (config.task, config.batch_size, config.group_size, config.max_async_level) == ("reverse", 64, 8, 1)
+
+
+def test_base_model_file_is_a_plain_state_dict_without_the_tied_head(tmp_path: Path, base_cache: Path) -> None:
+    from safetensors.torch import load_file
+
+    from rlplex.models.lm import build_tiny_lm
+    from rlplex.multirun.base_model import tiny_lm_config
+
+    out = new_output(tmp_path, base_cache)
+    expected = base_model(make_config(), out)
+    state = load_file(str(base_model_path(make_config(), out)))
+    assert "model.embed_tokens.weight" in state and "lm_head.weight" not in state
+    model = build_tiny_lm(tiny_lm_config(make_config()))  # what the trainer does with TrainerConfig.base_model
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    assert (missing, unexpected) == (["lm_head.weight"], [])
+    tokens = torch.randint(3, 20, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens).logits, expected(tokens).logits, rtol=0, atol=0)
