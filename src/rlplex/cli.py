@@ -241,6 +241,15 @@ def _print_status(output_dir: Path) -> None:
         console.print(line, highlight=False)
 
 
+def _register_main_job() -> None:
+    from rlplex.cli_mainjob import register
+
+    register(app, console)
+
+
+_register_main_job()
+
+
 def main() -> None:
     try:
         app()

@@ -36,6 +36,7 @@ class RunView:
     first_reward: float | None = None
     tokens_per_s: float | None = None
     reason: str = ""
+    trained_tokens: int = 0
     curve: list[tuple[float, float]] = field(default_factory=list)
 
 
@@ -84,6 +85,9 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
     view = RunView(entry.id, "running", trained, max_steps, curve=curve)
     if curve:
         view.first_reward, view.reward = curve[0][1], curve[-1][1]
+    trainer_rows = read_progress_rows(run.root / "logs" / "trainer_progress.csv")
+    if trainer_rows:
+        view.trained_tokens = int(trainer_rows[-1].get("total_tokens", 0))
     if rows:
         view.tokens_per_s = _pick(rows[-1], TOKENS_COLUMNS)
     if run.is_evicted():

@@ -1,0 +1,129 @@
+"""The main job's commands: `rlplex run`, `rlplex status`, `rlplex runs add|evict`.
+
+Exit codes: 0 done, 1 the job failed, 2 a user error (one line; `--debug` for the traceback).
+Precedence: the job file < environment (RLPLEX_BACKEND, RLPLEX_RAY_ADDRESS) < flags.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from rlplex.errors import RlplexError
+
+EXIT_JOB_FAILED, EXIT_USER_ERROR = 1, 2
+DEBUG_HELP = "show tracebacks for user errors"
+
+
+def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
+    try:
+        code = body()
+    except RlplexError as error:
+        if debug:
+            raise
+        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        raise typer.Exit(EXIT_USER_ERROR) from None
+    if code:
+        raise typer.Exit(code)
+
+
+def register(app: typer.Typer, console: Console) -> None:
+    runs_app = typer.Typer(help="Add runs to, or evict runs from, a running main job.", no_args_is_help=True)
+    app.add_typer(runs_app, name="runs")
+
+    @app.command("run")
+    def run(
+        job_file: Annotated[Path, typer.Argument(help="main job TOML: [trainer], [[runs]], [[events]]")],
+        backend: Annotated[str | None, typer.Option(help="local or ray (default: the file's)")] = None,
+        ray_address: Annotated[str | None, typer.Option(help="an existing Ray cluster (default: a local Ray)")] = None,
+        live: Annotated[bool, typer.Option(help="show the live view")] = True,
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Run many RL runs on one trainer under the PrimeMaster; writes report.md at the end."""
+
+        def body() -> int:
+            from rlplex.config import validate_config
+            from rlplex.control.states import JobState
+            from rlplex.mainjob.config import MainJobConfig, load_main_job
+            from rlplex.mainjob.driver import run_main_job
+
+            config = load_main_job(job_file)
+            updates = {
+                "backend": backend or os.environ.get("RLPLEX_BACKEND") or config.backend,
+                "ray_address": ray_address or os.environ.get("RLPLEX_RAY_ADDRESS") or config.ray_address,
+            }
+            data = config.model_dump(mode="json") | updates
+            config = validate_config(MainJobConfig, data, source=f"{job_file} (with flags and environment)")
+            state = run_main_job(config, console, live=live, source=str(job_file))
+            return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
+
+        _guard(console, debug, body)
+
+    @app.command("status")
+    def status(
+        output_dir: Annotated[Path, typer.Argument(help="the main job's output folder")],
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Per run: step, reward, tokens/s, state; per node: state, restarts, heartbeat age."""
+
+        def body() -> int:
+            from rlplex.errors import ConfigError
+            from rlplex.mainjob.view import collect, render
+
+            if not output_dir.is_dir():
+                raise ConfigError(f"{output_dir}: no such job folder")
+            console.print(render(collect(output_dir)))
+            return 0
+
+        _guard(console, debug, body)
+
+    @runs_app.command("add")
+    def runs_add(
+        output_dir: Annotated[Path, typer.Argument(help="the running main job's output folder")],
+        config: Annotated[Path, typer.Option(help="the run's orch.toml")],
+        run_id: Annotated[str | None, typer.Option("--id", help="run id (default: run_<file stem>)")] = None,
+        timeout_s: Annotated[float, typer.Option(help="wait this long for the master's answer")] = 30.0,
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Ask the running job to add a run; prints the master's answer."""
+
+        def body() -> int:
+            from rlplex.config import read_toml
+            from rlplex.mainjob.config import RunEntry
+            from rlplex.mainjob.registry import submit_add, wait_for_answer
+
+            entry = RunEntry(id=run_id or f"run_{config.stem}", config=read_toml(config))
+            entry.orch_config(str(config))
+            accepted, text = wait_for_answer(submit_add(output_dir, entry), timeout_s)
+            console.print(("accepted: " if accepted else "[bold red]rejected:[/] ") + text, highlight=False)
+            return 0 if accepted else EXIT_USER_ERROR
+
+        _guard(console, debug, body)
+
+    @runs_app.command("evict")
+    def runs_evict(
+        output_dir: Annotated[Path, typer.Argument(help="the main job's output folder")],
+        run_id: Annotated[str, typer.Argument(help="the run to evict, e.g. run_fast")],
+        reason: Annotated[str, typer.Option(help="why; written to the run's control/evicted.txt")],
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Evict a run: its orchestrator stops and the trainer frees its slot."""
+
+        def body() -> int:
+            from rlplex.errors import ConfigError
+            from rlplex.mainjob.conductor import evict
+            from rlplex.multirun.rundir import RunDir
+
+            runs_dir = output_dir / "runs"
+            if not RunDir(runs_dir, run_id).exists():
+                raise ConfigError(f"{runs_dir / run_id}: no such run")
+            evict(runs_dir, run_id, reason)
+            console.print(f"{run_id}: evicted ({reason})", highlight=False)
+            return 0
+
+        _guard(console, debug, body)

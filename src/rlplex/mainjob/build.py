@@ -1,0 +1,78 @@
+"""From a `MainJobConfig` to the control-plane job that runs it.
+
+Roles: `trainer` (ElasticWorkers, one per rank, each running `rlplex.multirun.trainer` as
+under torchrun), `elastic` (the ElasticMaster of their rendezvous), `orchestrator` (one node
+per run), `conductor` (the driver that plays events and ends the job).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rlplex.control.spec import JobSpec, parse_job
+from rlplex.mainjob.config import MainJobConfig
+
+
+def trainer_args(config: MainJobConfig, base_model: Path) -> list[str]:
+    trainer = config.trainer
+    return [
+        "--output-dir", str(config.runs_dir.resolve()),
+        "--max-runs", str(trainer.max_runs),
+        "--max-lora-rank", str(trainer.max_lora_rank),
+        "--micro-tokens", str(trainer.micro_batch_tokens),
+        "--checkpoint-every", str(trainer.checkpoint_every),
+        "--base-from", str(base_model.resolve()),
+        "--threads", "1",
+    ]  # fmt: skip
+
+
+def build_job_spec(config: MainJobConfig, base_model: Path, source: str = "<main job>") -> JobSpec:
+    trainer = config.trainer
+    world = trainer.world_size
+    data = {
+        "name": config.name,
+        "output_dir": str(config.output_dir.resolve()),
+        "backend": config.backend,
+        "max_restarts": 4 * (trainer.max_restarts + len(config.runs) + len(config.later_runs)),
+        # Small shares: on a 2-core laptop the processes take turns; placement still refuses
+        # a trainer wider than the machine.
+        "capacity": {"cpu": max(2.0, 0.5 * world + 1.0)},
+        "heartbeat_interval_s": 0.5,
+        "rpc_timeout_s": 120.0,
+        "roles": {
+            "trainer": {
+                "entrypoint": "rlplex.control.elastic:ElasticWorker",
+                "count": world,
+                "resources": {"cpu": 0.5},
+                "restart": {"scope": "worker", "max_restarts": trainer.max_restarts},
+                "heartbeat_timeout_s": 10.0,
+                "config": {
+                    "module": "rlplex.multirun.trainer",
+                    "args": trainer_args(config, base_model),
+                    # A trainer told to stop checkpoints every run ahead of its last checkpoint.
+                    "stop_grace_s": 15.0,
+                },
+            },
+            "elastic": {
+                "kind": "submaster",
+                "entrypoint": "rlplex.control.elastic:ElasticMaster",
+                "resources": {"cpu": 0.05},
+                "restart": {"scope": "worker", "max_restarts": trainer.max_restarts},
+                "config": {"workers": "trainer", "min_nodes": world, "max_nodes": world, "join_timeout_s": 60.0},
+            },
+            "orchestrator": {
+                "entrypoint": "rlplex.mainjob.orchestrator_node:OrchestratorNode",
+                "count": len(config.runs),
+                "resources": {"cpu": 0.05},
+                "restart": {"scope": "worker", "max_restarts": 3 * (len(config.runs) + len(config.later_runs))},
+                "heartbeat_timeout_s": 10.0,
+            },
+            "conductor": {
+                "kind": "driver",
+                "entrypoint": "rlplex.mainjob.conductor:conduct",
+                "resources": {"cpu": 0.05},
+                "config": {"job": config.model_dump(mode="json")},
+            },
+        },
+    }
+    return parse_job(data, source)
