@@ -5,19 +5,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from rlplex.control import WorkerContext
-from rlplex.dataflow import FunctionExecutor, MFCDef, ModelInterfaceType, build_graph
-from rlplex.dataflow.job_worker import JobModelWorker
+from process_interfaces import GRAPH
 
-GEN, INF, TRAIN = ModelInterfaceType.GENERATE, ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
-GRAPH = build_graph(
-    [
-        MFCDef("gen", "generator", GEN, ("prompt",), ("seq",), 4),
-        MFCDef("rew", "reward", INF, ("seq",), ("reward",), 4),
-        MFCDef("train", "trainer", TRAIN, ("seq", "reward"), (), 8),
-    ],
-    dataset_keys=("prompt",),
-)
+from rlplex.control import WorkerContext
+from rlplex.dataflow import FunctionExecutor
+from rlplex.dataflow.job_worker import JobModelWorker
 
 
 def drive(context: WorkerContext) -> None:

@@ -9,7 +9,18 @@ from typing import Any
 
 import numpy as np
 
-from rlplex.dataflow import MFCDef
+from rlplex.dataflow import MFCDef, ModelInterfaceType, build_graph
+
+# The generate -> reward -> train graph the process and job-worker tests run.
+GEN, INF, TRAIN = ModelInterfaceType.GENERATE, ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
+GRAPH = build_graph(
+    [
+        MFCDef("gen", "generator", GEN, ("prompt",), ("seq",), 4),
+        MFCDef("rew", "reward", INF, ("seq",), ("reward",), 4),
+        MFCDef("train", "trainer", TRAIN, ("seq", "reward"), (), 8),
+    ],
+    dataset_keys=("prompt",),
+)
 
 
 class Generator:

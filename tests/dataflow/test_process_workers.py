@@ -12,20 +12,10 @@ from typing import Any
 
 import psutil
 import pytest
-from process_interfaces import Generator, Reward, Trainer
+from process_interfaces import GRAPH, Generator, Reward, Trainer
 
-from rlplex.dataflow import FunctionExecutor, MFCDef, ModelInterfaceType, build_graph
+from rlplex.dataflow import FunctionExecutor
 from rlplex.dataflow.process_worker import ProcessModelWorker
-
-GEN, INF, TRAIN = ModelInterfaceType.GENERATE, ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
-GRAPH = build_graph(
-    [
-        MFCDef("gen", "generator", GEN, ("prompt",), ("seq",), 4),
-        MFCDef("rew", "reward", INF, ("seq",), ("reward",), 4),
-        MFCDef("train", "trainer", TRAIN, ("seq", "reward"), (), 8),
-    ],
-    dataset_keys=("prompt",),
-)
 
 
 @pytest.fixture
