@@ -3,8 +3,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
@@ -15,26 +14,7 @@ SRC = HERE.parents[1] / "src"
 if str(HERE) not in sys.path:
     sys.path.insert(0, str(HERE))
 
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.02) -> object:
-    """Poll `predicate` until it returns something truthy; fail the test naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-
-
-def node_processes(output_dir: Path) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info["cmdline"] or []
-        if "rlplex.control.node" in cmdline and str(output_dir) in cmdline:
-            found.append(process)
-    return found
+from node_helpers import node_processes  # noqa: E402
 
 
 @pytest.fixture

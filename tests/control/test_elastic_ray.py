@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 from test_elastic import CKPT_EVERY, STEPS, elastic_job, job_processes, progress, result
 
-from conftest import HERE, SRC, wait_for
+from node_helpers import wait_for
 from rlplex.control import JobState, PrimeMaster, parse_job
 from rlplex.control.elastic import read_elastic_status
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
 
 ray = pytest.importorskip("ray")
 

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import node_processes, wait_for
+from node_helpers import node_processes, wait_for
 from rlplex.control import SqliteStateStore
 
 JOB = """

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import node_processes, wait_for
+from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, SqliteStateStore
 from rlplex.errors import JobFailedError
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from conftest import node_processes, wait_for
+from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobState, NodeState, PrimeMaster, SqliteStateStore
 
 

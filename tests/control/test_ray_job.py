@@ -17,9 +17,12 @@ from typing import Any
 
 import pytest
 
-from conftest import HERE, SRC, node_processes, wait_for
+from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, SqliteStateStore
 from rlplex.errors import JobFailedError
+
+HERE = Path(__file__).resolve().parent
+SRC = HERE.parents[1] / "src"
 
 ray = pytest.importorskip("ray")
 

@@ -4,33 +4,16 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 
+from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobState, PrimeMaster
 
 NODE = "rlplex.dataflow.job_worker:ModelWorkerNode"
-
-
-def wait_for(predicate: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
-
-
-def node_processes(output_dir: Path) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        cmdline = process.info["cmdline"] or []
-        if "rlplex.control.node" in cmdline and str(output_dir) in cmdline:
-            found.append(process)
-    return found
 
 
 @pytest.fixture

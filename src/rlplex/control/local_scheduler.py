@@ -21,7 +21,7 @@ from rlplex.control.heartbeat import HeartbeatServer
 from rlplex.control.node import TOKEN_ENV
 from rlplex.control.placement import Bundle
 from rlplex.control.rpc import RpcClient, parse_address
-from rlplex.control.scheduler import NodeEvent, NodeHandle
+from rlplex.control.scheduler import NodeEvent, NodeHandle, read_log_tail
 
 
 def _child_pythonpath() -> str:
@@ -122,12 +122,7 @@ class LocalScheduler:
         return self._server.events()
 
     def log_tail(self, handle: NodeHandle, lines: int = 5) -> str:
-        path = self.log_dir / f"{handle.node_id}.log"
-        try:
-            text = path.read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return " | ".join(text[-lines:])
+        return read_log_tail(self.log_dir, handle.node_id, lines)
 
     def cleanup(self) -> None:
         for handle in self._handles.values():

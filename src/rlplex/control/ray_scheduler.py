@@ -39,7 +39,7 @@ from rlplex.control.heartbeat import HeartbeatServer
 from rlplex.control.placement import Bundle, Member
 from rlplex.control.ray_node import RemoteNode
 from rlplex.control.rpc import RpcClient, parse_address
-from rlplex.control.scheduler import NodeEvent, NodeHandle
+from rlplex.control.scheduler import NodeEvent, NodeHandle, read_log_tail
 from rlplex.control.spec import JobSpec, Resources
 from rlplex.errors import PlacementError
 
@@ -293,11 +293,7 @@ class RayScheduler:
         return self._server.events()
 
     def log_tail(self, handle: NodeHandle, lines: int = 5) -> str:
-        try:
-            text = (self.log_dir / f"{handle.node_id}.log").read_text(errors="replace").strip().splitlines()
-        except OSError:
-            return ""
-        return " | ".join(text[-lines:])
+        return read_log_tail(self.log_dir, handle.node_id, lines)
 
     def cleanup(self) -> None:
         for handle in self._handles.values():

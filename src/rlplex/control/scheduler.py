@@ -8,6 +8,7 @@ the manager once per `monitor()` step through `events()`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from rlplex.control.placement import Bundle
@@ -69,3 +70,12 @@ class Scheduler(Protocol):
     def cleanup(self) -> None:
         """Kill every node this scheduler knows and release its resources; leaves no process behind."""
         ...
+
+
+def read_log_tail(log_dir: Path, node_id: str, lines: int = 5) -> str:
+    """The last `lines` lines of a node's log, joined on one line ('' when there is none yet)."""
+    try:
+        text = (log_dir / f"{node_id}.log").read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(text[-lines:])

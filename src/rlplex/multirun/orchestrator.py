@@ -282,18 +282,13 @@ def main(argv: list[str] | None = None) -> int:
         run_orchestrator(
             args.output_dir, args.run_id, config, WaitOptions(timeout_s=args.wait_timeout), not args.no_tensorboard
         )
-    except RunEvictedError as error:
-        print(f"rlplex orchestrator: {error}", file=sys.stderr, flush=True)
-        return EXIT_EVICTED
-    except ConfigError as error:
-        print(f"rlplex orchestrator: {error}", file=sys.stderr, flush=True)
-        return EXIT_CONFIG
-    except WaitTimeoutError as error:
-        print(f"rlplex orchestrator: {error}", file=sys.stderr, flush=True)
-        return EXIT_TIMEOUT
     except RlplexError as error:
-        print(f"rlplex orchestrator: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
-        return EXIT_ERROR
+        # Most specific first: RunEvictedError is also a RuntimeError, a config error an RlplexError.
+        kinds = ((RunEvictedError, EXIT_EVICTED), (ConfigError, EXIT_CONFIG), (WaitTimeoutError, EXIT_TIMEOUT))
+        code = next((code for kind, code in kinds if isinstance(error, kind)), EXIT_ERROR)
+        shown = str(error) if code != EXIT_ERROR else f"{type(error).__name__}: {error}"
+        print(f"rlplex orchestrator: {shown}", file=sys.stderr, flush=True)
+        return code
     return EXIT_DONE
 
 
