@@ -38,6 +38,8 @@ def build_job_spec(config: MainJobConfig, base_model: Path, source: str = "<main
         # a trainer wider than the machine.
         "capacity": {"cpu": max(2.0, 0.5 * world + 1.0)},
         "heartbeat_interval_s": 0.5,
+        # Every node imports torch before it reports ready: minutes on a busy 2-core machine.
+        "start_timeout_s": 180.0,
         "rpc_timeout_s": 120.0,
         "roles": {
             "trainer": {
