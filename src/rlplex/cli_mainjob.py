@@ -1,4 +1,4 @@
-"""The main job's commands: `rlplex run`, `rlplex status`, `rlplex runs add|evict`.
+"""The main job's commands: `rlplex run`, `rlplex resume`, `rlplex status`, `rlplex runs add|evict`.
 
 Exit codes: 0 done, 1 the job failed, 2 a user error (one line; `--debug` for the traceback).
 Precedence: the job file < environment (RLPLEX_BACKEND, RLPLEX_RAY_ADDRESS) < flags.
@@ -60,6 +60,23 @@ def register(app: typer.Typer, console: Console) -> None:
             data = config.model_dump(mode="json") | updates
             config = validate_config(MainJobConfig, data, source=f"{job_file} (with flags and environment)")
             state = run_main_job(config, console, live=live, source=str(job_file))
+            return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
+
+        _guard(console, debug, body)
+
+    @app.command("resume")
+    def resume(
+        output_dir: Annotated[Path, typer.Argument(help="the output folder of a main job whose `rlplex run` died")],
+        live: Annotated[bool, typer.Option(help="show the live view")] = True,
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Reattach to a main job's running nodes after its master died, and see it to the end."""
+
+        def body() -> int:
+            from rlplex.control.states import JobState
+            from rlplex.mainjob.driver import resume_main_job
+
+            state = resume_main_job(output_dir, console, live=live)
             return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
 
         _guard(console, debug, body)

@@ -1,7 +1,7 @@
-"""The main job survives SIGKILL of one orchestrator and one trainer rank mid-run: the job
-still finishes, every run trains all its steps, and no step is trained twice (each run's
-final checkpoint counts exactly max_steps x batch_size samples, and the trainer's log holds
-each step once)."""
+"""The main job survives SIGKILL of one orchestrator, one trainer rank and then of `rlplex run`
+itself (resumed with `rlplex resume`): the job still finishes, every run trains all its
+steps, and no step is trained twice (each run's final checkpoint counts exactly
+max_steps x batch_size samples, and the trainer's log holds each step once)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from rlplex.control.elastic import read_elastic_status
 from rlplex.mainjob.view import collect, read_progress_rows
 from rlplex.multirun.rundir import RunDir, stable_steps
 
-STEPS, BATCH = 6, 8
+STEPS, BATCH = 8, 8
 RUN = (
     f'task = "reverse", max_steps = {STEPS}, batch_size = {BATCH}, group_size = 4, '
     "model = { base = { warmup_steps = 20 } }"
@@ -69,10 +69,9 @@ def test_sigkill_of_an_orchestrator_and_a_trainer_rank_loses_and_repeats_no_step
     path = tmp_path / "job.toml"
     path.write_text(JOB.replace("OUT_DIR", str(out)))
     log = open(tmp_path / "job.log", "w")
-    job = subprocess.Popen(
-        [sys.executable, "-m", "rlplex.cli", "run", str(path), "--no-live"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )  # fmt: skip
+    command = [sys.executable, "-m", "rlplex.cli"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    job = subprocess.Popen([*command, "run", str(path), "--no-live"], stdout=log, stderr=subprocess.STDOUT, env=env)
 
     def trained_while_running(run_id: str, steps: int) -> bool:
         if job.poll() is not None:
@@ -88,6 +87,12 @@ def test_sigkill_of_an_orchestrator_and_a_trainer_rank_loses_and_repeats_no_step
         assert isinstance(rank_1, psutil.Process)
         wait_for(lambda: trained_while_running("run_b", 2), 120, "run_b's second trained step")
         rank_1.send_signal(signal.SIGKILL)
+        wait_for(lambda: trained_while_running("run_b", 3), 180, "run_b's third trained step")
+        job.send_signal(signal.SIGKILL)  # the master dies; its nodes carry on without it
+        job.wait(10)
+        job = subprocess.Popen(
+            [*command, "resume", str(out), "--no-live"], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
         assert job.wait(timeout=360) == 0, (tmp_path / "job.log").read_text()[-3000:]
         view = collect(out)
         restarts = {(node.role, node.rank): node.restarts for node in view.nodes}

@@ -77,6 +77,7 @@ class JobView:
     runs: list[RunView]
     read_at: float
     rendezvous: list[str] = field(default_factory=list)  # the trainer's elastic restarts
+    created_at: float | None = None  # when the job was created (wall clock), across master restarts
 
     @property
     def trained_tokens(self) -> int:
@@ -162,7 +163,7 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
 
 def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
     runs_dir = runs_dir or output_dir / "runs"
-    job_state, cause, nodes = "UNKNOWN", "", []
+    job_state, cause, nodes, created = "UNKNOWN", "", [], None
     if (output_dir / "job.sqlite").exists():
         store = SqliteStateStore.in_dir(output_dir, create=False)
         try:
@@ -170,10 +171,12 @@ def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
             if job_id is not None:
                 record = store.job(job_id)
                 job_state, cause, nodes = record.state, record.cause, store.nodes(job_id)
+                created = record.created_at
         finally:
             store.close()
     runs = [run_view(runs_dir, entry) for entry in read_registry(output_dir)]
-    return JobView(output_dir, job_state, cause, nodes, runs, time.time(), rendezvous_summaries(output_dir))
+    rendezvous = rendezvous_summaries(output_dir)
+    return JobView(output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created)
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
