@@ -33,6 +33,7 @@ def build_job_spec(config: MainJobConfig, base_model: Path, source: str = "<main
         "name": config.name,
         "output_dir": str(config.output_dir.resolve()),
         "backend": config.backend,
+        "ray_address": config.ray_address,
         "max_restarts": 4 * (trainer.max_restarts + len(config.runs) + len(config.later_runs)),
         # Small shares: on a 2-core laptop the processes take turns; placement still refuses
         # a trainer wider than the machine.
