@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from rlplex.cli_mainjob import print_error
 from rlplex.errors import RlplexError
 
 app = typer.Typer(help="rlplex: reinforcement-learning training jobs.", no_args_is_help=True, add_completion=False)
@@ -57,7 +58,7 @@ def train(
     except RlplexError as error:
         if debug:
             raise
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, "error", error)
         raise typer.Exit(EXIT_USER_ERROR) from None
 
 
@@ -120,12 +121,12 @@ def _run_job_command(body: Any, debug: bool) -> None:
     except JobFailedError as error:
         if debug:
             raise
-        console.print(f"[bold red]job failed:[/] {error}", highlight=False)
+        print_error(console, "job failed", error)
         raise typer.Exit(EXIT_JOB_FAILED) from None
     except RlplexError as error:
         if debug:
             raise
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, "error", error)
         raise typer.Exit(EXIT_USER_ERROR) from None
 
 

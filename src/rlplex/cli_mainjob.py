@@ -13,11 +13,18 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from rlplex.errors import RlplexError
 
 EXIT_JOB_FAILED, EXIT_USER_ERROR = 1, 2
 DEBUG_HELP = "show tracebacks for user errors"
+
+
+def print_error(console: Console, label: str, message: object) -> None:
+    """One line, whatever the terminal width; the message is escaped because error texts
+    quote TOML sections like [roles.w], which rich would otherwise take for markup and drop."""
+    console.print(f"[bold red]{label}:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
 
 
 def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
@@ -26,7 +33,7 @@ def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
     except RlplexError as error:
         if debug:
             raise
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, "error", error)
         raise typer.Exit(EXIT_USER_ERROR) from None
     if code:
         raise typer.Exit(code)
@@ -100,7 +107,10 @@ def register(app: typer.Typer, console: Console) -> None:
             entry = RunEntry(id=run_id or f"run_{config.stem}", config=read_toml(config))
             entry.orch_config(str(config))
             accepted, text = wait_for_answer(submit_add(output_dir, entry), timeout_s)
-            console.print(("accepted: " if accepted else "[bold red]rejected:[/] ") + text, highlight=False)
+            if accepted:
+                console.print(f"accepted: {escape(text)}", highlight=False, soft_wrap=True)
+            else:
+                print_error(console, "rejected", text)
             return 0 if accepted else EXIT_USER_ERROR
 
         _guard(console, debug, body)
