@@ -165,6 +165,11 @@ def test_user_errors_print_one_line_without_traceback(tmp_path: Path) -> None:
         (("status", str(missing)), "no such job folder"),
         (("runs", "add", str(missing), "--config", "examples/multirun_orch.toml"), "no main job here"),
         (("runs", "evict", str(tmp_path), "run_x", "--reason", "test"), "no such run"),
+        # a file of another kind: its kind and command, not a list of every field it lacks
+        (("train", "examples/multirun_demo.toml"), "this is a main job, not a runner's train config; run it with"),
+        (("run", "examples/cartpole_ppo.toml"), "this is a runner's train config, not a main job"),
+        (("job", "run", "examples/multirun_demo.toml"), "run it with `rlplex run FILE`"),
+        (("runs", "add", str(tmp_path), "--config", "examples/elastic_job.toml"), "this is a control-plane job"),
     ]
     runner = CliRunner()
     for args, expected in cases:
