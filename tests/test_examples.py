@@ -23,8 +23,9 @@ import typer
 from typer.testing import CliRunner
 
 from rlplex.cli import app
-from rlplex.config import read_toml
+from rlplex.cli_mainjob import FILE_KINDS, check_file_kind
 from rlplex.control.spec import load_job
+from rlplex.errors import ConfigError
 from rlplex.mainjob.config import load_main_job
 from rlplex.multirun.orch_config import read_orch_config
 from rlplex.runners.config import load_train_config
@@ -96,13 +97,13 @@ def _load_job(path: Path) -> Any:
     return spec
 
 
-LOADERS: dict[str, Callable[[Path], Any]] = {
-    "cartpole_ppo.toml": load_train_config,  # rlplex train
-    "pendulum_ppo.toml": load_train_config,
-    "job_noop.toml": _load_job,  # rlplex job run
-    "elastic_job.toml": _load_job,
-    "multirun_demo.toml": load_main_job,  # rlplex run (checks every run's orchestrator config too)
-    "multirun_orch.toml": read_orch_config,  # rlplex runs add --config, or an orchestrator's orch.toml
+LOADERS: dict[str, tuple[str, Callable[[Path], Any]]] = {  # file: (kind for the CLI, loader)
+    "cartpole_ppo.toml": ("train", load_train_config),  # rlplex train
+    "pendulum_ppo.toml": ("train", load_train_config),
+    "job_noop.toml": ("job", _load_job),  # rlplex job run
+    "elastic_job.toml": ("job", _load_job),
+    "multirun_demo.toml": ("main", load_main_job),  # rlplex run (checks every run's orchestrator config too)
+    "multirun_orch.toml": ("orch", read_orch_config),  # rlplex runs add --config, or an orchestrator's orch.toml
 }
 
 
@@ -112,9 +113,13 @@ def test_every_example_config_has_a_loader() -> None:
 
 @pytest.mark.parametrize("name", sorted(LOADERS))
 def test_example_config_loads(name: str) -> None:
+    kind, loader = LOADERS[name]
     path = EXAMPLES / name
-    assert read_toml(path), name
-    LOADERS[name](path)
+    check_file_kind(path, kind)  # what the CLI checks before loading
+    assert loader(path) is not None
+    for other in set(FILE_KINDS) - {kind}:  # ... and given to the wrong command, it names the right one
+        with pytest.raises(ConfigError, match=f"this is {FILE_KINDS[kind][1]}"):
+            check_file_kind(path, other)
 
 
 def test_every_example_script_is_run_by_a_test() -> None:
