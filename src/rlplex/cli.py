@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from rlplex.cli_mainjob import check_file_kind, print_error
 from rlplex.errors import RlplexError
 
 app = typer.Typer(help="rlplex: reinforcement-learning training jobs.", no_args_is_help=True, add_completion=False)
@@ -57,7 +58,7 @@ def train(
     except RlplexError as error:
         if debug:
             raise
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, "error", error)
         raise typer.Exit(EXIT_USER_ERROR) from None
 
 
@@ -69,6 +70,7 @@ def _train(
     from rlplex.runners.config import build_runner, load_train_config
     from rlplex.runners.snapshot import latest_snapshot
 
+    check_file_kind(config_file, "train")
     config = _override(load_train_config(config_file), seed, n_steps)
     output = output or Path("outputs") / config_file.stem
     output.mkdir(parents=True, exist_ok=True)
@@ -120,12 +122,12 @@ def _run_job_command(body: Any, debug: bool) -> None:
     except JobFailedError as error:
         if debug:
             raise
-        console.print(f"[bold red]job failed:[/] {error}", highlight=False)
+        print_error(console, "job failed", error)
         raise typer.Exit(EXIT_JOB_FAILED) from None
     except RlplexError as error:
         if debug:
             raise
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, "error", error)
         raise typer.Exit(EXIT_USER_ERROR) from None
 
 
@@ -181,6 +183,7 @@ def job_run(
     from rlplex.control.spec import load_job
 
     def body() -> None:
+        check_file_kind(job_file, "job")
         chosen = backend_overrides(backend, ray_address).get("backend") or load_job(job_file).backend
         if chosen == "ray":
             _drive_on_ray(job_file, backend, ray_address)
