@@ -208,6 +208,9 @@ class MultiRunManager(AdapterRegistry):
             if self._status.get(name) != status:
                 self._status[name] = status
                 self._reasons[name] = self._closed_reason(name, status)
+                slot = self.id_2_idx.get(name)
+                freed = "" if slot is None else f"; slot {slot} frees"
+                log.info("run %s is %s (%s)%s", name, status, self._reasons[name], freed)
 
     def _closed_reason(self, name: str, status: RunStatus) -> str:
         run = self.run_dir(name)

@@ -148,6 +148,6 @@ class RunFinisher:
                 log.warning("run %s: %s not written: %s; will retry", run_id, run.finished, error)
                 self._failed.put(run_id)
                 return
-            log.info("run %s: finished at step %d (checkpoint and broadcast STABLE); its slot frees", run_id, step)
+            log.info("run %s: marked finished at step %d (checkpoint and broadcast STABLE)", run_id, step)
 
         self.writer.submit(job)
