@@ -28,3 +28,12 @@ def node_processes(output_dir: Path) -> list[psutil.Process]:
         if "rlplex.control.node" in cmdline and str(output_dir) in cmdline:
             found.append(process)
     return found
+
+
+def job_processes(output_dir: Path) -> list[psutil.Process]:
+    """Every process whose command line names `output_dir` (nodes and what they started)."""
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if any(str(output_dir) in part for part in process.info["cmdline"] or []):
+            found.append(process)
+    return found

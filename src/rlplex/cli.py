@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from rlplex.cli_mainjob import check_file_kind, print_error
 from rlplex.errors import RlplexError
 
 app = typer.Typer(help="rlplex: reinforcement-learning training jobs.", no_args_is_help=True, add_completion=False)
@@ -57,7 +58,7 @@ def train(
     except RlplexError as error:
         if debug:
             raise
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, "error", error)
         raise typer.Exit(EXIT_USER_ERROR) from None
 
 
@@ -69,6 +70,7 @@ def _train(
     from rlplex.runners.config import build_runner, load_train_config
     from rlplex.runners.snapshot import latest_snapshot
 
+    check_file_kind(config_file, "train")
     config = _override(load_train_config(config_file), seed, n_steps)
     output = output or Path("outputs") / config_file.stem
     output.mkdir(parents=True, exist_ok=True)
@@ -120,12 +122,12 @@ def _run_job_command(body: Any, debug: bool) -> None:
     except JobFailedError as error:
         if debug:
             raise
-        console.print(f"[bold red]job failed:[/] {error}", highlight=False)
+        print_error(console, "job failed", error)
         raise typer.Exit(EXIT_JOB_FAILED) from None
     except RlplexError as error:
         if debug:
             raise
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, "error", error)
         raise typer.Exit(EXIT_USER_ERROR) from None
 
 
@@ -151,9 +153,14 @@ def _drive_on_ray(job_file: Path, backend: str | None, ray_address: str | None) 
 
     spec = load_job(job_file)
     spec = parse_job(spec.model_dump(mode="json") | backend_overrides(backend, ray_address), str(job_file))
-    handle = RayMasterHandle.launch(spec)
+    _watch_on_ray(RayMasterHandle.launch(spec), "started")
+
+
+def _watch_on_ray(handle: Any, what: str) -> None:
+    """Wait for the job of a master actor to end, then give the actor back."""
+    spec = handle.spec
     try:
-        console.print(f"job {spec.name}: master actor started on Ray; status: rlplex job status {spec.output_dir}")
+        console.print(f"job {spec.name}: master actor {what} on Ray; status: rlplex job status {spec.output_dir}")
         state = handle.wait()
         console.print(f"job {handle.info().get('job_id', spec.name)}: {state.value}")
     finally:
@@ -176,6 +183,7 @@ def job_run(
     from rlplex.control.spec import load_job
 
     def body() -> None:
+        check_file_kind(job_file, "job")
         chosen = backend_overrides(backend, ray_address).get("backend") or load_job(job_file).backend
         if chosen == "ray":
             _drive_on_ray(job_file, backend, ray_address)
@@ -188,12 +196,27 @@ def job_run(
 @job_app.command("resume")
 def job_resume(
     output_dir: Annotated[Path, typer.Argument(help="the job's output folder (holds job.sqlite)")],
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="a Ray job's cluster (default: $RLPLEX_RAY_ADDRESS, else the job's, else a local Ray)"),
+    ] = None,
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
-    """Master failover: re-attach to the job's live nodes, restart lost ones, and go on."""
-    from rlplex.control.master import PrimeMaster
+    """Master failover: re-attach to the job's live nodes, restart lost ones, and go on.
 
-    _run_job_command(lambda: _drive(PrimeMaster.resume(output_dir)), debug)
+    A Ray job's new master is a restartable Ray actor, as under `rlplex job run`."""
+    from rlplex.control.master import PrimeMaster, backend_overrides, resumable_spec
+
+    def body() -> None:
+        if resumable_spec(output_dir).backend == "ray":
+            from rlplex.control.ray_master import RayMasterHandle
+
+            address = backend_overrides(None, ray_address).get("ray_address")
+            _watch_on_ray(RayMasterHandle.resume(output_dir, address), "resumed")
+        else:
+            _drive(PrimeMaster.resume(output_dir))
+
+    _run_job_command(body, debug)
 
 
 @job_app.command("status")

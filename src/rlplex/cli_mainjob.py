@@ -1,4 +1,4 @@
-"""The main job's commands: `rlplex run`, `rlplex status`, `rlplex runs add|evict`.
+"""The main job's commands: `rlplex run`, `rlplex resume`, `rlplex status`, `rlplex runs add|evict`.
 
 Exit codes: 0 done, 1 the job failed, 2 a user error (one line; `--debug` for the traceback).
 Precedence: the job file < environment (RLPLEX_BACKEND, RLPLEX_RAY_ADDRESS) < flags.
@@ -13,11 +13,42 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from rlplex.errors import RlplexError
 
 EXIT_JOB_FAILED, EXIT_USER_ERROR = 1, 2
 DEBUG_HELP = "show tracebacks for user errors"
+
+
+def print_error(console: Console, label: str, message: object) -> None:
+    """One line, whatever the terminal width; the message is escaped because error texts
+    quote TOML sections like [roles.w], which rich would otherwise take for markup and drop."""
+    console.print(f"[bold red]{label}:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+
+
+# The top-level keys that tell the four kinds of TOML file apart, and the command for each.
+FILE_KINDS = {
+    "train": ({"env"}, "a runner's train config", "rlplex train FILE"),
+    "job": ({"roles"}, "a control-plane job", "rlplex job run FILE"),
+    "main": ({"trainer", "runs"}, "a main job", "rlplex run FILE"),
+    "orch": ({"task", "max_steps"}, "one run's orchestrator config", "rlplex runs add DIR --config FILE"),
+}
+
+
+def check_file_kind(path: Path, expected: str) -> None:
+    """A file of another kind fails in one line naming its kind and command, instead of with
+    every field the expected kind lacks."""
+    from rlplex.config import read_toml
+    from rlplex.errors import ConfigError
+
+    keys = set(read_toml(path))
+    if FILE_KINDS[expected][0] & keys:
+        return
+    for markers, what, command in (v for k, v in FILE_KINDS.items() if k != expected):
+        if markers <= keys:
+            wanted = FILE_KINDS[expected][1]
+            raise ConfigError(f"{path}: this is {what}, not {wanted}; run it with `{command}`")
 
 
 def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
@@ -26,7 +57,7 @@ def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
     except RlplexError as error:
         if debug:
             raise
-        console.print(f"[bold red]error:[/] {error}", highlight=False)
+        print_error(console, "error", error)
         raise typer.Exit(EXIT_USER_ERROR) from None
     if code:
         raise typer.Exit(code)
@@ -52,6 +83,7 @@ def register(app: typer.Typer, console: Console) -> None:
             from rlplex.mainjob.config import MainJobConfig, load_main_job
             from rlplex.mainjob.driver import run_main_job
 
+            check_file_kind(job_file, "main")
             config = load_main_job(job_file)
             updates = {
                 "backend": backend or os.environ.get("RLPLEX_BACKEND") or config.backend,
@@ -60,6 +92,23 @@ def register(app: typer.Typer, console: Console) -> None:
             data = config.model_dump(mode="json") | updates
             config = validate_config(MainJobConfig, data, source=f"{job_file} (with flags and environment)")
             state = run_main_job(config, console, live=live, source=str(job_file))
+            return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
+
+        _guard(console, debug, body)
+
+    @app.command("resume")
+    def resume(
+        output_dir: Annotated[Path, typer.Argument(help="the output folder of a main job whose `rlplex run` died")],
+        live: Annotated[bool, typer.Option(help="show the live view")] = True,
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Reattach to a main job's running nodes after its master died, and see it to the end."""
+
+        def body() -> int:
+            from rlplex.control.states import JobState
+            from rlplex.mainjob.driver import resume_main_job
+
+            state = resume_main_job(output_dir, console, live=live)
             return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
 
         _guard(console, debug, body)
@@ -97,10 +146,14 @@ def register(app: typer.Typer, console: Console) -> None:
             from rlplex.mainjob.config import RunEntry
             from rlplex.mainjob.registry import submit_add, wait_for_answer
 
+            check_file_kind(config, "orch")
             entry = RunEntry(id=run_id or f"run_{config.stem}", config=read_toml(config))
             entry.orch_config(str(config))
             accepted, text = wait_for_answer(submit_add(output_dir, entry), timeout_s)
-            console.print(("accepted: " if accepted else "[bold red]rejected:[/] ") + text, highlight=False)
+            if accepted:
+                console.print(f"accepted: {escape(text)}", highlight=False, soft_wrap=True)
+            else:
+                print_error(console, "rejected", text)
             return 0 if accepted else EXIT_USER_ERROR
 
         _guard(console, debug, body)

@@ -28,14 +28,17 @@ def _field_path(loc: tuple[int | str, ...]) -> str:
 
 
 def format_validation_error(source: str, error: ValidationError) -> str:
-    lines = [f"{source}: invalid config ({error.error_count()} problem(s))"]
+    """One line for one problem (the usual case: a user's one typo); a line per problem otherwise."""
+    problems = []
     for item in error.errors():
         value = item.get("input")
         shown = repr(value)
         if len(shown) > 80:
             shown = shown[:77] + "..."
-        lines.append(f"  field '{_field_path(item['loc'])}': {item['msg']} (got {shown})")
-    return "\n".join(lines)
+        problems.append(f"field '{_field_path(item['loc'])}': {item['msg']} (got {shown})")
+    if len(problems) == 1:
+        return f"{source}: {problems[0]}"
+    return "\n  ".join([f"{source}: invalid config ({len(problems)} problems)", *problems])
 
 
 def validate_config(model: type[M], data: dict[str, Any], source: str = "<config>") -> M:

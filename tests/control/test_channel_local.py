@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from rlplex.control import ChannelClosedError, ChannelTimeoutError, DataChannel, LocalDataChannel
-from rlplex.control import channel_local as cl
+from rlplex.control import channel_ring as ring
 
 CTX = mp.get_context("spawn")
 
@@ -108,20 +108,20 @@ def put_until_closed(channel: LocalDataChannel, results: Any) -> None:
 
 def claim_and_hang(channel: LocalDataChannel, claimed: Any) -> None:
     # Stops between taking an item off the ring and freeing its slot, as a reader killed mid-copy.
-    channel._acquire()
+    channel._ring.acquire()
     channel._claim(None, None)
-    channel._release()
+    channel._ring.release()
     claimed.set()
     time.sleep(60)
 
 
 def reserve_and_hang(channel: LocalDataChannel, reserved: Any) -> None:
     # Stops after reserving a slot and before publishing it, as a writer killed mid-copy.
-    channel._acquire()
+    channel._ring.acquire()
     index = channel._reserve(None, None)
-    channel._set_slot(index, cl._WRITING, os.getpid())
-    channel._set(cl._TAIL, channel._u64(cl._TAIL) + 1)
-    channel._release()
+    channel._ring.set_slot(index, ring.WRITING, os.getpid())
+    channel._ring.set(ring.TAIL, channel._ring.u64(ring.TAIL) + 1)
+    channel._ring.release()
     reserved.set()
     time.sleep(60)
 

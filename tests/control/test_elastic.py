@@ -27,9 +27,11 @@ from rlplex.control.elastic import read_elastic_status, rendezvous_summaries
 from rlplex.control.elastic_rdzv import (
     RDZV_TRANSITIONS,
     ElasticConfig,
+    RendezvousError,
     ScriptConfig,
     failed_checks,
     parse_role_config,
+    rendezvous_endpoint,
     slow_nodes,
 )
 from rlplex.control.states import StateMachine
@@ -112,6 +114,23 @@ def test_rendezvous_state_machine_and_check_verdicts() -> None:
         ScriptConfig()
 
 
+def test_the_rendezvous_store_is_where_rank_0_runs() -> None:
+    """MASTER_ADDR:MASTER_PORT of a round is the endpoint rank 0's node reported: 127.0.0.1 on one machine,
+    the node's own IP (asked of Ray on that node) on a multi-machine Ray cluster."""
+    assert rendezvous_endpoint("trainer-3", {"endpoint": {"host": "10.0.0.7", "port": 29511}}) == ("10.0.0.7", 29511)
+    bad_reports = ({}, {"endpoint": "x"}, {"endpoint": {"host": "", "port": 1}}, {"endpoint": {"host": "h", "port": 0}})
+    for bad in bad_reports:
+        with pytest.raises(RendezvousError, match=r"member trainer-3 \(rank 0\) reported no usable endpoint"):
+            rendezvous_endpoint("trainer-3", bad)
+    pytest.importorskip("ray")
+    import ray
+
+    from rlplex.control.ray_node import node_host
+
+    assert node_host("127.0.0.1") == "127.0.0.1"  # a one-machine cluster: loopback, as on the local backend
+    assert node_host("192.0.2.1") == ray.util.get_node_ip_address()
+
+
 def test_elastic_job_trains_to_completion(job_dir: Path) -> None:
     with PrimeMaster.create(elastic_job(job_dir)) as master:
         master.start()  # prepare() runs the node check of both ranks
@@ -122,6 +141,7 @@ def test_elastic_job_trains_to_completion(job_dir: Path) -> None:
         assert rendezvous_steps(master) == ["WAITING", "CHECKING", "READY", "RUNNING", "FINISHED"]
         status = read_elastic_status(job_dir)
         assert status["state"] == "FINISHED" and set(status["checks"]) == {"trainer-0", "trainer-1"}
+        assert [r["addr"] for r in status["rounds"]] == ["127.0.0.1"]  # rank 0's node, on the local backend
         assert all(c["ok"] and c["matmul_s"] > 0 for c in status["checks"].values())
         assert rendezvous_summaries(job_dir) == [
             "elastic-0 (role 'trainer'): rendezvous FINISHED, world 2, restarts 0, epoch 0.2"

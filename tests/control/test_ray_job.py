@@ -19,14 +19,14 @@ import pytest
 
 from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, SqliteStateStore
-from rlplex.errors import JobFailedError
+from rlplex.errors import ConfigError, JobFailedError
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
 
 ray = pytest.importorskip("ray")
 
-from rlplex.control.ray_master import RayMasterHandle  # noqa: E402
+from rlplex.control.ray_master import RayMasterHandle, master_actor_name  # noqa: E402
 from rlplex.control.ray_scheduler import NAMESPACE  # noqa: E402
 
 JOB = """
@@ -254,3 +254,54 @@ def test_killed_master_actor_resumes_and_restarts_only_the_lost_node(job_dir: Pa
         store.close()
     finally:
         handle.close()
+
+
+def test_cli_resume_of_a_ray_job_runs_the_new_master_as_an_actor(
+    job_dir: Path, ray_address: str, child_env: dict[str, str]
+) -> None:
+    """The master actor is gone for good (no Ray restart left): `rlplex job resume` starts a new master
+    actor, not a master in the CLI process, which re-attaches to the live node actors and finishes the job.
+    A second master for a folder whose master lives is refused."""
+    handle = RayMasterHandle.launch(counter_job(job_dir, items=200, delay_s=0.1), max_restarts=0)
+    store = SqliteStateStore.in_dir(job_dir)
+    cli: subprocess.Popen[str] | None = None
+    try:
+
+        def progressed() -> bool:
+            job_id = store.latest_job_id()
+            nodes = store.nodes(job_id) if job_id else []
+            return len(nodes) == 2 and all(n.state == "RUNNING" and n.progress.get("items", 0) >= 3 for n in nodes)
+
+        wait_for(progressed, 30, "every node RUNNING with progress")
+        job_id = store.latest_job_id()
+        assert job_id is not None
+        before = {n.node_id: n.pid for n in store.nodes(job_id)}
+        first_pid = int(handle.info()["pid"])
+        assert store.job(job_id).master_pid == first_pid
+        with pytest.raises(ConfigError, match="already has a live master"):
+            RayMasterHandle.launch(handle.spec)
+
+        ray.kill(handle.actor, no_restart=True)
+        named = master_actor_name(handle.spec)
+        wait_for(lambda: named not in {e["name"] for e in ray.util.list_named_actors(True)}, 20, "the master gone")
+        command = [sys.executable, "-m", "rlplex.cli", "job", "resume", str(job_dir), "--ray-address", ray_address]
+        cli = subprocess.Popen(command, env={**child_env, "COLUMNS": "200"}, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        out, _ = cli.communicate(timeout=120)
+        assert cli.returncode == 0, out
+        assert "master actor resumed on Ray" in out and "STOPPED" in out
+
+        job = store.job(job_id)
+        assert job.state == "STOPPED" and job.master_pid not in (0, first_pid, cli.pid)
+        nodes = {n.node_id: n for n in store.nodes(job_id)}
+        assert {k: (n.pid, n.restarts, n.state) for k, n in nodes.items()} == {
+            k: (pid, 0, "FINISHED") for k, pid in before.items()
+        }
+        assert items_done(job_dir) == list(range(200)) and decisions(store, job_id) == []
+        assert "re-attached" in (job_dir / "master.log").read_text()
+    finally:
+        if cli is not None and cli.poll() is None:
+            cli.kill()
+            cli.wait(10)
+        handle.close()
+        store.close()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from rlplex.errors import ConfigError, RunConfigError, WaitTimeoutError
 from rlplex.mainjob.config import MainJobConfig, RunEntry, load_main_job
@@ -17,7 +19,7 @@ from rlplex.mainjob.registry import (
     wait_for_answer,
     write_registry,
 )
-from rlplex.mainjob.report import REPORT_FILE, reward_rise, write_report
+from rlplex.mainjob.report import REPORT_FILE, write_report
 from rlplex.mainjob.view import collect, render
 from rlplex.multirun.rundir import STABLE_MARKER, RunDir, write_finished
 
@@ -119,18 +121,43 @@ def test_view_and_report_show_each_runs_state_rise_and_curves(tmp_path: Path) ->
     assert states == {"run_done": ("finished", 4), "run_mid": ("running", 2), "run_evicted": ("evicted", 1),
                       "run_waiting": ("waiting", 0), "run_ending": ("running", 4)}  # fmt: skip
     assert view.runs[0].reward == 0.7 and view.runs[0].tokens_per_s == 103
-    assert reward_rise(view.runs[0]) == pytest.approx((0.5 + 0.7) / 2 - (0.2 + 0.3) / 2)
+    done = view.runs[0]
+    assert done.reward_start == pytest.approx(0.25) and done.reward_end == pytest.approx(0.6)
+    assert done.reward_rise == pytest.approx((0.5 + 0.7) / 2 - (0.2 + 0.3) / 2)
     render(view)  # renders without a store
     report = write_report(tmp_path, wall_time_s=12.5, trainer_tokens_per_s=800.0)
     text = report.read_text()
     assert report.name == REPORT_FILE
     for section in ("## Runs", "## Learning curves", "## Nodes and restarts", "## Evictions", "800 tokens/s"):
         assert section in text, section
-    assert "| run_done | finished | 4/4 | 0.200 | 0.700 | +0.350 |" in text
+    assert "| run_done | finished | 4/4 | 0.250 | 0.600 | +0.350 |" in text
     assert "run_evicted: bad rollouts: rewards holds NaN" in text
     for png in ("rewards.png", "run_done.png", "run_mid.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 1000
     assert list((tmp_path / "tb" / "run_done").glob("events.out.tfevents.*"))
+
+
+def test_trainer_throughput_sums_the_runs_newest_token_increments(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    write_registry(tmp_path, [RunEntry(id=i, config=RUN) for i in ("run_a", "run_b", "run_c")])
+    logs = {
+        # 100 tokens/s for run_a in its newest 30 s, 50 for run_b; run_c only before the window.
+        "run_a": [(1000.0, 0), (1040.0, 1000), (1070.0, 4000)],
+        "run_b": [(1040.0, 500), (1070.0, 2000)],
+        "run_c": [(1000.0, 300)],
+    }
+    for run_id, rows in logs.items():
+        run = fake_run(runs, run_id, 1, [0.5])
+        directory = run.ensure_dir("logs")
+        lines = ["step,total_tokens,time"] + [f"{i + 1},{tokens},{t}" for i, (t, tokens) in enumerate(rows)]
+        (directory / "trainer_progress.csv").write_text("\n".join(lines) + "\n")
+    view = collect(tmp_path)
+    assert view.trained_tokens == 4000 + 2000 + 300
+    assert view.trainer_tokens_per_s(window_s=30.0) == pytest.approx((3000 + 1500) / 30.0)
+    assert view.trainer_tokens_per_s(window_s=100.0) == pytest.approx((4000 + 1500) / 70.0)
+    console = Console(record=True, width=200, file=io.StringIO())
+    console.print(render(view))
+    assert "trainer: 150 tokens/s (last 30 s), 6300 tokens trained" in console.export_text()
 
 
 def test_job_config_model_refuses_duplicate_ids() -> None:

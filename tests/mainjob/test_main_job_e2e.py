@@ -8,6 +8,7 @@ from pathlib import Path
 import psutil
 from rich.console import Console
 
+from node_helpers import job_processes
 from rlplex.control.states import JobState
 from rlplex.mainjob.config import load_main_job
 from rlplex.mainjob.driver import run_main_job
@@ -41,14 +42,6 @@ when = {{ run = "run_b", step = 1 }}
 evict_run = "run_b"
 reason = "evicted on purpose by the test"
 """
-
-
-def job_processes(out: Path) -> list[psutil.Process]:
-    found = []
-    for process in psutil.process_iter(["cmdline"]):
-        if any(str(out) in part for part in process.info["cmdline"] or []):
-            found.append(process)
-    return found
 
 
 def test_main_job_runs_end_to_end_with_an_added_and_an_evicted_run(tmp_path: Path) -> None:

@@ -38,8 +38,8 @@ from rlplex.control.elastic_rdzv import (
     RendezvousError,
     RendezvousState,
     failed_checks,
-    free_port,
     parse_role_config,
+    rendezvous_endpoint,
     slow_nodes,
 )
 from rlplex.control.elastic_worker import ElasticWorker, elastic_dir
@@ -223,11 +223,12 @@ class ElasticMaster(SubMaster):
     def _node_check(self, members: list[Member], initial: bool) -> bool:
         names = [m.node_id for m in members]
         self._to(R.CHECKING, f"node check of {names}")
-        epoch, port, world = self._new_epoch(), free_port(), len(members)
+        epoch, world = self._new_epoch(), len(members)
+        addr, port = self._endpoint(members[0])
         timeout = self.config.check_timeout_s
         with self._lock:
             self._assign = {
-                m.node_id: {"epoch": epoch, "action": CHECK, "rank": i, "world": world, "port": port,
+                m.node_id: {"epoch": epoch, "action": CHECK, "rank": i, "world": world, "addr": addr, "port": port,
                             "matmul_size": self.config.matmul_size, "check_timeout_s": timeout,
                             "backend": self.config.dist_backend}
                 for i, m in enumerate(members)
@@ -269,18 +270,24 @@ class ElasticMaster(SubMaster):
         return True
 
     def _launch(self, members: list[Member]) -> None:
-        epoch, port, world = self._new_epoch(), free_port(), len(members)
+        epoch, world = self._new_epoch(), len(members)
+        addr, port = self._endpoint(members[0])
         with self._lock:
             self._round = {m.node_id: m.incarnation for m in members}
             self._assign = {
-                m.node_id: {"epoch": epoch, "action": RUN, "rank": i, "world": world, "port": port,
+                m.node_id: {"epoch": epoch, "action": RUN, "rank": i, "world": world, "addr": addr, "port": port,
                             "restarts": self.restarts}
                 for i, m in enumerate(members)
             }  # fmt: skip
-        self.rounds.append({"epoch": epoch, "restarts": self.restarts, "world": world, "port": port,
+        self.rounds.append({"epoch": epoch, "restarts": self.restarts, "world": world, "addr": addr, "port": port,
                             "ranks": {m.node_id: i for i, m in enumerate(members)}, "started_at": time.time(),
                             "resumed_from": None, "first_step_at": None})  # fmt: skip
-        self._to(R.RUNNING, f"world {world}, port {port}, restart {self.restarts}")
+        self._to(R.RUNNING, f"world {world}, rank 0 at {addr}:{port}, restart {self.restarts}")
+
+    def _endpoint(self, rank0: Member) -> tuple[str, int]:
+        with self._lock:
+            report = rank0.report
+        return rendezvous_endpoint(rank0.node_id, report)
 
     def _watch(self) -> str | None:
         """Until every script exited 0 (None) or the round must restart (the cause)."""

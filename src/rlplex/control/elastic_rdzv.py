@@ -15,9 +15,11 @@ Rendezvous states (one machine per ElasticMaster, recorded in the job store as e
     any live state -> FAILED  (budget spent, too few nodes, a failing check during prepare)
 
 Workers pull: every `sync_interval_s` a worker sends a `report` (its script's and check's state,
-progress) and gets back its `assignment` (epoch, action idle/check/run/finish, rank, world,
-port). The worker reconciles towards the assignment, so a lost message or a restarted master
-costs nothing but one interval.
+progress, and an endpoint: its node's address and a port free there) and gets back its
+`assignment` (epoch, action idle/check/run/finish, rank, world, addr, port). A round's
+MASTER_ADDR:MASTER_PORT is the endpoint its rank 0 reported, so the rendezvous store runs on rank
+0's machine whichever machine the ElasticMaster is on. The worker reconciles towards the
+assignment, so a lost message or a restarted master costs nothing but one interval.
 """
 
 from __future__ import annotations
@@ -115,11 +117,24 @@ def parse_role_config(model: type[StrictModel], data: dict[str, Any], role: str)
         raise JobSpecError(format_validation_error(f"role '{role}': field 'config'", error)) from None
 
 
-def free_port() -> int:
-    """A port free now on 127.0.0.1 (the script's rank 0 binds it a moment later, as torchrun does)."""
+LOCAL_HOST = "127.0.0.1"
+
+
+def free_port(host: str = LOCAL_HOST) -> int:
+    """A port free now on `host` (the script's rank 0 binds it a moment later, as torchrun does)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def rendezvous_endpoint(rank0: str, report: dict[str, Any]) -> tuple[str, int]:
+    """MASTER_ADDR and MASTER_PORT of a round: the endpoint reported by `rank0`'s node (see `ElasticWorker`)."""
+    endpoint = report.get("endpoint")
+    host = endpoint.get("host") if isinstance(endpoint, dict) else None
+    port = endpoint.get("port") if isinstance(endpoint, dict) else None
+    if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
+        raise RendezvousError(f"member {rank0} (rank 0) reported no usable endpoint: {endpoint!r}")
+    return host, port
 
 
 def slow_nodes(results: dict[str, dict[str, Any]], factor: float) -> dict[str, str]:

@@ -5,10 +5,12 @@ job store: the sub-master role whose `config.workers` names this role): it sends
 (script and check state, the script's progress) and reconciles towards the assignment it gets
 back: run the node check, start the script for an epoch, stop it, or finish.
 
-The script gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1,
-MASTER_PORT, RLPLEX_RESTART_COUNT (= TORCHELASTIC_RESTART_COUNT), RLPLEX_CHECKPOINT_DIR and
-RLPLEX_PROGRESS_FILE, where it may write a JSON object of numbers (e.g. {"step": 12, "loss":
-0.3}); the worker reads it into its heartbeats and reports. The script stays in the node's
+The script gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
+(where rank 0 runs: its node's address, 127.0.0.1 on one machine or that machine's IP on a
+multi-machine Ray cluster, and a port rank 0's node reported free), RLPLEX_RESTART_COUNT
+(= TORCHELASTIC_RESTART_COUNT), RLPLEX_CHECKPOINT_DIR and RLPLEX_PROGRESS_FILE, where it may
+write a JSON object of numbers (e.g. {"step": 12, "loss": 0.3}); the worker reads it into its
+heartbeats and reports. The script stays in the node's
 process group, so killing the node kills its script too.
 """
 
@@ -23,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rlplex.control.elastic_rdzv import CHECK, FINISH, RUN, ScriptConfig, parse_role_config
+from rlplex.control.elastic_rdzv import CHECK, FINISH, RUN, ScriptConfig, free_port, parse_role_config
 from rlplex.control.rpc import RpcClient, parse_address
 from rlplex.control.worker import FAILED, FINISHED, Worker, WorkerContext
 from rlplex.errors import JobSpecError, RlplexError
@@ -194,6 +196,9 @@ class ElasticWorker(Worker):
                 "check": {"epoch": self._check_epoch, "result": self._check_result},
                 "progress": progress,
                 "finished": self._finished,
+                # Where a round's rank 0 serves the rendezvous store if this node gets rank 0. The port is
+                # picked anew at each report so that it is still free when the master hands it out.
+                "endpoint": {"host": self.context.host, "port": free_port(self.context.host)},
             }
 
     def _sync(self, report: dict[str, Any]) -> dict[str, Any] | None:
@@ -273,7 +278,7 @@ class ElasticWorker(Worker):
             "WORLD_SIZE": str(assignment["world"]),
             "LOCAL_WORLD_SIZE": str(assignment["world"]),
             "GROUP_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_ADDR": str(assignment["addr"]),
             "MASTER_PORT": str(assignment["port"]),
         }
 

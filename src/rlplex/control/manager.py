@@ -106,8 +106,8 @@ class PrimeManager:
                     if cause is not None:
                         tail = self.scheduler.log_tail(slot.handle) if slot.handle else ""
                         raise JobFailedError(f"prepare failed: node {slot.node_id}: {cause}. log: {tail}")
-                if time.monotonic() > deadline:
-                    waiting = [s.node_id for s in self.slots.values() if s.state == NodeState.CREATED]
+                waiting = [s.node_id for s in self.slots.values() if s.state == NodeState.CREATED]
+                if waiting and time.monotonic() > deadline:
                     raise JobFailedError(f"prepare failed: {waiting} not ready within {self.spec.start_timeout_s} s")
                 time.sleep(self.spec.monitor_interval_s / 2)
             self._job_to(JobState.READY, f"{len(self.slots)} nodes created and checked")

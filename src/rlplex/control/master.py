@@ -79,6 +79,33 @@ def make_scheduler(spec: JobSpec, job_id: str, token: bytes) -> Scheduler:
     raise JobSpecError(f"job '{spec.name}': field 'backend': unknown backend '{spec.backend}'")
 
 
+def _open_resumable(output_dir: Path) -> tuple[SqliteStateStore, str, JobState, JobSpec]:
+    """The store, latest job id, state and spec of the unfinished job in `output_dir`."""
+    store = SqliteStateStore.in_dir(output_dir, create=False)
+    try:
+        job_id = store.latest_job_id()
+        if job_id is None:
+            raise ConfigError(f"{output_dir}: no job to resume")
+        record = store.job(job_id)
+        if JobState(record.state) in TERMINAL_JOB_STATES:
+            raise ConfigError(f"{output_dir}: job {job_id} is already {record.state}; nothing to resume")
+        data = json.loads(record.spec_json) | {"output_dir": str(output_dir)}
+        spec = parse_job(data, f"job '{record.name}' in {output_dir}")
+    except BaseException:
+        store.close()
+        raise
+    return store, job_id, JobState(record.state), spec
+
+
+def resumable_spec(output_dir: str | Path) -> JobSpec:
+    """The spec of the unfinished job in `output_dir` (absolute), for a driver that resumes it elsewhere.
+
+    Raises ConfigError when there is no job there or it has already ended."""
+    store, _, _, spec = _open_resumable(Path(output_dir).resolve())
+    store.close()
+    return spec
+
+
 class PrimeMaster:
     def __init__(self, manager: PrimeManager, store: SqliteStateStore) -> None:
         self.manager, self.store = manager, store
@@ -118,18 +145,14 @@ class PrimeMaster:
     @classmethod
     def resume(cls, output_dir: str | Path, policy: FailurePolicy | None = None) -> PrimeMaster:
         output_dir = Path(output_dir).resolve()
-        store = SqliteStateStore.in_dir(output_dir, create=False)
-        job_id = store.latest_job_id()
-        if job_id is None:
-            raise ConfigError(f"{output_dir}: no job to resume")
-        record = store.job(job_id)
-        if JobState(record.state) in TERMINAL_JOB_STATES:
-            raise ConfigError(f"{output_dir}: job {job_id} is already {record.state}; nothing to resume")
-        data = json.loads(record.spec_json) | {"output_dir": str(output_dir)}
-        spec = parse_job(data, f"job '{record.name}' in {output_dir}")
-        scheduler = make_scheduler(spec, job_id, read_token(output_dir))
+        store, job_id, state, spec = _open_resumable(output_dir)
+        try:
+            scheduler = make_scheduler(spec, job_id, read_token(output_dir))
+        except BaseException:
+            store.close()
+            raise
         store.set_master(job_id, scheduler.master_address, os.getpid())
-        manager = PrimeManager(spec, job_id, store, scheduler, policy, state=JobState(record.state))
+        manager = PrimeManager(spec, job_id, store, scheduler, policy, state=state)
         manager.reattach()
         return cls(manager, store)
 

@@ -40,7 +40,7 @@ class NodeRuntime:
     ) -> None:
         self.output_dir = Path(output_dir)
         self.job_id, self.node_id, self.incarnation = job_id, node_id, incarnation
-        self.token = token
+        self.token, self.host = token, host
         self.store = SqliteStateStore.in_dir(self.output_dir, create=False)
         self.spec: dict[str, Any] = json.loads(self.store.job(self.job_id).spec_json)
         record = next(n for n in self.store.nodes(self.job_id) if n.node_id == self.node_id)
@@ -67,6 +67,7 @@ class NodeRuntime:
             output_dir=self.output_dir,
             incarnation=self.incarnation,
             token=self.token,
+            host=self.host,
         )
         return load_entrypoint(self.role_spec["entrypoint"], self.role_spec["kind"])(context)
 

@@ -3,38 +3,43 @@
     handle = RayMasterHandle.launch(spec)      # the actor runs PrimeMaster.create / start / wait
     state = handle.wait(timeout=600)           # "STOPPED" or "FAILED" (cause in handle.info())
     handle.close()                             # give the actor back
+    handle = RayMasterHandle.resume(output_dir)  # `rlplex job resume`: a new master actor for the job
 
-A first start creates the job; a restart (Ray reconstructs the actor after its process died)
-takes the resume path, `PrimeMaster.resume(output_dir)`: reload the SQLite state, re-attach to
-the node actors that are alive (they are detached and outlive the master), restart lost ones.
+A first start creates the job (or, launched by `resume`, resumes it); a restart (Ray
+reconstructs the actor after its process died) takes the resume path,
+`PrimeMaster.resume(output_dir)`: reload the SQLite state, re-attach to the node actors that
+are alive (they are detached and outlive the master), restart lost ones.
 The control loop runs in a thread of the actor, so `info()` and `wait()` answer while it runs.
+The actor is named after the job's output folder, so one folder never has two live masters.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import time
-import uuid
+from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from rlplex.control.ray_scheduler import NAMESPACE, connect_ray, forwarded_env
 from rlplex.control.spec import JobSpec, parse_job
 from rlplex.control.states import TERMINAL_JOB_STATES, JobState
-from rlplex.errors import JobFailedError, RlplexError, WaitTimeoutError
+from rlplex.errors import ConfigError, JobFailedError, RlplexError, WaitTimeoutError
 
 # A finished master keeps its result this long for a driver to read, then gives its actor back.
 _LINGER_S = 300.0
 
 
 class MasterActor:
-    def __init__(self, spec_json: str, env: dict[str, str]) -> None:
+    def __init__(self, spec_json: str, env: dict[str, str], resume: bool = False) -> None:
         os.environ.update(env)
         self._spec: JobSpec = parse_job(JobSpec.model_validate_json(spec_json).model_dump(mode="json"))
-        self.resumed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
+        # Launched to resume a job whose master is gone, or restarted by Ray after this one died.
+        self.resumed = resume or bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self._master: Any = None
         self._done = threading.Event()
         self._stop = threading.Event()
@@ -117,6 +122,38 @@ def _ended_job(spec: JobSpec) -> dict[str, Any] | None:
         store.close()
 
 
+def master_actor_name(spec: JobSpec) -> str:
+    """The master actor's name: one per output folder (`spec.output_dir` must be absolute)."""
+    folder = hashlib.sha256(str(spec.output_dir).encode()).hexdigest()[:12]
+    return f"rlplex-master-{spec.name}-{folder}"
+
+
+def _free_name(name: str, spec: JobSpec) -> None:
+    """Refuse to start a second master for a folder; give back a finished master that still holds the name."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        try:
+            existing: Any = ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            return
+        try:
+            info: dict[str, Any] | None = ray.get(existing.info.remote(), timeout=10.0)
+        except RayActorError:  # dying: its name is free once Ray has recorded the death (or it restarts)
+            info = None
+        except (GetTimeoutError, RayError):  # restarting, or busy: a master all the same
+            info = {"done": False}
+        if info is not None and not info.get("done"):
+            raise ConfigError(
+                f"{spec.output_dir}: job '{spec.name}' already has a live master (Ray actor '{name}'); "
+                f"watch it with: rlplex job status {spec.output_dir}"
+            )
+        if info is not None:
+            ray.kill(existing, no_restart=True)
+        if time.monotonic() > deadline:
+            raise ConfigError(f"{spec.output_dir}: the old master actor '{name}' did not go away within 30 s")
+        time.sleep(0.05)
+
+
 class RayMasterHandle:
     """The driver's side of a master actor."""
 
@@ -124,16 +161,32 @@ class RayMasterHandle:
         self.actor, self.spec = actor, spec
 
     @classmethod
-    def launch(cls, spec: JobSpec, max_restarts: int = 3) -> RayMasterHandle:
+    def launch(cls, spec: JobSpec, max_restarts: int = 3, resume: bool = False) -> RayMasterHandle:
+        """Start the master actor of a new job (`resume`: of the unfinished job in `spec.output_dir`)."""
         # The actor's working folder is Ray's: the output folder must be absolute before it travels.
         spec = spec.model_copy(update={"backend": "ray", "output_dir": spec.output_dir.resolve()})
         connect_ray(spec.ray_address, spec.capacity)
-        name = f"rlplex-master-{spec.name}-{uuid.uuid4().hex[:8]}"
+        name = master_actor_name(spec)
+        _free_name(name, spec)
         actor = RemoteMaster.options(
             name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=max_restarts, num_cpus=0,
             max_concurrency=8,
-        ).remote(spec.model_dump_json(), forwarded_env())  # fmt: skip
+        ).remote(spec.model_dump_json(), forwarded_env(), resume)  # fmt: skip
         return cls(actor, spec)
+
+    @classmethod
+    def resume(cls, output_dir: str | Path, ray_address: str | None = None, max_restarts: int = 3) -> RayMasterHandle:
+        """Master failover on Ray: a new master actor reloads the job in `output_dir` and goes on.
+
+        `ray_address` (else the job's) is the cluster its node actors live on."""
+        from rlplex.control.master import resumable_spec
+
+        spec = resumable_spec(output_dir)
+        if spec.backend != "ray":
+            raise ConfigError(f"{spec.output_dir}: job '{spec.name}' runs on backend '{spec.backend}', not on Ray")
+        if ray_address is not None:
+            spec = spec.model_copy(update={"ray_address": ray_address})
+        return cls.launch(spec, max_restarts, resume=True)
 
     def info(self, timeout_s: float = 30.0) -> dict[str, Any]:
         result: dict[str, Any] = ray.get(self.actor.info.remote(), timeout=timeout_s)

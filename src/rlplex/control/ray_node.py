@@ -21,6 +21,14 @@ import ray
 _LINGER_S = 10.0
 
 
+def node_host(scheduler_host: str) -> str:
+    """The address this node serves on and gives its peers (control RPC, an elastic rank 0's store).
+
+    127.0.0.1 when the whole cluster is one machine (the scheduler's host says so); otherwise this
+    machine's IP as Ray knows it, asked on the node itself: nodes of one job run on many machines."""
+    return scheduler_host if scheduler_host == "127.0.0.1" else ray.util.get_node_ip_address()
+
+
 class NodeActor:
     """One node inside Ray: the `NodeRuntime` in a thread; its stdout and stderr go to the node's log file."""
 
@@ -41,8 +49,7 @@ class NodeActor:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.close(log)
-        if host != "127.0.0.1":
-            host = ray.util.get_node_ip_address()
+        host = node_host(host)
         self._runtime = NodeRuntime(output_dir, job_id, node_id, incarnation, bytes.fromhex(token_hex), host)
         self._done = threading.Event()
         self._code = -1

@@ -45,6 +45,9 @@ class WorkerContext:
     output_dir: Path
     incarnation: int = 0
     token: bytes = b""
+    # The address the other nodes reach this one at: 127.0.0.1 on one machine, this machine's IP on a
+    # multi-machine Ray cluster. Servers a worker opens for its peers (a rendezvous store) listen on it.
+    host: str = "127.0.0.1"
     stop_event: threading.Event = field(default_factory=threading.Event)
     _progress: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)

@@ -33,11 +33,14 @@ def build_job_spec(config: MainJobConfig, base_model: Path, source: str = "<main
         "name": config.name,
         "output_dir": str(config.output_dir.resolve()),
         "backend": config.backend,
+        "ray_address": config.ray_address,
         "max_restarts": 4 * (trainer.max_restarts + len(config.runs) + len(config.later_runs)),
         # Small shares: on a 2-core laptop the processes take turns; placement still refuses
         # a trainer wider than the machine.
         "capacity": {"cpu": max(2.0, 0.5 * world + 1.0)},
         "heartbeat_interval_s": 0.5,
+        # Every node imports torch before it reports ready: minutes on a busy 2-core machine.
+        "start_timeout_s": 180.0,
         "rpc_timeout_s": 120.0,
         "roles": {
             "trainer": {

@@ -4,12 +4,14 @@ requests, and write the report when the job ends (whatever way it ends)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.live import Live
 
+from rlplex.config import validate_config
 from rlplex.control.master import PrimeMaster
 from rlplex.control.states import TERMINAL_JOB_STATES, JobState
 from rlplex.errors import ConfigError, RlplexError
@@ -18,6 +20,7 @@ from rlplex.mainjob.config import MainJobConfig
 from rlplex.mainjob.registry import REGISTRY_FILE, answer, pending_requests, read_registry, write_registry
 from rlplex.mainjob.report import write_report
 from rlplex.mainjob.view import collect, render
+from rlplex.multirun.rundir import write_file_atomic
 
 
 def accept_requests(master: PrimeMaster, output_dir: Path) -> list[str]:
@@ -47,7 +50,6 @@ def prepare_base_model(config: MainJobConfig) -> Path:
     the trainer takes its base from (the first run's: every run must declare the same base)."""
     from rlplex.multirun.base_model import base_model
     from rlplex.multirun.orch_config import orch_config_to_toml
-    from rlplex.multirun.rundir import write_file_atomic
 
     first = config.runs[0].orch_config(source=str(config.output_dir))
     config.runs_dir.mkdir(parents=True, exist_ok=True)
@@ -57,21 +59,47 @@ def prepare_base_model(config: MainJobConfig) -> Path:
     return reference
 
 
+JOB_CONFIG_FILE = "main_job.json"
+
+
 def run_main_job(config: MainJobConfig, console: Console, live: bool = True, source: str = "<main job>") -> JobState:
     output_dir = config.output_dir.resolve()
     config = config.model_copy(update={"output_dir": output_dir})
     if (output_dir / REGISTRY_FILE).exists():
-        raise ConfigError(f"{output_dir}: already holds a main job; choose a new output_dir (or `rlplex job resume`)")
+        raise ConfigError(f"{output_dir}: already holds a main job; choose a new output_dir (or `rlplex resume`)")
     output_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"preparing the shared base model in {config.runs_dir} ...")
     base = prepare_base_model(config)
     write_registry(output_dir, list(config.runs))
+    # `rlplex resume` reads the job back from here (JSON: the folder crosses a trust boundary).
+    write_file_atomic(output_dir / JOB_CONFIG_FILE, config.model_dump_json(indent=2).encode())
     master = PrimeMaster.create(build_job_spec(config, base, source))
+    console.print(f"job {master.job_id}: starting; from another shell: rlplex status {output_dir}")
+    return _drive(master, config, console, live, start=True)
+
+
+def resume_main_job(output_dir: Path, console: Console, live: bool = True) -> JobState:
+    """Take over a main job whose `rlplex run` died: the nodes kept running; this reattaches a
+    master to them and carries on (requests, live view, report) where the dead one stopped."""
+    output_dir = output_dir.resolve()
+    path = output_dir / JOB_CONFIG_FILE
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"{path}: no main job to resume here ({error.strerror})") from None
+    config = validate_config(MainJobConfig, json.loads(text) | {"output_dir": str(output_dir)}, source=str(path))
+    master = PrimeMaster.resume(output_dir)
+    console.print(f"job {master.job_id}: resumed in state {master.state.value}")
+    return _drive(master, config, console, live, start=False)
+
+
+def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: bool, start: bool) -> JobState:
+    output_dir = config.output_dir
     started = time.monotonic()
     state = master.state
     try:
-        console.print(f"job {master.job_id}: starting; from another shell: rlplex status {output_dir}")
-        master.start()
+        if start:
+            master.start()
         display = Live(render(collect(output_dir)), console=console, auto_refresh=False) if live else None
         with display or contextlib.nullcontext():
             next_view = 0.0
@@ -89,8 +117,9 @@ def run_main_job(config: MainJobConfig, console: Console, live: bool = True, sou
     finally:
         master.stop("master exiting")
         master.close()
-        wall = time.monotonic() - started
-        trained = sum(run.trained_tokens for run in collect(output_dir).runs)
-        report = write_report(output_dir, wall, trainer_tokens_per_s=trained / wall)
+        view = collect(output_dir)
+        # From the job's creation, so that a resumed master reports the whole job.
+        wall = view.read_at - view.created_at if view.created_at else time.monotonic() - started
+        report = write_report(output_dir, wall, trainer_tokens_per_s=view.trained_tokens / max(wall, 1e-9))
         console.print(f"job {state.value}; report: {report}")
     return state

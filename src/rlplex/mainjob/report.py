@@ -9,18 +9,9 @@ from pathlib import Path
 
 from rlplex.control.store import SqliteStateStore
 from rlplex.diagnostics.plots import plot_learning_curves
-from rlplex.mainjob.view import JobView, RunView, collect
+from rlplex.mainjob.view import REWARD_WINDOW, JobView, RunView, collect
 
 REPORT_FILE = "report.md"
-
-
-def reward_rise(run: RunView, window: int = 3) -> float | None:
-    """Mean of the last `window` rewards minus mean of the first `window` (smooths sampling noise)."""
-    rewards = [reward for _, reward in run.curve]
-    if len(rewards) < 2:
-        return None
-    window = max(1, min(window, len(rewards) // 2))
-    return sum(rewards[-window:]) / window - sum(rewards[:window]) / window
 
 
 def write_tensorboard(run: RunView, directory: Path) -> None:
@@ -55,14 +46,16 @@ def write_report(output_dir: Path, wall_time_s: float, trainer_tokens_per_s: flo
         f"Wall time: {wall_time_s:.1f} s; written {time.strftime('%Y-%m-%d %H:%M:%S')}",
     ]
     if trainer_tokens_per_s is not None:
-        lines.append(f"Trainer throughput: {trainer_tokens_per_s:.0f} tokens/s")
+        lines.append(
+            f"Trainer throughput: {trainer_tokens_per_s:.0f} tokens/s (all runs' trained tokens over the wall time)"
+        )
     header = ("run", "state", "steps", "reward at start", "reward at end", "rise", "rollout tokens/s", "note")
+    lines += ["", f"Start and end rewards are means over the first and the newest {REWARD_WINDOW} steps."]
     lines += ["", "## Runs", "", _row(header), _row(("---",) * len(header))]
     for run in view.runs:
-        rise = reward_rise(run)
         steps = f"{run.trained_steps}/{run.max_steps}"
-        lines.append(_row((run.run_id, run.state, steps, _num(run.first_reward), _num(run.reward),
-                           _num(rise, "+.3f"), _num(run.tokens_per_s, ".0f"), run.reason)))  # fmt: skip
+        lines.append(_row((run.run_id, run.state, steps, _num(run.reward_start), _num(run.reward_end),
+                           _num(run.reward_rise, "+.3f"), _num(run.tokens_per_s, ".0f"), run.reason)))  # fmt: skip
     lines += ["", "## Learning curves", ""]
     curves = {run.run_id: _xy(run) for run in view.runs if run.curve}
     if curves:
@@ -85,6 +78,7 @@ def _nodes_section(view: JobView, output_dir: Path) -> list[str]:
     lines = ["", "## Nodes and restarts", "", _row(header), _row(("---",) * len(header))]
     for node in view.nodes:
         lines.append(_row((node.role, str(node.rank), node.state, str(node.restarts), node.cause)))
+    lines += ["", "Trainer rendezvous:", ""] + ([f"- {line}" for line in view.rendezvous] or ["- none"])
     decisions = _decisions(output_dir)
     lines += ["", "## Control-plane decisions", ""] + ([f"- {d}" for d in decisions] or ["- none"])
     evicted = [run for run in view.runs if run.state == "evicted"]

@@ -20,12 +20,17 @@ from pathlib import Path
 from rich.console import Group
 from rich.table import Table
 
+from rlplex.control.elastic import rendezvous_summaries
 from rlplex.control.store import NodeRecord, SqliteStateStore
 from rlplex.mainjob.config import RunEntry
 from rlplex.mainjob.registry import read_registry
 from rlplex.multirun.rundir import RunDir, stable_steps
 
 REWARD_COLUMNS = ("reward_mean", "charts/reward_mean", "reward")
+# Start and end rewards are means over this many steps: one step's reward is a noisy sample.
+REWARD_WINDOW = 3
+# The trainer's throughput is measured over the newest stretch of its progress logs.
+THROUGHPUT_WINDOW_S = 30.0
 TOKENS_COLUMNS = ("tokens_per_s", "charts/tokens_per_s")
 
 
@@ -36,11 +41,34 @@ class RunView:
     trained_steps: int
     max_steps: int
     reward: float | None = None
-    first_reward: float | None = None
     tokens_per_s: float | None = None
     reason: str = ""
     trained_tokens: int = 0
     curve: list[tuple[float, float]] = field(default_factory=list)
+    trainer_rows: list[dict[str, float]] = field(default_factory=list)
+
+    def _window_mean(self, newest: bool) -> float | None:
+        rewards = [reward for _, reward in self.curve]
+        if not rewards:
+            return None
+        window = max(1, min(REWARD_WINDOW, len(rewards) // 2))
+        chosen = rewards[-window:] if newest else rewards[:window]
+        return sum(chosen) / len(chosen)
+
+    @property
+    def reward_start(self) -> float | None:
+        """Mean reward of the first steps."""
+        return self._window_mean(newest=False)
+
+    @property
+    def reward_end(self) -> float | None:
+        """Mean reward of the newest steps."""
+        return self._window_mean(newest=True)
+
+    @property
+    def reward_rise(self) -> float | None:
+        start, end = self.reward_start, self.reward_end
+        return None if start is None or end is None or len(self.curve) < 2 else end - start
 
 
 @dataclass
@@ -51,6 +79,38 @@ class JobView:
     nodes: list[NodeRecord]
     runs: list[RunView]
     read_at: float
+    rendezvous: list[str] = field(default_factory=list)  # the trainer's elastic restarts
+    created_at: float | None = None  # when the job was created (wall clock), across master restarts
+
+    @property
+    def trained_tokens(self) -> int:
+        return sum(run.trained_tokens for run in self.runs)
+
+    def trainer_tokens_per_s(self, window_s: float = THROUGHPUT_WINDOW_S) -> float | None:
+        """Tokens the trainer trained per second, over all runs, in the newest `window_s`.
+
+        Each run's log holds cumulative tokens; the trainer's rate is the sum of the runs'
+        token increments inside the window, divided by the window actually covered.
+        """
+        stamped = [row for run in self.runs for row in run.trainer_rows if "time" in row]
+        if not stamped:
+            return None
+        newest = max(row["time"] for row in stamped)
+        since = newest - window_s
+        tokens, oldest = 0.0, newest
+        for run in self.runs:
+            rows = [row for row in run.trainer_rows if "time" in row and "total_tokens" in row]
+            inside = [row for row in rows if row["time"] > since]
+            if not inside:
+                continue
+            before = [row for row in rows if row["time"] <= since]
+            # Without a row before the window, the run's first row is the baseline: its total
+            # includes tokens trained at an unknown earlier time.
+            base = before[-1] if before else inside[0]
+            tokens += inside[-1]["total_tokens"] - base["total_tokens"]
+            oldest = min(oldest, base["time"])
+        span = newest - oldest
+        return tokens / span if span > 0 else None
 
 
 def read_progress_rows(path: Path) -> list[dict[str, float]]:
@@ -87,10 +147,10 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
     ]
     view = RunView(entry.id, "running", trained, max_steps, curve=curve)
     if curve:
-        view.first_reward, view.reward = curve[0][1], curve[-1][1]
-    trainer_rows = read_progress_rows(run.root / "logs" / "trainer_progress.csv")
-    if trainer_rows:
-        view.trained_tokens = int(trainer_rows[-1].get("total_tokens", 0))
+        view.reward = curve[-1][1]
+    view.trainer_rows = read_progress_rows(run.root / "logs" / "trainer_progress.csv")
+    if view.trainer_rows:
+        view.trained_tokens = int(view.trainer_rows[-1].get("total_tokens", 0))
     if rows:
         view.tokens_per_s = _pick(rows[-1], TOKENS_COLUMNS)
     if run.is_evicted():
@@ -106,7 +166,7 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
 
 def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
     runs_dir = runs_dir or output_dir / "runs"
-    job_state, cause, nodes = "UNKNOWN", "", []
+    job_state, cause, nodes, created = "UNKNOWN", "", [], None
     if (output_dir / "job.sqlite").exists():
         store = SqliteStateStore.in_dir(output_dir, create=False)
         try:
@@ -114,10 +174,12 @@ def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
             if job_id is not None:
                 record = store.job(job_id)
                 job_state, cause, nodes = record.state, record.cause, store.nodes(job_id)
+                created = record.created_at
         finally:
             store.close()
     runs = [run_view(runs_dir, entry) for entry in read_registry(output_dir)]
-    return JobView(output_dir, job_state, cause, nodes, runs, time.time())
+    rendezvous = rendezvous_summaries(output_dir)
+    return JobView(output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created)
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -125,13 +187,17 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 
 def render(view: JobView) -> Group:
-    """Per run: step, reward, tokens/s, state; per node: state, restarts, heartbeat age."""
-    runs = Table(title=f"runs: job {view.job_state}", title_justify="left")
+    """Per run: step, reward, tokens/s, state; the trainer's throughput; per node: state,
+    restarts, heartbeat age."""
+    rate = view.trainer_tokens_per_s()
+    window = f"last {THROUGHPUT_WINDOW_S:.0f} s"
+    trainer = f"trainer: {_fmt(rate, '.0f')} tokens/s ({window}), {view.trained_tokens} tokens trained"
+    runs = Table(title=f"runs: job {view.job_state}; {trainer}", title_justify="left")
     for column in ("run", "state", "step", "reward", "reward at start", "rollout tokens/s", "note"):
         runs.add_column(column)
     for run in view.runs:
         runs.add_row(
-            run.run_id, run.state, f"{run.trained_steps}/{run.max_steps}", _fmt(run.reward), _fmt(run.first_reward),
+            run.run_id, run.state, f"{run.trained_steps}/{run.max_steps}", _fmt(run.reward), _fmt(run.reward_start),
             _fmt(run.tokens_per_s, ".0f"), run.reason[:60],
         )  # fmt: skip
     nodes = Table(title="nodes", title_justify="left")
@@ -141,7 +207,7 @@ def render(view: JobView) -> Group:
         age = f"{view.read_at - node.last_heartbeat:.1f} s" if node.last_heartbeat else "-"
         progress = ", ".join(f"{k}={v:g}" for k, v in list(node.progress.items())[:4]) or "-"
         nodes.add_row(node.role, str(node.rank), node.state, str(node.restarts), age, progress)
-    parts: list[Table | str] = [runs, nodes]
+    parts: list[Table | str] = [runs, nodes, *view.rendezvous]
     if view.job_cause:
         parts.append(f"cause: {view.job_cause}")
     return Group(*parts)

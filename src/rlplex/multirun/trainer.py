@@ -383,10 +383,12 @@ class MultiRunTrainer:
 
     def _publish(self, done: StepDone, run_id: str, stats: StepStats) -> None:
         step = done.step + 1
-        self._write_broadcast(done.idx, run_id, step)
         max_steps = self.manager.config[done.idx].max_steps
+        # Checkpoint before broadcast (one writer thread keeps the order): a trainer killed in
+        # between leaves no published step that its resume would train a second time.
         if step % self.config.checkpoint_every == 0 or step >= max_steps:
             self._checkpoint(done.idx, run_id, step)
+        self._write_broadcast(done.idx, run_id, step)
         progress = self.manager.progress[done.idx]
         row = {
             "step": step,
@@ -398,6 +400,8 @@ class MultiRunTrainer:
             "grad_norm": stats.grad_norm,
             "lr": stats.lr,
             "slot": done.idx,
+            # Wall-clock time lets a reader (the live view) compute the trainer's throughput.
+            "time": round(time.time(), 3),
         }
         run = self.manager.run_dir(run_id)
         self.writer.submit(lambda: self.progress_log.append(run, row))

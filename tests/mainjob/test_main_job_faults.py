@@ -1,0 +1,119 @@
+"""The main job survives SIGKILL of one orchestrator, one trainer rank and then of `rlplex run`
+itself (resumed with `rlplex resume`): the job still finishes, every run trains all its
+steps, and no step is trained twice (each run's final checkpoint counts exactly
+max_steps x batch_size samples, and the trainer's log holds each step once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+from node_helpers import job_processes, wait_for
+from rlplex.control.elastic import read_elastic_status
+from rlplex.mainjob.view import collect, read_progress_rows
+from rlplex.multirun.rundir import RunDir, stable_steps
+
+STEPS, BATCH = 8, 8
+RUN = (
+    f'task = "reverse", max_steps = {STEPS}, batch_size = {BATCH}, group_size = 4, '
+    "model = { base = { warmup_steps = 20 } }"
+)
+JOB = f"""
+name = "mj-faults"
+output_dir = "OUT_DIR"
+timeout_s = 400
+[trainer]
+world_size = 2
+max_runs = 4
+[[runs]]
+id = "run_a"
+config = {{ seed = 1, {RUN} }}
+[[runs]]
+id = "run_b"
+config = {{ seed = 2, {RUN} }}
+"""
+
+
+def node_process(out: Path, node_id: str) -> psutil.Process | None:
+    for process in job_processes(out):
+        cmdline = process.info["cmdline"] or []
+        if "rlplex.control.node" in cmdline and node_id in cmdline:
+            return process
+    return None
+
+
+def trainer_script(out: Path, rank_node: str) -> psutil.Process | None:
+    node = node_process(out, rank_node)
+    if node is None:
+        return None
+    try:
+        children = node.children()
+    except psutil.NoSuchProcess:
+        return None
+    scripts = [child for child in children if "rlplex.multirun.trainer" in " ".join(child.cmdline())]
+    return scripts[0] if scripts else None
+
+
+def trained(out: Path, run_id: str) -> int:
+    return next((run.trained_steps for run in collect(out).runs if run.run_id == run_id), 0)
+
+
+def test_sigkill_of_an_orchestrator_and_a_trainer_rank_loses_and_repeats_no_step(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    path = tmp_path / "job.toml"
+    path.write_text(JOB.replace("OUT_DIR", str(out)))
+    log = open(tmp_path / "job.log", "w")
+    command = [sys.executable, "-m", "rlplex.cli"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    job = subprocess.Popen([*command, "run", str(path), "--no-live"], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def trained_while_running(run_id: str, steps: int) -> bool:
+        if job.poll() is not None:
+            raise AssertionError(f"the job ended early:\n{(tmp_path / 'job.log').read_text()[-3000:]}")
+        return trained(out, run_id) >= steps
+
+    try:
+        wait_for(lambda: trained_while_running("run_a", 1), 240, "run_a's first trained step")
+        orchestrator = wait_for(lambda: node_process(out, "orchestrator-0"), 30, "orchestrator-0's process")
+        assert isinstance(orchestrator, psutil.Process)
+        orchestrator.send_signal(signal.SIGKILL)
+        rank_1 = wait_for(lambda: trainer_script(out, "trainer-1"), 60, "trainer rank 1's script")
+        assert isinstance(rank_1, psutil.Process)
+        wait_for(lambda: trained_while_running("run_b", 2), 120, "run_b's second trained step")
+        rank_1.send_signal(signal.SIGKILL)
+        wait_for(lambda: trained_while_running("run_b", 3), 180, "run_b's third trained step")
+        job.send_signal(signal.SIGKILL)  # the master dies; its nodes carry on without it
+        job.wait(10)
+        job = subprocess.Popen(
+            [*command, "resume", str(out), "--no-live"], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+        assert job.wait(timeout=360) == 0, (tmp_path / "job.log").read_text()[-3000:]
+        view = collect(out)
+        restarts = {(node.role, node.rank): node.restarts for node in view.nodes}
+        assert restarts[("orchestrator", 0)] >= 1
+        assert read_elastic_status(out, "elastic-0")["restarts"] >= 1  # the trainer ranks re-rendezvoused
+        assert any("restarts 1" in line or "restarts 2" in line for line in view.rendezvous)
+        for run in view.runs:
+            assert (run.state, run.trained_steps) == ("finished", STEPS), run
+            run_dir = RunDir(out / "runs", run.run_id)
+            final = run_dir.checkpoints / f"step_{STEPS}"
+            progress = json.loads((final / "progress.json").read_text())
+            assert progress["total_samples"] == STEPS * BATCH, progress  # no step counted twice
+            assert [step for step, _ in stable_steps(run_dir.broadcast)][-1] == STEPS
+            logged = [int(row["step"]) for row in read_progress_rows(run_dir.root / "logs" / "trainer_progress.csv")]
+            assert len(logged) == len(set(logged)), f"{run.run_id} trained a step twice: {logged}"
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait(10)
+        log.close()
+        _gone, alive = psutil.wait_procs(job_processes(out), timeout=10.0)
+        for process in alive:
+            process.kill()
+    assert not alive, f"processes left behind: {[p.pid for p in alive]}"
