@@ -13,12 +13,11 @@
  9 publish                             broadcast/step_{s+1}, checkpoints/step_{s+1}, progress.csv
 ```
 
-A run trained to its `max_steps` is marked finished (`control/finished.txt`) by a writer job
-queued behind its final checkpoint and broadcast; the next `discover_runs()` frees its slot.
-
 A run trains step s from `rollouts/step_s`; after its optimizer step its progress step is
 s + 1 and `broadcast/step_{s+1}` appears. When a run is created (fresh or resumed),
-`broadcast/step_<its step>` is written if missing, so its orchestrator can start.
+`broadcast/step_<its step>` is written if missing, so its orchestrator can start. A run trained
+to its `max_steps` is marked finished (`control/finished.txt`) by a writer job queued behind its
+final checkpoint and broadcast; the next `discover_runs()` frees its slot for a waiting run.
 
 Entry point (torchrun-style: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT when present):
 `python -m rlplex.multirun.trainer --output-dir D --max-runs K [--steps N] [--until-idle S]`.
@@ -359,21 +358,22 @@ class MultiRunTrainer:
         self._checkpoint_due[run_id] = step
         self.writer.submit(job)
 
-    def _mark_finished(self, idx: int, run_id: str, step: int, force: bool = False) -> None:
+    def _mark_finished(self, idx: int, run_id: str, step: int, now: float | None = None) -> None:
         """Rank 0: queue `control/finished.txt` of a run at its max_steps behind its final outputs.
 
         The step's checkpoint and broadcast were queued when the run stepped (or, for a run
         resumed at its last step, when it was created); a checkpoint not yet queued, or an
-        output that failed in an earlier attempt, is queued again first.
+        output that failed in an earlier attempt, is queued again first. `now=inf` ignores the
+        wait before a retry (the trainer is stopping).
         """
-        if not force and not self.finisher.due(run_id):
+        if not self.finisher.due(run_id, now):
             return
         run = self.manager.run_dir(run_id)
         retry = self.finisher.attempts(run_id) > 0
         missing = final_outputs_missing(run, step) if retry else []
-        if self._checkpoint_due.get(run_id, -1) < step or f"checkpoints/step_{step}" in missing:
+        if self._checkpoint_due.get(run_id, -1) < step or "checkpoint" in missing:
             self._checkpoint(idx, run_id, step)
-        if f"broadcast/step_{step}" in missing:
+        if "broadcast" in missing:
             self._write_broadcast(idx, run_id, step)
         self.finisher.submit(run, step)
 
@@ -428,8 +428,7 @@ class MultiRunTrainer:
             if run_id in self._evicted or idx in self.optim.resume_failures:
                 continue
             if step >= self.manager.config[idx].max_steps:
-                if self.finisher.due(run_id, now=float("inf")):
-                    self._mark_finished(idx, run_id, step, force=True)
+                self._mark_finished(idx, run_id, step, now=float("inf"))
             elif step > self._checkpoint_due.get(run_id, -1) and step > 0:
                 self._checkpoint(idx, run_id, step)
         self.flush()

@@ -88,12 +88,12 @@ def read_progress_csv(run: RunDir) -> list[dict[str, float]]:
 
 
 def final_outputs_missing(run: RunDir, step: int) -> list[str]:
-    """Which of the final step's outputs (checkpoint, broadcast) are not STABLE on disk."""
+    """Which of the step's outputs, "checkpoint" and "broadcast", are not STABLE on disk."""
     missing = []
     if not os.path.exists(run.checkpoint_step(step) / STABLE_MARKER):
-        missing.append(f"checkpoints/step_{step}")
+        missing.append("checkpoint")
     if not is_stable_adapter(run.broadcast_step(step)):
-        missing.append(f"broadcast/step_{step}")
+        missing.append("broadcast")
     return missing
 
 
@@ -136,7 +136,8 @@ class RunFinisher:
                 return  # evicted meanwhile: it leaves as evicted, not finished
             missing = final_outputs_missing(run, step)
             if missing:
-                log.warning("run %s: not marked finished at step %d: %s not STABLE; will retry", run_id, step, missing)
+                what = " and ".join(f"{kind} step {step}" for kind in missing)
+                log.warning("run %s: not marked finished at step %d: %s not STABLE; will retry", run_id, step, what)
                 self._failed.put(run_id)
                 return
             try:
