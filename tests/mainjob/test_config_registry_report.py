@@ -21,7 +21,7 @@ from rlplex.mainjob.registry import (
 )
 from rlplex.mainjob.report import REPORT_FILE, write_report
 from rlplex.mainjob.view import collect, render
-from rlplex.multirun.rundir import STABLE_MARKER, RunDir
+from rlplex.multirun.rundir import STABLE_MARKER, RunDir, write_finished
 
 RUN = {"task": "reverse", "max_steps": 4, "batch_size": 8}
 
@@ -108,9 +108,10 @@ def fake_run(runs_dir: Path, run_id: str, trained: int, rewards: list[float]) ->
 
 def test_view_and_report_show_each_runs_state_rise_and_curves(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
-    entries = [RunEntry(id=i, config=RUN) for i in ("run_done", "run_mid", "run_evicted", "run_waiting")]
-    write_registry(tmp_path, entries)
-    fake_run(runs, "run_done", 4, [0.2, 0.3, 0.5, 0.7])
+    names = ("run_done", "run_mid", "run_evicted", "run_waiting", "run_ending")
+    write_registry(tmp_path, [RunEntry(id=i, config=RUN) for i in names])
+    write_finished(fake_run(runs, "run_done", 4, [0.2, 0.3, 0.5, 0.7]), 4)
+    fake_run(runs, "run_ending", 4, [0.1])  # last broadcast out, not yet marked finished by the trainer
     fake_run(runs, "run_mid", 2, [0.4, 0.5])
     evicted = fake_run(runs, "run_evicted", 1, [0.1])
     evicted.write_text(evicted.evicted, "bad rollouts: rewards holds NaN\n")
@@ -118,7 +119,7 @@ def test_view_and_report_show_each_runs_state_rise_and_curves(tmp_path: Path) ->
     view = collect(tmp_path)
     states = {run.run_id: (run.state, run.trained_steps) for run in view.runs}
     assert states == {"run_done": ("finished", 4), "run_mid": ("running", 2), "run_evicted": ("evicted", 1),
-                      "run_waiting": ("waiting", 0)}  # fmt: skip
+                      "run_waiting": ("waiting", 0), "run_ending": ("running", 4)}  # fmt: skip
     assert view.runs[0].reward == 0.7 and view.runs[0].tokens_per_s == 103
     done = view.runs[0]
     assert done.reward_start == pytest.approx(0.25) and done.reward_end == pytest.approx(0.6)

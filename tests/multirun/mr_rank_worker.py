@@ -21,7 +21,8 @@ torch.set_num_threads(1)
 from mr_helpers import new_run  # noqa: E402
 
 from rlplex.errors import HookMismatchError  # noqa: E402
-from rlplex.multirun import setup_multi_run_manager  # noqa: E402
+from rlplex.multirun import RunDir, setup_multi_run_manager  # noqa: E402
+from rlplex.multirun.rundir import write_finished  # noqa: E402
 
 
 def scenario_sync(rank: int, out: Path) -> dict[str, Any]:
@@ -98,6 +99,30 @@ def scenario_mismatch(rank: int, out: Path) -> dict[str, Any]:
     return {"error": None}
 
 
+def scenario_finish(rank: int, out: Path) -> dict[str, Any]:
+    """One slot, two runs: run_a finishes (rank 0 writes its marker, as the trainer does) and
+    run_b, waiting, takes the slot on every rank."""
+    runs_dir = out / "runs_finish"
+    if rank == 0:
+        runs_dir.mkdir()
+        new_run(runs_dir, "run_a")
+        new_run(runs_dir, "run_b")
+    dist.barrier()
+    mrm = setup_multi_run_manager(runs_dir, 1, sync_timeout_s=20)
+    calls: list[str] = []
+    mrm.register_deletion_hook(lambda idx, run_id: calls.append(f"deletion {idx} {run_id}"))
+    mrm.register_creation_hook(lambda idx, run_id: calls.append(f"creation {idx} {run_id}"))
+    tables = []
+    for step in range(3):
+        if rank == 0:
+            if step == 1:
+                write_finished(RunDir(runs_dir, "run_a"), 10)
+            mrm.discover_runs()
+        mrm.synchronize_state()
+        tables.append({str(k): v for k, v in sorted(mrm.idx_2_id.items())})
+    return {"calls": calls, "tables": tables, "statuses": mrm.run_statuses()}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[5])
     rank, world, port = (int(arg) for arg in sys.argv[2:5])
@@ -106,7 +131,7 @@ def main() -> None:
     )
     try:
         # One process start-up serves every scenario: starting torch twice per rank is the slow part.
-        scenarios = {"sync": scenario_sync, "mismatch": scenario_mismatch}
+        scenarios = {"sync": scenario_sync, "mismatch": scenario_mismatch, "finish": scenario_finish}
         names = list(scenarios) if scenario == "all" else [scenario]
         result = {name: scenarios[name](rank, out) for name in names}
     except BaseException:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -21,6 +22,7 @@ from rlplex.multirun import (
     setup_multi_run_manager,
 )
 from rlplex.multirun import manager as manager_module
+from rlplex.multirun.rundir import write_finished
 
 
 def manager(tmp_path: Path, max_runs: int = 4) -> MultiRunManager:
@@ -289,6 +291,64 @@ def test_evicted_run_comes_back_when_evicted_txt_is_removed(tmp_path: Path) -> N
     os.unlink(run.evicted)
     mrm.discover_runs()
     assert mrm.run_statuses() == {"run_a": "active"}
+
+
+def test_finished_run_leaves_its_slot_to_a_waiting_run_and_keeps_its_files(tmp_path: Path) -> None:
+    mrm = manager(tmp_path, max_runs=1)
+    calls: list[str] = []
+    mrm.register_forgotten_hook(lambda idx, run_id: calls.append(f"forgotten {idx} {run_id}"))
+    mrm.register_discovered_hook(lambda idx, run_id, config: calls.append(f"discovered {idx} {run_id}"))
+    mrm.register_deletion_hook(lambda idx, run_id: calls.append(f"deletion {idx} {run_id}"))
+    mrm.register_creation_hook(lambda idx, run_id: calls.append(f"creation {idx} {run_id}"))
+    run_a = new_run(tmp_path, "run_a", max_steps=2)
+    new_run(tmp_path, "run_b")
+    mrm.discover_runs()
+    mrm.synchronize_state()
+    assert mrm.run_statuses() == {"run_a": "active", "run_b": "waiting"}
+    mrm.record_progress(0, tokens=5, samples=1)
+    mrm.record_progress(0, tokens=5, samples=1)
+    checkpoint = mrm.save_run_checkpoint(0, 2, {"w": torch.ones(1)}, {}, {})
+    calls.clear()
+    write_finished(run_a, 2)
+    mrm.discover_runs()
+    mrm.synchronize_state()
+    # Like an eviction: forgotten, slot 0 freed and given to the waiting run, deletion before creation.
+    assert calls == ["forgotten 0 run_a", "discovered 0 run_b", "deletion 0 run_a", "creation 0 run_b"]
+    assert mrm.idx_2_id == {0: "run_b"} and mrm.progress[0].step == 0
+    assert mrm.run_statuses() == {"run_a": "finished", "run_b": "active"}
+    assert mrm.status_reason("run_a") == "finished: trained 2 steps"
+    assert run_a.orch_config.is_file() and (checkpoint / "STABLE").is_file()  # files kept
+    calls.clear()
+    mrm.discover_runs()
+    mrm.synchronize_state()
+    assert calls == [] and mrm.run_statuses()["run_a"] == "finished"
+    # A restarted trainer (a fresh manager with a free slot) does not admit it again.
+    restarted = setup_multi_run_manager(tmp_path, 2)
+    restarted.discover_runs()
+    assert restarted.idx_2_id == {0: "run_b"}
+    assert restarted.run_statuses() == {"run_a": "finished", "run_b": "active"}
+
+
+def test_finished_marker_read_by_the_scan_evicted_wins_and_removal_readmits(tmp_path: Path) -> None:
+    run_a = new_run(tmp_path, "run_a")
+    run_b = new_run(tmp_path, "run_b")
+    write_finished(run_a, 3)
+    record = json.loads(run_a.finished.read_text())
+    assert record["step"] == 3 and record["time"] > 0 and run_a.finished_step() == 3
+    write_finished(run_b, 1)
+    run_b.write_text(run_b.evicted, "bad rewards")  # both files: the eviction is what is reported
+    mrm = manager(tmp_path)
+    mrm.discover_runs()
+    assert mrm.idx_2_id == {}
+    assert mrm.run_statuses() == {"run_a": "finished", "run_b": "evicted"}
+    assert mrm.status_reason("run_b") == "bad rewards"
+    run_a.finished.write_text("not json")
+    mrm.discover_runs()
+    assert mrm.run_statuses()["run_a"] == "finished"  # the file, not its content, closes the run
+    assert run_a.finished_step() is None
+    os.unlink(run_a.finished)  # an operator removed it: the run is judged anew
+    mrm.discover_runs()
+    assert mrm.run_statuses()["run_a"] == "active"
 
 
 def test_master_only_methods_refused_on_other_ranks(tmp_path: Path) -> None:

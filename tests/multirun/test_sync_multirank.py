@@ -82,3 +82,12 @@ def test_mismatched_hook_registration_is_a_clear_error_on_every_rank(world_resul
     for rank, result in enumerate(results):
         assert result["error"] is not None, f"rank {rank} did not detect the mismatch"
         assert "rank0_only_hook" in result["error"] and "hook registration differs" in result["error"]
+
+
+def test_finished_run_leaves_its_slot_on_every_rank(world_results: list[dict[str, Any]]) -> None:
+    results = [r["finish"] for r in world_results]
+    for rank, result in enumerate(results):
+        assert result["calls"] == ["creation 0 run_a", "deletion 0 run_a", "creation 0 run_b"], rank
+        assert result["tables"] == [{"0": "run_a"}, {"0": "run_b"}, {"0": "run_b"}], rank
+    assert results[0]["statuses"] == {"run_a": "finished", "run_b": "active"}
+    assert results[1]["statuses"] == {"run_b": "active"}  # other ranks know the active runs only

@@ -4,6 +4,8 @@ deletion, resume into another slot and another world size."""
 from __future__ import annotations
 
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,10 +28,10 @@ from mr_train_helpers import (
 from safetensors.torch import save_file
 from test_sync_multirank import run_world
 
-from rlplex.multirun.checkpoint import latest_stable_checkpoint_path
+from rlplex.multirun.checkpoint import latest_stable_checkpoint_path, load_checkpoint
 from rlplex.multirun.rollout_io import ROLLOUT_FILE
 from rlplex.multirun.rundir import RunDir
-from rlplex.multirun.trainer import STOP_FILE
+from rlplex.multirun.trainer import STOP_FILE, MultiRunTrainer
 from rlplex.multirun.trainer_log import read_progress_csv
 
 
@@ -220,3 +222,89 @@ def test_cli_takes_the_base_from_an_orch_toml_and_stops_after_steps(tmp_path: Pa
     assert [p.stem for p in (tmp_path / "base_model").glob("*.safetensors")] == [key]
     assert [r["step"] for r in read_progress_csv(RunDir(tmp_path, "run_c"))] == [1, 2]
     assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) == RunDir(tmp_path, "run_c").checkpoint_step(2)
+
+
+def _new_finishing_run(output_dir: Path, run_id: str = "run_b0", steps: int = 2) -> RunDir:
+    """A run of `steps` steps (a name sorted before run_c, so it is admitted first)."""
+    run = new_train_run(output_dir, run_id, max_steps=steps, optim={"lr": 0.01})
+    write_synthetic(output_dir, run_id, range(steps), seed=5)
+    return run
+
+
+def _mtime(path: Path) -> int:
+    return path.stat().st_mtime_ns
+
+
+def iterate_until(trainer: MultiRunTrainer, condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    """Trainer iterations, polling like `MultiRunTrainer.run`, until `condition` holds (the writer
+    thread writes the finished marker between iterations)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        trainer.iteration()
+        time.sleep(0.01)
+
+
+def test_finished_run_frees_its_slot_for_a_waiting_run_and_is_not_readmitted(tmp_path: Path, alone: dict) -> None:
+    run = _new_finishing_run(tmp_path)
+    make_runs(tmp_path, ["run_c"])
+    trainer = make_trainer(tmp_path, 1, **PACKED)
+    train_until(trainer, {"run_b0": 2})
+    assert trainer.manager.run_statuses() == {"run_b0": "active", "run_c": "waiting"}
+    # The marker is queued behind the final step's outputs; the scan after it frees the slot.
+    iterate_until(trainer, lambda: "run_c" in trainer.manager.id_2_idx, "run_c to take the freed slot")
+    assert run.finished_step() == 2
+    # Written after the final checkpoint and broadcast were marked STABLE.
+    assert _mtime(run.finished) >= _mtime(run.checkpoint_step(2) / "STABLE")
+    assert _mtime(run.finished) >= _mtime(run.broadcast_step(2) / "STABLE")
+    assert trainer.manager.run_statuses() == {"run_b0": "finished", "run_c": "active"}
+    assert trainer.manager.status_reason("run_b0") == "finished: trained 2 steps"
+    assert trainer.manager.id_2_idx == {"run_c": 0} and sorted(trainer.optim.optimizers) == [0]
+    train_until(trainer, {"run_c": STEPS})
+    # The reused slot carried nothing of run_b0 over: run_c trains as it does alone.
+    assert_same_weights(broadcast_weights(tmp_path, "run_c", STEPS), alone["run_c"])
+    assert [r["step"] for r in read_progress_csv(run)] == [1, 2]
+    restarted = make_trainer(tmp_path, 2, **PACKED)
+    restarted.iteration()
+    assert "run_b0" not in restarted.manager.id_2_idx
+    assert restarted.manager.run_statuses()["run_b0"] == "finished"
+
+
+def test_stop_and_restart_mark_a_run_at_its_last_step_finished(tmp_path: Path) -> None:
+    stopped = _new_finishing_run(tmp_path / "stop")
+    trainer = make_trainer(tmp_path / "stop", 1, checkpoint_every=10)
+    train_until(trainer, {"run_b0": 2})
+    assert not stopped.is_finished()  # train_until returns before the iteration that queues the marker
+    trainer.finish()  # the stop path (SIGTERM, STOP_TRAINER) marks it
+    assert stopped.finished_step() == 2
+
+    crashed = _new_finishing_run(tmp_path / "crash")
+    first = make_trainer(tmp_path / "crash", 1, checkpoint_every=10)
+    train_until(first, {"run_b0": 2})  # ...and the trainer dies before it marks the run finished
+    stamp = _mtime(crashed.checkpoint_step(2) / "STABLE")
+    second = make_trainer(tmp_path / "crash", 1, checkpoint_every=10)
+    statuses = second.manager.run_statuses
+    iterate_until(second, lambda: statuses().get("run_b0") == "finished", "the resumed run to be marked finished")
+    assert crashed.finished_step() == 2 and second.manager.id_2_idx == {}
+    assert _mtime(crashed.checkpoint_step(2) / "STABLE") == stamp  # resumed at step 2: nothing written again
+    assert [r["step"] for r in read_progress_csv(crashed)] == [1, 2]  # and no step trained twice
+
+
+def test_final_checkpoint_that_fails_is_retried_before_the_run_is_marked_finished(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    run = _new_finishing_run(tmp_path)
+    run.checkpoints.write_text("in the way")  # the checkpoint cannot be written (like a full disk)
+    trainer = make_trainer(tmp_path, 1, checkpoint_every=10, finish_retry_s=0.05)
+    train_until(trainer, {"run_b0": 2})
+    for _ in range(3):
+        trainer.iteration()
+    trainer.flush()
+    assert not run.is_finished() and trainer.manager.id_2_idx == {"run_b0": 0}
+    assert "not marked finished at step 2: checkpoint step 2 not STABLE" in caplog.text
+    run.checkpoints.unlink()  # space again
+    iterate_until(trainer, lambda: "run_b0" not in trainer.manager.id_2_idx, "the retried finish")
+    assert run.finished_step() == 2 and trainer.manager.id_2_idx == {}
+    assert load_checkpoint(run.checkpoint_step(2)).progress.step == 2
+    assert [r["step"] for r in read_progress_csv(run)] == [1, 2]

@@ -3,7 +3,10 @@ and the report all use `collect()`, so a second shell sees what the master sees.
 
 A run's trainer step is the newest stable `broadcast/step_N` (the trainer writes it after
 stepping the run); its reward and rollout throughput come from the orchestrator's
-`progress.csv`; evictions and rejected configs from the run's `control/` files.
+`progress.csv`; evictions, rejected configs and finished runs from the run's `control/` files.
+A run is `finished` only once the trainer has written `control/finished.txt` (its last step
+checkpointed and broadcast, its slot freed), the same rule as `MultiRunManager.run_statuses()`;
+before that a run whose last broadcast is out is still `running`.
 """
 
 from __future__ import annotations
@@ -154,7 +157,7 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
         view.state, view.reason = "evicted", run.eviction_reason() or ""
     elif run.config_error.exists():
         view.state, view.reason = "rejected", run.config_error.read_text(errors="replace").strip()
-    elif max_steps and trained >= max_steps:
+    elif run.is_finished():
         view.state = "finished"
     elif not broadcasts:
         view.state = "waiting"

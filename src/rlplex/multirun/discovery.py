@@ -1,9 +1,10 @@
-"""Steps 1 and 2 of `discover_runs()`: scan `output_dir` for `run_*` and set evicted runs aside.
+"""Steps 1 and 2 of `discover_runs()`: scan `output_dir` for `run_*` and set evicted and
+finished runs aside.
 
 One `os.scandir` per scan gives the entry types without a stat per entry; an entry is
 checked (name, symlink, directory) the first time it is seen and warned about once, so a
-steady-state scan of 1,000 runs costs one directory read plus one `exists` per run (for
-`control/evicted.txt`).
+steady-state scan of 1,000 runs costs one directory read plus two `exists` per run (for
+`control/evicted.txt` and `control/finished.txt`).
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ log = logging.getLogger(__name__)
 @dataclass
 class ScanResult:
     live: list[str] = field(default_factory=list)
-    """Valid run directories without `control/evicted.txt`, sorted by name."""
+    """Valid run directories without `control/evicted.txt` or `control/finished.txt`, sorted by name."""
     evicted: list[str] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    """Runs with `control/finished.txt` (and no `evicted.txt`: an eviction is reported first)."""
     inodes: dict[str, int] = field(default_factory=dict)
-    """Inode of each live or evicted run directory: a directory deleted and made again under the
+    """Inode of each live, evicted or finished run directory: a directory deleted and made again under the
     same name is a new run, not the old one carrying on."""
     ignored: list[str] = field(default_factory=list)
     """`run_*` entries that are not plain directories with a safe name."""
@@ -69,6 +72,8 @@ class RunScanner:
             result.inodes[name] = entry.inode()
             if os.path.exists(f"{entry.path}/control/evicted.txt"):
                 result.evicted.append(name)
+            elif os.path.exists(f"{entry.path}/control/finished.txt"):
+                result.finished.append(name)
             else:
                 result.live.append(name)
         # Forget names that disappeared so a later entry of the same name is checked afresh.
@@ -76,4 +81,5 @@ class RunScanner:
         self._warned &= seen
         result.live.sort()
         result.evicted.sort()
+        result.finished.sort()
         return result

@@ -4,7 +4,7 @@
  rank 0 (master)                              every rank
  discover_runs()                              synchronize_state()
    1 scan run_*                                 1 master publishes snapshot v (JSON, store key per v)
-   2 drop evicted                               2 others read v, catch up (_delete/_create_run_data)
+   2 drop evicted, finished                     2 others read v, catch up (_delete/_create_run_data)
    3 new / deleted                              (hook names compared when runs change)
    4 forgotten hooks (deleted)                  3 deletion hooks, registration order
    5 load + validate orch.toml (new)            4 creation hooks, registration order
@@ -14,7 +14,11 @@
 
 A run's status is one of `active` (has a slot), `waiting` (valid, no free slot),
 `rejected` (orch.toml invalid: `control/config_validation_error.txt` says why; re-read when
-the file changes), `pending` (no orch.toml yet) and `evicted` (`control/evicted.txt`).
+the file changes), `pending` (no orch.toml yet), `evicted` (`control/evicted.txt`) and
+`finished` (`control/finished.txt`, written by the trainer once the run's last step is
+checkpointed and broadcast). Evicted and finished runs are closed: they leave their slot like
+a deleted run (forgotten and deletion hooks, the slot back to the free pool, waiting runs
+admitted into it), keep their files, and are not admitted again while the file is there.
 Every decision that ranks must agree on (which runs exist, in which slot, from which
 checkpoint they resume) is taken on rank 0 and travels in the snapshot.
 """
@@ -52,7 +56,9 @@ from rlplex.multirun.sync import ProgressEntry, RunEntry, StoreChannel, SyncSnap
 
 log = logging.getLogger(__name__)
 
-RunStatus = Literal["active", "waiting", "rejected", "pending", "evicted"]
+RunStatus = Literal["active", "waiting", "rejected", "pending", "evicted", "finished"]
+CLOSED_STATUSES: tuple[RunStatus, ...] = ("evicted", "finished")
+"""Statuses a run keeps until its marker file goes away; such a run never holds a slot."""
 EMPTY_SLOT_SCALING = 1e6
 """Scaling factor of an empty slot: an adapter used without a run shows up loudly."""
 
@@ -150,18 +156,18 @@ class MultiRunManager(AdapterRegistry):
     def run_statuses(self) -> dict[str, RunStatus]:
         """Every `run_*` directory known at the last scan (master) or the active runs (others)."""
         statuses: dict[str, RunStatus] = dict(self._status)
-        statuses.update({run_id: "active" for run_id in self.id_2_idx if statuses.get(run_id) != "evicted"})
+        statuses.update({run_id: "active" for run_id in self.id_2_idx if statuses.get(run_id) not in CLOSED_STATUSES})
         return dict(sorted(statuses.items()))
 
     def status_reason(self, run_id: str) -> str | None:
-        """Why a run is rejected or evicted (None otherwise)."""
+        """Why a run is rejected, evicted or finished (None otherwise)."""
         return self._reasons.get(run_id)
 
     # ---- discovery (master) ------------------------------------------------------------------
     def discover_runs(self) -> None:
         """Master only: bring the run table up to date with `output_dir` (the seed's seven steps)."""
         self._require_master("discover_runs")
-        scan = self._scanner.scan()  # 1 (and 2: evicted runs are listed apart)
+        scan = self._scanner.scan()  # 1 (and 2: evicted and finished runs are listed apart)
         live = set(scan.live)
         replaced = {name for name, inode in scan.inodes.items() if self._inodes.get(name, inode) != inode}
         self._inodes = scan.inodes
@@ -170,7 +176,9 @@ class MultiRunManager(AdapterRegistry):
         deleted = [
             (idx, run_id) for run_id, idx in self.id_2_idx.items() if run_id not in live or run_id in replaced
         ]  # 3
-        self._update_unslotted(live, scan.evicted)
+        closed: dict[str, RunStatus] = {name: "evicted" for name in scan.evicted}
+        closed.update({name: "finished" for name in scan.finished})
+        self._update_unslotted(live, closed)
         for idx, run_id in deleted:  # 4
             for _, hook in self.hooks.forgotten:
                 hook(idx, run_id)
@@ -188,18 +196,28 @@ class MultiRunManager(AdapterRegistry):
             for _, hook in self.hooks.discovered:
                 hook(idx, run_id, self.config[idx])
 
-    def _update_unslotted(self, live: set[str], evicted: list[str]) -> None:
-        evicted_set = set(evicted)
+    def _update_unslotted(self, live: set[str], closed: dict[str, RunStatus]) -> None:
         for name, status in list(self._status.items()):
-            if name in evicted_set or (name in live and status != "evicted"):
+            if closed.get(name) == status or (name in live and status not in CLOSED_STATUSES):
                 continue
-            self._forget(name)  # deleted, or its evicted.txt was removed (then it is judged anew)
-        for name in evicted:
+            # Deleted, newly closed, or its evicted.txt / finished.txt was removed (then judged anew).
+            self._forget(name)
+        for name, status in closed.items():
             self._waiting.pop(name, None)
             self._unadmitted.pop(name, None)
-            if self._status.get(name) != "evicted":
-                self._status[name] = "evicted"
-                self._reasons[name] = self.run_dir(name).eviction_reason() or "evicted"
+            if self._status.get(name) != status:
+                self._status[name] = status
+                self._reasons[name] = self._closed_reason(name, status)
+                slot = self.id_2_idx.get(name)
+                freed = "" if slot is None else f"; slot {slot} frees"
+                log.info("run %s is %s (%s)%s", name, status, self._reasons[name], freed)
+
+    def _closed_reason(self, name: str, status: RunStatus) -> str:
+        run = self.run_dir(name)
+        if status == "evicted":
+            return run.eviction_reason() or "evicted"
+        step = run.finished_step()
+        return f"finished: trained {step} steps" if step is not None else f"finished ({run.finished} unreadable)"
 
     def _forget(self, name: str) -> None:
         for table in (self._status, self._waiting, self._unadmitted, self._reasons):

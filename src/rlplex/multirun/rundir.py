@@ -5,6 +5,8 @@
     control/orch.toml                    written by the orchestrator
     control/config_validation_error.txt  written by the trainer when orch.toml is rejected
     control/evicted.txt                  eviction reason (trainer or the orchestrator itself)
+    control/finished.txt                 written by the trainer once the last step is checkpointed
+                                         and broadcast (JSON: step, time); the run leaves its slot
     checkpoints/step_N/                  per-run trainer checkpoints (STABLE marker last)
     rollouts/step_N/                     rollouts written by the orchestrator
     broadcast/step_N/                    adapter weights for inference (STABLE marker last)
@@ -19,9 +21,11 @@ run directory cannot redirect the trainer's writes outside `output_dir`.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +86,10 @@ class RunDir:
         return self.control / "evicted.txt"
 
     @property
+    def finished(self) -> Path:
+        return self.control / "finished.txt"
+
+    @property
     def checkpoints(self) -> Path:
         return self.root / "checkpoints"
 
@@ -117,6 +125,18 @@ class RunDir:
             return self.evicted.read_text(encoding="utf-8", errors="replace").strip()
         except OSError:
             return None
+
+    def is_finished(self) -> bool:
+        return os.path.exists(self.finished)
+
+    def finished_step(self) -> int | None:
+        """The step `control/finished.txt` records (None: no marker, or one that does not parse)."""
+        try:
+            record = json.loads(self.finished.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        step = record.get("step") if isinstance(record, dict) else None
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
 
     def ensure_dir(self, *parts: str) -> Path:
         """Make `root/parts...` one level at a time; raise `RunDirGoneError` if the run is gone."""
@@ -179,6 +199,16 @@ def write_eviction(run: RunDir, reason: str) -> None:
     file's format (the reason, one trailing newline) has one definition.
     """
     run.write_text(run.evicted, reason.rstrip("\n") + "\n")
+
+
+def write_finished(run: RunDir, step: int) -> None:
+    """Write `control/finished.txt` atomically: the run trained `step` steps and is done.
+
+    Only the trainer writes it, after the final checkpoint and broadcast are STABLE; the
+    manager then frees the run's slot and never admits the run again.
+    """
+    record = {"step": step, "time": time.time(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    run.write_text(run.finished, json.dumps(record) + "\n")
 
 
 def stable_steps(parent: Path) -> list[tuple[int, Path]]:

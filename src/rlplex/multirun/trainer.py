@@ -15,7 +15,9 @@
 
 A run trains step s from `rollouts/step_s`; after its optimizer step its progress step is
 s + 1 and `broadcast/step_{s+1}` appears. When a run is created (fresh or resumed),
-`broadcast/step_<its step>` is written if missing, so its orchestrator can start.
+`broadcast/step_<its step>` is written if missing, so its orchestrator can start. A run trained
+to its `max_steps` is marked finished (`control/finished.txt`) by a writer job queued behind its
+final checkpoint and broadcast; the next `discover_runs()` frees its slot for a waiting run.
 
 Entry point (torchrun-style: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT when present):
 `python -m rlplex.multirun.trainer --output-dir D --max-runs K [--steps N] [--until-idle S]`.
@@ -51,7 +53,7 @@ from rlplex.multirun.packer import MicroBatch, Packer
 from rlplex.multirun.peft_export import is_stable_adapter, write_peft_adapter
 from rlplex.multirun.rollout_io import MalformedRolloutError, read_rollouts, rollouts_ready
 from rlplex.multirun.run_optim import CLIP_EPS, RunOptimizers, StepStats, clipped_pg_loss
-from rlplex.multirun.trainer_log import BackgroundWriter, ProgressLog
+from rlplex.multirun.trainer_log import BackgroundWriter, ProgressLog, RunFinisher, final_outputs_missing
 from rlplex.tasks import CharTokenizer
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,9 @@ class TrainerConfig(StrictModel):
     base: BaseModelConfig = Field(BaseModelConfig(), description="The shared base model, as runs declare it.")
     clip_eps: float = Field(CLIP_EPS, gt=0)
     poll_interval_s: float = Field(0.05, gt=0)
+    finish_retry_s: float = Field(
+        5.0, gt=0, description="Seconds before a run whose final checkpoint or broadcast failed is tried again."
+    )
 
 
 @dataclass
@@ -125,6 +130,7 @@ class MultiRunTrainer:
         self._checkpoint_due: dict[str, int] = {}
         """The newest checkpoint step submitted per run id."""
         self.writer = BackgroundWriter()
+        self.finisher = RunFinisher(self.writer, config.finish_retry_s)
         self._stop_requested = False
         self._rewards: dict[int, tuple[float, int]] = {}
 
@@ -183,6 +189,7 @@ class MultiRunTrainer:
         self._rewards.pop(idx, None)
         self._evicted.discard(run_id)
         self._checkpoint_due.pop(run_id, None)
+        self.finisher.forget(run_id)
 
     # ---- one iteration -----------------------------------------------------------------------
     def iteration(self, master_stop: bool = False) -> IterationResult:
@@ -229,7 +236,10 @@ class MultiRunTrainer:
                 continue
             step = self.manager.progress[idx].step
             run = self.manager.run_dir(run_id)
-            if step >= self.manager.config[idx].max_steps or not rollouts_ready(run, step):
+            if step >= self.manager.config[idx].max_steps:
+                self._mark_finished(idx, run_id, step)
+                continue
+            if not rollouts_ready(run, step):
                 continue
             try:
                 batch = read_rollouts(run, step, self.vocab_size)
@@ -348,6 +358,25 @@ class MultiRunTrainer:
         self._checkpoint_due[run_id] = step
         self.writer.submit(job)
 
+    def _mark_finished(self, idx: int, run_id: str, step: int, now: float | None = None) -> None:
+        """Rank 0: queue `control/finished.txt` of a run at its max_steps behind its final outputs.
+
+        The step's checkpoint and broadcast were queued when the run stepped (or, for a run
+        resumed at its last step, when it was created); a checkpoint not yet queued, or an
+        output that failed in an earlier attempt, is queued again first. `now=inf` ignores the
+        wait before a retry (the trainer is stopping).
+        """
+        if not self.finisher.due(run_id, now):
+            return
+        run = self.manager.run_dir(run_id)
+        retry = self.finisher.attempts(run_id) > 0
+        missing = final_outputs_missing(run, step) if retry else []
+        if self._checkpoint_due.get(run_id, -1) < step or "checkpoint" in missing:
+            self._checkpoint(idx, run_id, step)
+        if "broadcast" in missing:
+            self._write_broadcast(idx, run_id, step)
+        self.finisher.submit(run, step)
+
     def flush(self) -> None:
         """Wait until every output submitted so far is on disk (or has failed with a warning)."""
         self.writer.flush()
@@ -390,12 +419,17 @@ class MultiRunTrainer:
         )
 
     def finish(self) -> None:
-        """Rank 0: checkpoint every run whose progress is ahead of its last checkpoint."""
+        """Rank 0: checkpoint every run whose progress is ahead of its last checkpoint, and mark
+        the runs at their max_steps finished (unless a marker is already queued)."""
         if not self.is_master:
             return
         for idx, run_id in sorted(self.manager.idx_2_id.items()):
             step = self.manager.progress[idx].step
-            if run_id not in self._evicted and step > self._checkpoint_due.get(run_id, -1) and step > 0:
+            if run_id in self._evicted or idx in self.optim.resume_failures:
+                continue
+            if step >= self.manager.config[idx].max_steps:
+                self._mark_finished(idx, run_id, step, now=float("inf"))
+            elif step > self._checkpoint_due.get(run_id, -1) and step > 0:
                 self._checkpoint(idx, run_id, step)
         self.flush()
 

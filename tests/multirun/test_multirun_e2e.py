@@ -1,0 +1,143 @@
+"""End to end, every part a real process: one trainer (`python -m rlplex.multirun.trainer
+--max-runs 2`) and one orchestrator process per run (the orchestrator CLI's `main`, forked from
+the test process as in test_orchestrator.py: on a loaded 2-core machine three more imports of
+torch and transformers take longer than the whole test otherwise does).
+
+run_a is evicted mid-way by its user (`control/evicted.txt`, as `rlplex runs evict` writes it);
+run_b trains its `max_steps` and is marked finished, which frees its slot; run_c, added while
+both slots were taken, waits, then trains in run_b's slot to the end.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from test_orchestrator import Orchestrator, Orchestrators, make_config, new_output
+
+from rlplex.multirun import RunDir, create_run, orch_config_to_toml
+from rlplex.multirun.base_model import base_model, base_model_path
+from rlplex.multirun.peft_export import is_stable_adapter
+from rlplex.multirun.rundir import STABLE_MARKER, stable_steps, write_eviction
+from rlplex.multirun.trainer import STOP_FILE
+from rlplex.multirun.trainer_log import read_progress_csv
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+TIMEOUT_S = 60.0
+BATCH = 16  # four groups of four: a batch with no learning signal (which the orchestrator draws again) is rare
+CONFIGS = {
+    "run_a": make_config(max_steps=40, batch_size=BATCH, seed=1),  # never reaches its end: evicted
+    "run_b": make_config(max_steps=4, batch_size=BATCH, seed=2),
+    "run_c": make_config(max_steps=3, batch_size=BATCH, seed=3),
+}
+REASON = "evicted by its user mid-way (test)"
+
+
+@pytest.fixture(scope="module")
+def base_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("base")
+    base_model(CONFIGS["run_a"], root)
+    return base_model_path(CONFIGS["run_a"], root)
+
+
+def start_trainer(out: Path, log: Path, base_toml: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
+    args = ["--output-dir", str(out), "--max-runs", "2", "--base-from", str(base_toml), "--checkpoint-every", "1"]
+    with log.open("wb") as handle:  # a file, not a pipe: a full pipe would block the trainer's logging
+        return subprocess.Popen(
+            [sys.executable, "-m", "rlplex.multirun.trainer", *args, "--threads", "1"],
+            env=env,
+            stdout=handle,
+            stderr=subprocess.STDOUT,
+        )
+
+
+def mtime(path: Path) -> int:
+    return path.stat().st_mtime_ns
+
+
+def test_evicted_finished_and_added_runs_share_one_trainer_with_two_slots(tmp_path: Path, base_cache: Path) -> None:
+    out = new_output(tmp_path, base_cache)
+    base_toml = tmp_path / "base.toml"
+    base_toml.write_text(orch_config_to_toml(CONFIGS["run_a"]))
+    runs = {name: RunDir(out, name) for name in CONFIGS}
+    trainer_log = tmp_path / "trainer.log"
+    orchestrators = Orchestrators(tmp_path)
+    procs: dict[str, Orchestrator] = {}
+    allowed_exit: dict[str, int] = {}  # 0 (done) unless said otherwise
+    trainer = start_trainer(out, trainer_log, base_toml)
+
+    def wait(condition: Callable[[], bool], what: str) -> None:
+        deadline = time.monotonic() + TIMEOUT_S
+        while not condition():
+            if trainer.poll() is not None:
+                raise AssertionError(
+                    f"trainer exited {trainer.returncode} waiting for {what}:\n{trainer_log.read_text()}"
+                )
+            for name, proc in procs.items():
+                if proc.returncode() not in (None, allowed_exit.get(name, 0)) and not condition():
+                    raise AssertionError(f"{name}'s orchestrator exited {proc.returncode()} waiting for {what}:\n"
+                                         f"{proc.stderr()}")  # fmt: skip
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {TIMEOUT_S} s waiting for {what}:\n{trainer_log.read_text()}")
+            time.sleep(0.02)  # the polling interval of a condition wait
+
+    try:
+        for name in ("run_a", "run_b"):
+            procs[name] = orchestrators.start(out, name, CONFIGS[name], name)
+        wait(lambda: all(is_stable_adapter(runs[n].broadcast_step(1)) for n in ("run_a", "run_b")), "a step of each")
+        # run_c is added while both slots are taken (run_b has 3 steps to go): its orch.toml first,
+        # as its orchestrator writes it, then its orchestrator.
+        create_run(out, "run_c", CONFIGS["run_c"])
+        added = mtime(runs["run_c"].orch_config)
+        assert not runs["run_b"].is_finished()
+        procs["run_c"] = orchestrators.start(out, "run_c", CONFIGS["run_c"], "run_c")
+        wait(lambda: is_stable_adapter(runs["run_c"].broadcast_step(0)), "run_c to be admitted")
+        # It waited: admitted (broadcast/step_0 written at admission) only after run_b was marked finished.
+        assert runs["run_b"].finished_step() == 4
+        assert added < mtime(runs["run_b"].finished) <= mtime(runs["run_c"].broadcast_step(0) / STABLE_MARKER)
+        assert not runs["run_a"].is_evicted() and not runs["run_a"].is_finished()  # the slot was run_b's
+
+        allowed_exit["run_a"] = 3
+        write_eviction(runs["run_a"], REASON)  # what `rlplex runs evict` and the trainer's evict_run write
+        assert procs["run_a"].wait_exit() == 3, procs["run_a"].stderr()
+        assert procs["run_b"].wait_exit() == 0, procs["run_b"].stderr()
+        assert procs["run_c"].wait_exit() == 0, procs["run_c"].stderr()
+        wait(runs["run_c"].is_finished, "run_c to be marked finished")
+        (out / STOP_FILE).write_text("test done\n")
+        assert trainer.wait(timeout=TIMEOUT_S) == 0, trainer_log.read_text()
+    finally:
+        orchestrators.close()
+        if trainer.poll() is None:
+            trainer.kill()
+        trainer.wait()
+
+    log = trainer_log.read_text()
+    assert "Traceback" not in log, log
+    assert (
+        f"run run_a is evicted ({REASON}); slot" in log and "run run_b is finished (finished: trained 4 steps)" in log
+    )
+    # run_a: evicted with the reason, mid-way; its orchestrator reported it and stopped.
+    assert runs["run_a"].eviction_reason() == REASON
+    assert procs["run_a"].stderr().strip().splitlines()[-1] == f"rlplex orchestrator: run_a evicted: {REASON}"
+    a_steps = [int(r["step"]) for r in read_progress_csv(runs["run_a"])]
+    assert 1 <= len(a_steps) < CONFIGS["run_a"].max_steps and not runs["run_a"].is_finished()
+    assert a_steps == list(range(1, len(a_steps) + 1))  # no step trained twice
+    # run_b and run_c: every step trained once, checkpointed and broadcast; marked finished.
+    slots = {}
+    for name in ("run_b", "run_c"):
+        run, max_steps = runs[name], CONFIGS[name].max_steps
+        rows = read_progress_csv(run)
+        assert [int(r["step"]) for r in rows] == list(range(1, max_steps + 1)), name
+        assert rows[-1]["total_samples"] == BATCH * max_steps, name
+        assert [step for step, _ in stable_steps(run.checkpoints)] == list(range(1, max_steps + 1)), name
+        assert [step for step, _ in stable_steps(run.broadcast)] == list(range(max_steps + 1)), name
+        assert run.finished_step() == max_steps, name
+        slots[name] = {int(r["slot"]) for r in rows}
+    assert slots["run_c"] == slots["run_b"] and len(slots["run_b"]) == 1  # run_c took run_b's slot
+    assert mtime(runs["run_c"].finished) >= mtime(runs["run_c"].checkpoint_step(3) / STABLE_MARKER)
