@@ -17,7 +17,9 @@ def test_learning_benchmark_writes_json_and_png_with_numeric_rewards(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)  # report() writes bench_results/ under the working directory
-    specs = (RunSpec("run_a", 3e-3, 4, True), RunSpec("run_b", 1e-4, 2, False))
+    # One run keeps the test to four processes (their start-up is most of its time); the
+    # benchmark's analysis and outputs are the same code for one run as for three.
+    specs = (RunSpec("run_a", 3e-3, 4, True),)
     budget = Budget(steps=STEPS, batch_size=8, group_size=4, warmup_steps=40, timeout_s=120)
     figures = run_benchmark(
         tmp_path / "work", specs, budget, seed_check=False, parallel=2, window=2, name="mrlearn_smoke"
@@ -25,7 +27,7 @@ def test_learning_benchmark_writes_json_and_png_with_numeric_rewards(
     png, data = Path(figures["png"]), json.loads(Path(figures["json"]).read_text())
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert Path(figures["json"]) == Path("bench_results/mrlearn_smoke.json")
-    assert [run["run_id"] for run in data["runs"]] == ["run_a", "run_b"]
+    assert [run["run_id"] for run in data["runs"]] == ["run_a"]
     for run in data["runs"]:
         for side in ("shared", "alone"):
             rewards = run[side]["rewards"]
