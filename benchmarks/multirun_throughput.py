@@ -117,13 +117,23 @@ def wait_all(paths: list[Path], procs: list[subprocess.Popen[bytes]], timeout_s:
         time.sleep(0.005)
 
 
+def process_env(threads: int) -> dict[str, str]:
+    """The environment of a trainer or orchestrator process started by a benchmark."""
+    return {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": str(threads)}
+
+
+def trainer_command(output_dir: Path, max_runs: int, threads: int, *extra: str) -> list[str]:
+    """`python -m rlplex.multirun.trainer` for `output_dir` (world size 1), `extra` appended."""
+    command = [sys.executable, "-m", "rlplex.multirun.trainer", "--output-dir", str(output_dir)]
+    return [*command, "--max-runs", str(max_runs), "--threads", str(threads), *extra]
+
+
 def measure(groups: list[tuple[Path, list[RunDir]]], threads: int, steps: int, micro_tokens: int) -> dict[str, float]:
     """Start one trainer per group at once; seconds from all step_0 to all step_<steps>, and peak RSS."""
-    env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": str(threads)}
+    env = process_env(threads)
     procs = []
     for output_dir, runs in groups:
-        command = [sys.executable, "-m", "rlplex.multirun.trainer", "--output-dir", str(output_dir)]
-        command += ["--max-runs", str(len(runs)), "--threads", str(threads), "--micro-tokens", str(micro_tokens)]
+        command = trainer_command(output_dir, len(runs), threads, "--micro-tokens", str(micro_tokens))
         command += ["--checkpoint-every", str(10 * steps), "--base-warmup-steps", "0"]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     all_runs = [run for _, runs in groups for run in runs]

@@ -27,6 +27,7 @@ BENCHMARKS = [
     "async_dataflow",
     "grpo_learning",
     "multirun_discovery",
+    "multirun_learning",
     "multilora",
     "control_plane",
     "datachannel",

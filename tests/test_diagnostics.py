@@ -35,3 +35,17 @@ def test_unnamespaced_key_refused(tmp_path: Path) -> None:
 def test_plot_writes_png(tmp_path: Path) -> None:
     path = plot_learning_curves({"a": ([0, 1, 2], [0.0, 1.0, 4.0])}, tmp_path / "c.png", hline=3.0)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_styles_set_a_curve_colour(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    curves = {"a": ([0, 1, 2], [0.0, 1.0, 4.0])}
+    red = plot_learning_curves(curves, tmp_path / "red.png", styles={"a": {"color": "#ff0000", "linewidth": 3}})
+    plain = plot_learning_curves(curves, tmp_path / "plain.png")
+
+    def has_pure_red(path: Path) -> bool:
+        rgb = matplotlib.image.imread(path)[..., :3]
+        return bool(((rgb[..., 0] > 0.95) & (rgb[..., 1] < 0.05) & (rgb[..., 2] < 0.05)).any())
+
+    assert has_pure_red(red) and not has_pure_red(plain)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -20,13 +21,18 @@ def plot_learning_curves(
     xlabel: str = "env steps",
     ylabel: str = "return",
     hline: float | None = None,
+    styles: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> Path:
-    """Plot named (x, y) curves on one axis and write a PNG; returns the path written."""
+    """Plot named (x, y) curves on one axis and write a PNG; returns the path written.
+
+    `styles` maps a label to extra `Axes.plot` keywords (colour, linestyle, ...), so that
+    related curves can share a colour and differ in line style."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for label, (xs, ys) in curves.items():
-        ax.plot(list(xs), list(ys), label=label, linewidth=1.4)
+        style = {"linewidth": 1.4, **(styles or {}).get(label, {})}
+        ax.plot(list(xs), list(ys), label=label, **style)
     if hline is not None:
         ax.axhline(hline, color="grey", linestyle="--", linewidth=1, label=f"target {hline:g}")
     ax.set_xlabel(xlabel)

@@ -1,0 +1,378 @@
+"""It must learn: three runs with different learning rates and LoRA ranks share one trainer,
+then each run is trained alone with the same seed; the reward curves are compared.
+
+    python -m benchmarks.multirun_learning [--quick] [--steps N] [--warmup-steps W] [--parallel 2]
+
+Shared: one `python -m rlplex.multirun.trainer --max-runs 3` and one
+`python -m rlplex.multirun.orchestrator` per run, all real processes on one output directory.
+Alone: per run its own trainer (`--max-runs 1`) and orchestrator on a fresh output directory,
+`--parallel` of them at a time. Every process runs with one thread. The reward of a step is the
+mean task reward of that step's rollouts (the orchestrator's `progress.csv`).
+
+Settings, and why (reverse task, 2 CPU cores): the tiny LM's base is warmed up for 80 supervised
+steps (`model.base.warmup_steps`), where its sampled reward (temperature 1) is about 0.59 and its
+greedy reward about 0.70; with 40-60 warm-up steps LoRA RL only sharpened the policy to about
+its greedy reward (0.56 after 100 steps at warm-up 50), so a lower warm-up cannot reach 0.7 in a
+benchmark-sized budget. 200 steps of 128 samples (16 prompts x 8) per run. Temperature stays 1:
+the trainer scores tokens with untempered log-probabilities, so a run sampling at another
+temperature trains on wrong importance ratios (at 1.5 the reward collapsed).
+Runs: run_a (lr 3e-3, rank 8) and run_b (lr 5e-3, rank 4) are the well-configured runs;
+run_c (lr 1e-4, rank 2) is a control whose learning rate is too small to move in 200 steps.
+LoRA alpha = 2 x rank for every run.
+
+Runs are synchronous (`max_async_level = 0`) by default: with one step of lag, which adapter a
+step samples with depends on process timing, and shared and alone would differ by scheduling,
+not by anything the trainer computes. The base model is warmed up only so far (`--warmup-steps`)
+that its reward starts well below the 0.7 goal. `--seed-check` (default on) trains the first
+run alone a second time with another orchestrator seed: the gap between those two curves is
+the seed-to-seed noise that the shared-vs-alone gap is judged against.
+
+Goal (issue 5): every well-configured run reaches a final reward >= 0.7, and each run's curve
+matches the same run trained alone within noise. Curves to PNG (shared solid, alone dashed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.common import RESULTS, report
+from benchmarks.multirun_throughput import process_env, trainer_command
+from rlplex.diagnostics import plot_learning_curves
+from rlplex.multirun import OrchestratorConfig
+from rlplex.multirun.orch_config import orch_config_to_toml
+from rlplex.multirun.rundir import RunDir
+from rlplex.multirun.trainer import STOP_FILE
+
+NAME = "multirun_learning"
+REWARD = "charts/reward_mean"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    run_id: str
+    lr: float
+    rank: int
+    well_configured: bool  # expected to reach the target within the budget
+
+
+# alpha = 2 * rank: the same adapter scale for every rank, so that lr and rank are the only knobs.
+DEFAULT_SPECS = (
+    RunSpec("run_a", 3e-3, 8, True),
+    RunSpec("run_b", 5e-3, 4, True),
+    RunSpec("run_c", 1e-4, 2, False),  # deliberately too small a learning rate: a control that stays low
+)
+
+
+@dataclass(frozen=True)
+class Budget:
+    task: str = "reverse"
+    steps: int = 200
+    batch_size: int = 128
+    group_size: int = 8
+    warmup_steps: int = 80
+    temperature: float = 1.0
+    max_async_level: int = 0
+    timeout_s: float = 1800.0  # per group of processes
+
+
+@dataclass
+class GroupResult:
+    curves: dict[str, list[float]]
+    seconds: float
+
+
+def orch_config(spec: RunSpec, budget: Budget, seed: int) -> OrchestratorConfig:
+    return OrchestratorConfig.model_validate(
+        {
+            "task": budget.task,
+            "seed": seed,
+            "max_steps": budget.steps,
+            "batch_size": budget.batch_size,
+            "group_size": budget.group_size,
+            "temperature": budget.temperature,
+            "max_async_level": budget.max_async_level,
+            "model": {
+                "lora": {"rank": spec.rank, "alpha": 2.0 * spec.rank},
+                "base": {"warmup_steps": budget.warmup_steps},
+            },
+            "optim": {"lr": spec.lr},
+        }
+    )
+
+
+def _tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+def read_rewards(output_dir: Path, run_id: str) -> list[float]:
+    """The mean reward per step from the orchestrator's `progress.csv`, in step order."""
+    with open(RunDir(output_dir, run_id).root / "progress.csv", newline="") as handle:
+        rows = sorted(csv.DictReader(handle), key=lambda row: float(row["step"]))
+    return [float(row[REWARD]) for row in rows]
+
+
+def train_group(output_dir: Path, specs: Sequence[RunSpec], budget: Budget, seed: int) -> GroupResult:
+    """One trainer (`--max-runs len(specs)`) and one orchestrator per run, to the end of every run."""
+    output_dir.mkdir(parents=True)
+    configs, logs = output_dir / "configs", output_dir / "logs"  # not run_*: the trainer's scan ignores them
+    configs.mkdir()
+    logs.mkdir()
+    paths = []
+    for spec in specs:
+        path = configs / f"{spec.run_id}.toml"
+        path.write_text(orch_config_to_toml(orch_config(spec, budget, seed)))
+        paths.append(path)
+    env = process_env(1)
+    trainer_args = ["--max-lora-rank", str(max(s.rank for s in specs)), "--base-from", str(paths[0])]
+    trainer_args += ["--checkpoint-every", str(budget.steps)]
+    orchestrator = [sys.executable, "-m", "rlplex.multirun.orchestrator"]
+    orchestrator_args = ["--no-tensorboard", "--wait-timeout", str(budget.timeout_s)]
+    procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+
+    def start(name: str, command: list[str]) -> subprocess.Popen[bytes]:
+        log_path = logs / f"{name}.log"
+        with open(log_path, "wb") as handle:
+            proc = subprocess.Popen(command, env=env, stdout=handle, stderr=subprocess.STDOUT)
+        procs.append((name, proc, log_path))
+        return proc
+
+    t0 = time.perf_counter()
+    try:
+        trainer = start("trainer", trainer_command(output_dir, len(specs), 1, *trainer_args))
+        orchestrators = [
+            start(
+                spec.run_id,
+                [*orchestrator, str(output_dir), spec.run_id, str(path), *orchestrator_args],
+            )
+            for spec, path in zip(specs, paths, strict=True)
+        ]
+        deadline = time.monotonic() + budget.timeout_s
+        while any(p.poll() is None for p in orchestrators):
+            for name, proc, log_path in procs:
+                code = proc.poll()
+                if code not in (None, 0) or (proc is trainer and code is not None):
+                    raise RuntimeError(f"{output_dir}: {name} exited {code}:\n{_tail(log_path)}")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{output_dir}: runs not done after {budget.timeout_s:g} s")
+            time.sleep(0.2)  # polling processes that run for minutes; nothing to synchronise on
+        for name, proc, log_path in procs[1:]:
+            if proc.returncode != 0:
+                raise RuntimeError(f"{output_dir}: {name} exited {proc.returncode}:\n{_tail(log_path)}")
+        seconds = time.perf_counter() - t0
+        (output_dir / STOP_FILE).touch()
+        trainer.wait(timeout=120)
+    finally:
+        for _, proc, _ in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return GroupResult({spec.run_id: read_rewards(output_dir, spec.run_id) for spec in specs}, seconds)
+
+
+# ---- analysis ------------------------------------------------------------------------------------
+def smooth(values: Sequence[float], window: int) -> np.ndarray:
+    """Trailing moving average (shorter at the start)."""
+    x = np.asarray(values, dtype=float)
+    sums = np.concatenate([[0.0], np.cumsum(x)])
+    idx = np.arange(len(x))
+    start = np.maximum(0, idx - window + 1)
+    return (sums[idx + 1] - sums[start]) / (idx + 1 - start)
+
+
+def curve_summary(rewards: Sequence[float], window: int, tail: int, target: float) -> dict[str, Any]:
+    smoothed = smooth(rewards, window)
+    reached = np.flatnonzero(smoothed >= target)
+    # Step-to-step noise around a slowly moving trend: differences of neighbours cancel the trend.
+    step_noise = float(np.std(np.diff(rewards)) / np.sqrt(2)) if len(rewards) > 2 else float("nan")
+    return {
+        "first": float(np.mean(rewards[:tail])),
+        "final": float(np.mean(rewards[-tail:])),
+        "final_reached_target": bool(np.mean(rewards[-tail:]) >= target),
+        "smoothed_reached_target_at_step": int(reached[0]) if reached.size else None,
+        "step_noise_std": step_noise,
+        "smoothed_noise_std": step_noise / np.sqrt(window),
+    }
+
+
+def curve_gap(a: Sequence[float], b: Sequence[float], window: int) -> dict[str, float]:
+    n = min(len(a), len(b))
+    diff = np.abs(smooth(a[:n], window) - smooth(b[:n], window))
+    return {
+        "max_abs": float(diff.max()),
+        "mean_abs": float(diff.mean()),
+        "raw_identical_steps": int(np.sum(np.asarray(a[:n]) == np.asarray(b[:n]))),
+    }
+
+
+# ---- the benchmark -------------------------------------------------------------------------------
+def run_benchmark(
+    workdir: Path,
+    specs: Sequence[RunSpec] = DEFAULT_SPECS,
+    budget: Budget = Budget(),
+    *,
+    seed: int = 0,
+    seed_check: bool = True,
+    parallel: int = 2,
+    window: int = 10,
+    tail: int = 10,
+    target: float = 0.7,
+    name: str = NAME,
+) -> dict[str, Any]:
+    """Train shared, then alone; write `bench_results/<name>.json` and `.png`; return the figures."""
+    tail, window = max(1, min(tail, budget.steps // 2)), max(1, min(window, budget.steps))
+    shared = train_group(workdir / "shared", specs, budget, seed)
+    jobs = [(f"alone_{s.run_id}", [s], seed) for s in specs]
+    if seed_check:
+        jobs.append((f"alone_{specs[0].run_id}_seed{seed + 1}", [specs[0]], seed + 1))
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        futures = {label: pool.submit(train_group, workdir / label, group, budget, s) for label, group, s in jobs}
+        alone = {label: future.result() for label, future in futures.items()}
+    seed_gap = None
+    if seed_check:
+        first = specs[0].run_id
+        seed_gap = curve_gap(
+            alone[f"alone_{first}"].curves[first], alone[f"alone_{first}_seed{seed + 1}"].curves[first], window
+        )
+    runs, rows, curves, styles = [], [], {}, {}
+    colours = ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+    for i, spec in enumerate(specs):
+        mine, solo = shared.curves[spec.run_id], alone[f"alone_{spec.run_id}"].curves[spec.run_id]
+        s_sum, a_sum = (curve_summary(c, window, tail, target) for c in (mine, solo))
+        gap = curve_gap(mine, solo, window)
+        noise_ref = float(seed_gap["mean_abs"] if seed_gap is not None else 2 * s_sum["smoothed_noise_std"])
+        runs.append(
+            {
+                **asdict(spec),
+                "shared": {**s_sum, "rewards": mine},
+                "alone": {**a_sum, "rewards": solo, "seconds": alone[f"alone_{spec.run_id}"].seconds},
+                "gap_shared_vs_alone": gap,
+                "noise_reference_mean_abs": noise_ref,
+                "within_noise": bool(gap["mean_abs"] <= noise_ref),
+            }
+        )
+        rows.append(
+            [
+                spec.run_id,
+                f"{spec.lr:g}",
+                spec.rank,
+                "yes" if spec.well_configured else "no",
+                f"{s_sum['first']:.3f}",
+                f"{s_sum['final']:.3f} / {a_sum['final']:.3f}",
+                "/".join("yes" if c["final_reached_target"] else "no" for c in (s_sum, a_sum)),
+                f"{gap['mean_abs']:.3f} / {gap['max_abs']:.3f}",
+                f"{noise_ref:.3f}",
+            ]
+        )
+        colour = colours[i % len(colours)]
+        steps = list(range(len(mine)))
+        curves[f"{spec.run_id} shared"] = (steps, smooth(mine, window).tolist())
+        styles[f"{spec.run_id} shared"] = {"color": colour, "linestyle": "-"}
+        curves[f"{spec.run_id} alone"] = (list(range(len(solo))), smooth(solo, window).tolist())
+        styles[f"{spec.run_id} alone"] = {"color": colour, "linestyle": "--"}
+    if seed_check:
+        first = specs[0].run_id
+        other = alone[f"alone_{first}_seed{seed + 1}"].curves[first]
+        label = f"{first} alone, seed {seed + 1}"
+        curves[label] = (list(range(len(other))), smooth(other, window).tolist())
+        styles[label] = {"color": "grey", "linestyle": ":"}
+    png = plot_learning_curves(
+        curves,
+        RESULTS / f"{name}.png",
+        title=f"{len(specs)} runs in one trainer (solid) vs alone (dashed), '{budget.task}', smoothed over {window}",
+        xlabel="run step",
+        ylabel="mean reward",
+        hline=target,
+        styles=styles,
+    )
+    well = [r for r in runs if r["well_configured"]]
+    figures: dict[str, Any] = {
+        "budget": asdict(budget),
+        "seed": seed,
+        "window": window,
+        "tail": tail,
+        "target": target,
+        "shared_seconds": shared.seconds,
+        "alone_parallel": parallel,
+        "seed_to_seed_gap": seed_gap,
+        "runs": runs,
+        "goal_all_well_configured_reach_target": all(r["shared"]["final_reached_target"] for r in well),
+        "goal_all_within_noise": all(r["within_noise"] for r in runs),
+        "png": str(png),
+    }
+    figures["json"] = str(
+        report(
+            name,
+            f"{len(specs)} runs share one trainer vs alone: {budget.steps} steps x {budget.batch_size} samples, "
+            f"base warm-up {budget.warmup_steps}; final = mean of last {tail} steps; "
+            f"|d| over curves smoothed by {window}",
+            ["run", "lr", "rank", "well", "first", "final sh/alone", f">={target:g}", "|d| mean/max", "noise"],
+            rows,
+            figures,
+        )
+    )
+    print(f"wrote {png}")
+    return figures
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny budget (a smoke test, not a learning result)")
+    defaults = Budget()
+    parser.add_argument("--task", default=defaults.task)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    parser.add_argument("--group-size", type=int, default=defaults.group_size)
+    parser.add_argument("--warmup-steps", type=int, default=defaults.warmup_steps)
+    parser.add_argument("--max-async-level", type=int, default=defaults.max_async_level)
+    parser.add_argument("--timeout", type=float, default=defaults.timeout_s, help="seconds per group of processes")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-seed-check", action="store_true", help="skip the second-seed run")
+    parser.add_argument("--parallel", type=int, default=2, help="alone runs trained at once")
+    parser.add_argument("--window", type=int, default=10, help="smoothing window (steps)")
+    parser.add_argument("--target", type=float, default=0.7)
+    parser.add_argument("--workdir", type=Path, default=None, help="keep the run directories here (default: temp)")
+    args = parser.parse_args(argv)
+    budget = replace(
+        defaults,
+        task=args.task,
+        steps=args.steps or (6 if args.quick else defaults.steps),
+        batch_size=16 if args.quick else args.batch_size,
+        group_size=4 if args.quick else args.group_size,
+        warmup_steps=args.warmup_steps,
+        max_async_level=args.max_async_level,
+        timeout_s=args.timeout,
+    )
+    options: dict[str, Any] = {
+        "seed": args.seed,
+        "seed_check": not (args.no_seed_check or args.quick),
+        "parallel": len(DEFAULT_SPECS) if args.quick else args.parallel,  # quick: two waves of processes
+        "window": 2 if args.quick else args.window,
+        "target": args.target,
+    }
+    if args.workdir is not None:
+        if args.workdir.exists():
+            sys.exit(f"--workdir {args.workdir}: already exists (the run directories must start empty)")
+        run_benchmark(args.workdir, DEFAULT_SPECS, budget, **options)
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rlplex-mrlearn-") as tmp:
+        run_benchmark(Path(tmp), DEFAULT_SPECS, budget, **options)
+
+
+if __name__ == "__main__":
+    main()
