@@ -47,6 +47,17 @@ def test_generation_logprobs_match_rescoring() -> None:
     assert torch.all(rollouts.logprobs_B_L[~mask] == 0)
 
 
+def test_rescoring_at_the_sampling_temperature_matches_and_at_one_does_not() -> None:
+    tok = CharTokenizer()
+    model = build_tiny_lm(TinyLMConfig(), tok).eval()
+    rollouts = generate(model, tok, ["r:abc>", "r:hgfe>"], 6, 1.5, torch.Generator().manual_seed(0))
+    mask = rollouts.completion_mask_B_L
+    at_t = token_logprobs(model, rollouts.tokens_B_L, rollouts.attention_B_L, torch.tensor([1.5, 1.5]))
+    at_one = token_logprobs(model, rollouts.tokens_B_L, rollouts.attention_B_L)
+    assert torch.allclose(at_t[mask], rollouts.logprobs_B_L[mask], atol=1e-5)
+    assert not torch.allclose(at_one[mask], rollouts.logprobs_B_L[mask], atol=1e-3)
+
+
 def test_model_is_built_from_config_deterministically() -> None:
     a, b = build_tiny_lm(TinyLMConfig(seed=3)), build_tiny_lm(TinyLMConfig(seed=3))
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))

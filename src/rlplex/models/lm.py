@@ -124,11 +124,22 @@ def generate(
     return Rollouts(full_tokens, full_attention, completion_mask, logprobs, completions)
 
 
-def token_logprobs(model: torch.nn.Module, tokens_B_L: torch.Tensor, attention_B_L: torch.Tensor) -> torch.Tensor:
-    """log p(token_t | tokens_<t) for every position t >= 1 (position 0 gets 0); differentiable."""
+def token_logprobs(
+    model: torch.nn.Module,
+    tokens_B_L: torch.Tensor,
+    attention_B_L: torch.Tensor,
+    temperature_B: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """log p(token_t | tokens_<t) for every position t >= 1 (position 0 gets 0); differentiable.
+
+    `temperature_B`: each row's sampling temperature, scaling the logits exactly as `generate`
+    does, so that importance ratios compare the same distribution that sampled the tokens.
+    """
     logits = model(
         input_ids=tokens_B_L, attention_mask=attention_B_L, position_ids=_positions(attention_B_L)
     ).logits.float()
+    if temperature_B is not None:
+        logits = logits / temperature_B.to(logits.dtype).clamp_min(1e-6)[:, None, None]
     log_p = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens_B_L[:, 1:, None]).squeeze(-1)
     return torch.cat([torch.zeros_like(log_p[:, :1]), log_p], dim=1)
 

@@ -299,7 +299,10 @@ class MultiRunTrainer:
 
     def _forward_backward(self, micro: MicroBatch) -> None:
         with self.manager.active_adapters(micro.adapter_ids):
-            logprobs = token_logprobs(self.model, micro.tokens, micro.attention)
+            # Each run's rollouts were sampled (and their old log-probabilities taken) at its own
+            # temperature; scoring them at 1 would skew every importance ratio of a run at T != 1.
+            temperatures = torch.tensor([self.manager.config[idx].temperature for idx in micro.adapter_ids.tolist()])
+            logprobs = token_logprobs(self.model, micro.tokens, micro.attention, temperatures)
         row_losses = clipped_pg_loss(
             logprobs, micro.logprobs, micro.advantages, micro.loss_mask, micro.token_weight, self.config.clip_eps
         )
