@@ -119,12 +119,13 @@ class ActorModel:
         prompts: list[str] = inputs["prompts"]
         with self.policy.active(len(prompts)) as model:
             out = generate(model, self.tokenizer, prompts, self.max_new_tokens, self.config.temperature, generator)
+        # One masked select and a split per tensor, not one indexing op per row and tensor.
         keep = out.attention_B_L.bool()
-        logprobs = out.logprobs_B_L.float()
+        lengths = keep.sum(dim=1).tolist()
         return {
-            "tokens": [out.tokens_B_L[i][keep[i]] for i in range(len(prompts))],
-            "loss_mask": [out.completion_mask_B_L[i][keep[i]] for i in range(len(prompts))],
-            "logprobs": [logprobs[i][keep[i]] for i in range(len(prompts))],
+            "tokens": list(out.tokens_B_L[keep].split(lengths)),
+            "loss_mask": list(out.completion_mask_B_L[keep].split(lengths)),
+            "logprobs": list(out.logprobs_B_L.float()[keep].split(lengths)),
             "completions": list(out.completions),
         }
 
@@ -191,19 +192,24 @@ class RolloutHandoff:
         return {}
 
     def _pad(self, inputs: Inputs, order: list[int]) -> tuple[torch.Tensor, ...]:
+        """Rows (prompt then completion) into [n, longest prompt + longest completion], vectorised."""
         rows_tokens, rows_mask, rows_logprobs = ([inputs[key][i] for i in order] for key in GENERATED_KEYS[:3])
-        prompt_lens = [int(mask.numel() - mask.sum()) for mask in rows_mask]  # the mask is False on the prompt
-        gen_lens = [int(mask.sum()) for mask in rows_mask]
-        width_prompt, width_gen = max(prompt_lens), max(gen_lens)
-        n, width = len(order), width_prompt + width_gen
+        n = len(order)
+        lengths = torch.tensor([row.numel() for row in rows_tokens], dtype=torch.int64)
+        flat_mask = torch.cat(rows_mask)
+        row_of = torch.repeat_interleave(torch.arange(n), lengths)
+        gen_lens = torch.zeros(n, dtype=torch.int64).index_add_(0, row_of, flat_mask.long())
+        prompt_lens = lengths - gen_lens  # the mask is False on the prompt, True on the completion
+        width_prompt, width_gen = int(prompt_lens.max()), int(gen_lens.max())
+        starts = torch.cumsum(lengths, 0) - lengths
+        column = (width_prompt - prompt_lens)[row_of] + torch.arange(int(lengths.sum())) - starts[row_of]
+        width = width_prompt + width_gen
         tokens = torch.full((n, width), self.pad_id, dtype=torch.int64)
         attention = torch.zeros((n, width), dtype=torch.int64)
         loss_mask = torch.zeros((n, width), dtype=torch.bool)
         logprobs = torch.zeros((n, width), dtype=torch.float32)
-        for i, (prompt_len, gen_len) in enumerate(zip(prompt_lens, gen_lens, strict=True)):
-            span = slice(width_prompt - prompt_len, width_prompt + gen_len)
-            tokens[i, span] = rows_tokens[i]
-            attention[i, span] = 1
-            loss_mask[i, span] = rows_mask[i]
-            logprobs[i, span] = rows_logprobs[i]
+        tokens[row_of, column] = torch.cat(rows_tokens)
+        attention[row_of, column] = 1
+        loss_mask[row_of, column] = flat_mask
+        logprobs[row_of, column] = torch.cat(rows_logprobs)
         return tokens, attention, loss_mask, logprobs
