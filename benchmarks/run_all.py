@@ -27,6 +27,7 @@ BENCHMARKS = [
     "async_dataflow",
     "grpo_learning",
     "multirun_discovery",
+    "orchestrator_rollouts",
     "multilora",
     "control_plane",
     "datachannel",
