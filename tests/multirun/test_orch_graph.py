@@ -7,6 +7,7 @@ The end-to-end path (a real orchestrator process going through the executor) is 
 from __future__ import annotations
 
 import copy
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -14,12 +15,13 @@ from typing import Any
 import pytest
 import torch
 
-from rlplex.dataflow import MFCExecutionError, ModelInterfaceType, build_graph
+from rlplex.dataflow import MFCExecutionError, ModelInterfaceType, ProcessModelWorker, build_graph
 from rlplex.models.lm import generate
 from rlplex.multirun import OrchestratorConfig, apply_multi_lora, create_run, write_peft_adapter
 from rlplex.multirun.base_model import base_model
 from rlplex.multirun.orch_graph import DATASET_KEYS, orchestrator_graph, orchestrator_mfcs
 from rlplex.multirun.orch_models import ActorModel, RolloutHandoff, StepPrompts, TaskRewardModel
+from rlplex.multirun.orchestrator import StepDataflow
 from rlplex.multirun.rollout_io import read_rollouts, rollouts_ready
 from rlplex.multirun.rundir import RunDir
 from rlplex.tasks import CharTokenizer, Problem, get_task
@@ -189,3 +191,31 @@ def test_no_learning_signal_writes_nothing(actor_run: tuple[OrchestratorConfig, 
     handoff, _ = _run_step(config, run, actor, shards=1, shuffle=False)
     assert handoff.last is not None and not handoff.last.written
     assert not rollouts_ready(run, 0) and not run.rollout_step(0).exists()
+
+
+def test_rollout_workers_generate_in_processes_of_their_own(
+    tmp_path: Path, actor_run: tuple[OrchestratorConfig, RunDir, ActorModel]
+) -> None:
+    _, run, local_actor = actor_run
+    config = make_config(rollout_workers=2)
+    with StepDataflow(tmp_path, run, config, get_task(config.task)) as dataflow:
+        actors = dataflow.workers["actor"]
+        assert [type(w) for w in actors] == [ProcessModelWorker, ProcessModelWorker]
+        pids = {w.process.pid for w in actors}  # type: ignore[attr-defined]
+        assert len(pids) == 2 and os.getpid() not in pids
+        handoff, timings = dataflow.run_step(0, 0, policy_step=0)
+        assert handoff.written and timings["timings/actor_gen_run_s"] > 0
+    assert all(not w.process.is_alive() for w in actors)  # type: ignore[attr-defined]
+    batch = read_rollouts(run, 0, vocab_size=CharTokenizer().vocab_size)
+    # Worker k generated rows k, k+2, ...: what the same actor gives for that share in process.
+    dataset = StepPrompts(get_task(config.task), config)
+    dataset.prepare(0, 0, policy_step=0)
+    items = [next(dataset) for _ in range(BATCH)]
+    mfc = orchestrator_graph(BATCH).get("actor_gen")
+    for shard in range(2):
+        share = items[shard::2]
+        expected = local_actor.generate(mfc, _columns(share, mfc.input_keys))
+        for position, item in enumerate(share):
+            keep = batch.attention[item["rows"]].bool()
+            assert torch.equal(batch.tokens[item["rows"]][keep], expected["tokens"][position])
+            assert torch.equal(batch.logprobs[item["rows"]][keep], expected["logprobs"][position])

@@ -43,9 +43,10 @@ import os
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCExecutionError
+from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCExecutionError, ModelWorker, ProcessModelWorker
 from rlplex.errors import ConfigError, MultiRunError, RlplexError, RunConfigError, RunDirGoneError, WaitTimeoutError
 from rlplex.multirun.orch_config import OrchestratorConfig, create_run, read_orch_config
 from rlplex.multirun.orch_graph import orchestrator_graph
@@ -148,26 +149,42 @@ def open_run(output_dir: Path, run_id: str, config: OrchestratorConfig) -> RunDi
 class StepDataflow:
     """The orchestrator's RL step as a dataflow (`orch_graph`) run by a `FunctionExecutor`.
 
-    One event loop for the orchestrator's life: the buffer's events belong to it. Each model
-    is one in-process `LocalModelWorker` (a thread of its own).
+    One event loop for the orchestrator's life: the buffer's events belong to it. Reward and
+    hand-over run in-process (`LocalModelWorker`, a thread each); generation too when
+    `rollout_workers` is 1, else on that many `ProcessModelWorker`s, each loading the base
+    model from the cache and the broadcast adapters from the run directory itself.
     """
 
-    def __init__(self, run: RunDir, config: OrchestratorConfig, task: Task, policy: AdapterPolicy) -> None:
+    def __init__(self, output_dir: Path, run: RunDir, config: OrchestratorConfig, task: Task) -> None:
+        from rlplex.multirun.base_model import base_model
+
         self.dataset = StepPrompts(task, config)
         self.handoff = RolloutHandoff(run)
-        self.workers = {
-            "actor": [LocalModelWorker("actor", ActorModel(policy, run, config, task))],
+        self.workers: dict[str, list[ModelWorker]] = {
             "reward": [LocalModelWorker("reward", TaskRewardModel(task, config.group_size))],
             "trainer": [LocalModelWorker("trainer", self.handoff)],
+            "actor": [],
         }
-        self.executor = FunctionExecutor(
-            orchestrator_graph(config.batch_size),
-            self.workers,
-            self.dataset,
-            capacity=config.batch_size,
-            step_timeout=_STEP_TIMEOUT_S,
-        )
         self.loop = asyncio.new_event_loop()
+        try:
+            base = base_model(config, output_dir)  # warmed up once here: the workers load the cache
+            if config.rollout_workers == 1:
+                policy = AdapterPolicy(base, max_rank=config.model.lora.rank)
+                self.workers["actor"].append(LocalModelWorker("actor", ActorModel(policy, run, config, task)))
+            else:
+                factory = partial(ActorModel.for_run, str(output_dir), run.run_id, config)
+                for index in range(config.rollout_workers):
+                    self.workers["actor"].append(ProcessModelWorker(f"actor{index}", factory).start())
+            self.executor = FunctionExecutor(
+                orchestrator_graph(config.batch_size),
+                self.workers,
+                self.dataset,
+                capacity=config.batch_size,
+                step_timeout=_STEP_TIMEOUT_S,
+            )
+        except BaseException:
+            self.close()
+            raise
 
     def run_step(self, step: int, attempt: int, policy_step: int) -> tuple[Handoff, dict[str, float]]:
         """Generate, score and hand over one step; the timings are the executor's, per MFC."""
@@ -187,7 +204,7 @@ class StepDataflow:
     def close(self) -> None:
         for group in self.workers.values():
             for worker in group:
-                worker.close()
+                worker.close()  # type: ignore[attr-defined]  # both worker kinds have close()
         self.loop.run_until_complete(self.loop.shutdown_default_executor())
         self.loop.close()
 
@@ -201,7 +218,6 @@ def run_orchestrator(
 ) -> int:
     """Run the orchestrator of `run_id` to completion; return the number of steps it generated."""
     from rlplex.diagnostics import MetricsLogger
-    from rlplex.multirun.base_model import base_model
 
     wait = wait or WaitOptions()
     output_dir = Path(output_dir)
@@ -216,9 +232,8 @@ def run_orchestrator(
         _say(f"{run_id}: resuming at step {step} (rollouts of steps 0..{step - 1} are STABLE)")
     generated = 0
     if step < config.max_steps:
-        policy = AdapterPolicy(base_model(config, output_dir), max_rank=config.model.lora.rank)
         run.ensure_dir()  # MetricsLogger makes missing parents: never let it recreate a deleted run
-        with StepDataflow(run, config, task, policy) as dataflow, MetricsLogger(run.root, tensorboard) as metrics:
+        with StepDataflow(output_dir, run, config, task) as dataflow, MetricsLogger(run.root, tensorboard) as metrics:
             empty = 0
             while step < config.max_steps:
                 check_evicted(run)
