@@ -1,12 +1,13 @@
 """Rollout throughput of one run's orchestrator, with the trainer taken out of the loop.
 
     python -m benchmarks.orchestrator_rollouts [--quick] [--steps 8] [--batch 64] [--group 8] [--threads 1]
+        [--rollout-workers 1]
 
 The run's `broadcast/step_0` and `broadcast/step_<steps>` are written beforehand (one random
 adapter) and `max_async_level = steps`, so the orchestrator never waits for a trainer: it
 generates, scores and writes every step back to back and exits. The base model is warmed up
 (and cached) before timing starts. Figures: the orchestrator's own `charts/tokens_per_s`
-(generated tokens over generation time, mean over steps), end-to-end generated tokens per
+(generated tokens over the generation MFC's time, mean over steps), end-to-end generated tokens per
 wall second, and wall seconds per step (everything: eviction check, adapter load, generation,
 reward, advantages, writing `rollouts/step_N`, progress.csv).
 """
@@ -33,9 +34,11 @@ TARGETS = ("q_proj", "v_proj")
 RUN_ID = "run_bench"
 
 
-def make_config(steps: int, batch: int, group: int, warmup: int) -> OrchestratorConfig:
+def make_config(steps: int, batch: int, group: int, warmup: int, rollout_workers: int = 1) -> OrchestratorConfig:
+    extra = {"rollout_workers": rollout_workers} if rollout_workers != 1 else {}  # older configs lack the key
     return OrchestratorConfig.model_validate(
         {
+            **extra,
             "task": "reverse",
             "max_steps": steps,
             "batch_size": batch,
@@ -93,10 +96,11 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="runs measured; the median is reported")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rollout-workers", type=int, default=1, help="generation processes (1: in process)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     steps, batch, warmup = (4, 32, 20) if args.quick else (args.steps, args.batch, 120)
-    config = make_config(steps, batch, args.group, warmup)
+    config = make_config(steps, batch, args.group, warmup, args.rollout_workers)
     with tempfile.TemporaryDirectory(prefix="rlplex-orch-base-") as cache:
         base_model(config, Path(cache))  # warm-up, cached: not timed
         results = [measure(config, Path(cache)) for _ in range(args.repeats)]
@@ -107,7 +111,11 @@ def main() -> None:
         f"orchestrator rollouts: {steps} steps x {batch} samples, median of {args.repeats}",
         ["figure", "value"],
         rows,
-        {"config": {"steps": steps, "batch": batch, "group": args.group}, "runs": results, "median": figures},
+        {
+            "config": {"steps": steps, "batch": batch, "group": args.group, "rollout_workers": args.rollout_workers},
+            "runs": results,
+            "median": figures,
+        },
     )
 
 

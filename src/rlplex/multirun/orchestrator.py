@@ -26,6 +26,8 @@ Choices:
   same policy is the same step.
 - Resume: a restarted orchestrator continues at the first step whose rollouts are not STABLE;
   a STABLE step is never generated again (a half-written one is overwritten).
+- Generation runs in the orchestrator's process by default; `rollout_workers = N` (N > 1) runs
+  actor_gen on N worker processes, each taking every N-th row of the step (its own seed).
 - Finish: after writing the last rollouts the orchestrator waits until the trainer has
   consumed them (`broadcast/step_{max_steps}` is STABLE) and exits 0, so "the orchestrator
   exited 0" means "the run is done" and eviction during the last step is still reported.
