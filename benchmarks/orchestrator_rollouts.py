@@ -9,7 +9,8 @@ generates, scores and writes every step back to back and exits. The base model i
 (and cached) before timing starts. Figures: the orchestrator's own `charts/tokens_per_s`
 (generated tokens over the generation MFC's time, mean over steps), end-to-end generated tokens per
 wall second, and wall seconds per step (everything: eviction check, adapter load, generation,
-reward, advantages, writing `rollouts/step_N`, progress.csv).
+reward, advantages, writing `rollouts/step_N`, progress.csv), and CPU seconds per step (this
+process's threads only, so other load on the machine does not inflate it).
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def measure(config: OrchestratorConfig, base_cache: Path) -> dict[str, float]:
         out = Path(tmp)
         shutil.copytree(base_cache / "base_model", out / "base_model")
         write_broadcasts(out, config)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         run_orchestrator(out, RUN_ID, config, WaitOptions(timeout_s=60), tensorboard=False)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         rows = read_metrics_csv(out / RUN_ID / "progress.csv")
     generated = sum(row["charts/generated_tokens"] for row in rows)
     return {
@@ -85,6 +86,7 @@ def measure(config: OrchestratorConfig, base_cache: Path) -> dict[str, float]:
         "charts_tokens_per_s": statistics.mean(row["charts/tokens_per_s"] for row in rows),
         "wall_tokens_per_s": generated / wall,
         "wall_s_per_step": wall / len(rows),
+        "cpu_s_per_step": cpu / len(rows),  # all of the process's threads: load from others does not count
     }
 
 
