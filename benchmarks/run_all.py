@@ -28,6 +28,7 @@ BENCHMARKS = [
     "grpo_learning",
     "multirun_discovery",
     "multirun_learning",
+    "orchestrator_rollouts",
     "multilora",
     "control_plane",
     "datachannel",

@@ -29,6 +29,7 @@ from rlplex.models.lm import TinyLMConfig, token_logprobs
 from rlplex.multirun import OrchestratorConfig, RunDir, apply_multi_lora, orch_config_to_toml, write_peft_adapter
 from rlplex.multirun.base_model import base_model, base_model_path
 from rlplex.multirun.orch_config import BaseModelConfig, read_orch_config
+from rlplex.multirun.orch_graph import orchestrator_mfcs
 from rlplex.multirun.orchestrator import MAX_EMPTY_BATCH_ATTEMPTS, WaitOptions, main, run_orchestrator
 from rlplex.multirun.rollout_io import ROLLOUT_FILE, read_rollouts, rollouts_ready
 from rlplex.multirun.rundir import write_eviction
@@ -265,6 +266,10 @@ def test_orchestrator_never_runs_ahead_and_records_the_policy(
     assert [row["step"] for row in rows] == [0.0, 1.0, 2.0]
     assert [row["charts/policy_lag"] for row in rows] == [s - p for s, p in enumerate(policy_steps)]
     assert all(row["charts/tokens_per_s"] > 0 and 0 <= row["charts/reward_mean"] <= 1 for row in rows)
+    # Each step went through the FunctionExecutor: every MFC of the graph has its timings.
+    for mfc in orchestrator_mfcs(config.batch_size):
+        assert all(row[f"timings/{mfc.name}_run_s"] > 0 and row[f"timings/{mfc.name}_wait_s"] >= 0 for row in rows)
+    assert all(row["timings/step_s"] >= row["timings/actor_gen_run_s"] for row in rows)
 
 
 def test_eviction_file_stops_the_orchestrator_with_the_reason(

@@ -38,7 +38,9 @@ class ModelInterface(Protocol):
 
 class ModelWorker(Protocol):
     name: str
-    store: TensorStore
+
+    @property
+    def store(self) -> TensorStore: ...  # read-only here, so a worker may hold a narrower store type
 
     async def run(self, mfc: MFCDef, ids: Sequence[int], plane: DataPlane) -> Outputs: ...
 

@@ -87,6 +87,9 @@ class OrchestratorConfig(_Strict):
     max_new_tokens: int | None = Field(None, ge=1, description="Generation length; None = the task's answer + EOS.")
     temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature; 0 = greedy.")
     max_async_level: int = Field(1, ge=0, description="Steps the rollouts may lag the weights; 0 = synchronous.")
+    rollout_workers: int = Field(
+        1, ge=1, le=64, description="Processes that generate (actor_gen); 1 = in the orchestrator's own process."
+    )
     model: ModelConfig = ModelConfig()
     optim: OptimConfig = OptimConfig()
 

@@ -5,10 +5,13 @@
 Loop, per step s in [first step without STABLE rollouts, max_steps)::
 
     evicted.txt? ─► RunEvictedError (exit 3)
-    wait for a STABLE broadcast/step_k with k >= s - max_async_level ─► load the latest one
-    sample batch_size/group_size prompts, group_size completions each ─► task reward
-    ─► group-normalised advantages ─► all zero? retry (MAX_EMPTY_BATCH_ATTEMPTS, then self-evict)
-    ─► write rollouts/step_s (policy_step = k) ─► progress.csv (+ TensorBoard)
+    wait for a STABLE broadcast/step_k with k >= s - max_async_level (k: the latest one)
+    one step of the dataflow (`orch_graph`), run by a FunctionExecutor over a SequenceBuffer:
+        dataset: batch_size/group_size prompts, group_size rows each, seeded by (seed, s, attempt)
+        actor_gen (base + adapter k) ─► rew_inf (task reward, group-normalised advantages)
+        ─► rollout_write: all advantages zero? nothing written : rollouts/step_s (policy_step = k)
+    nothing written? retry (MAX_EMPTY_BATCH_ATTEMPTS, then self-evict)
+    ─► progress.csv (+ TensorBoard): charts/* and each MFC's timings/<mfc>_{wait,run}_s
 
 Contract with the trainer (see `rundir`): the trainer trains step s from `rollouts/step_s` and
 then writes `broadcast/step_{s+1}`; it writes `broadcast/step_0` when the run is created.
@@ -23,6 +26,8 @@ Choices:
   same policy is the same step.
 - Resume: a restarted orchestrator continues at the first step whose rollouts are not STABLE;
   a STABLE step is never generated again (a half-written one is overwritten).
+- Generation runs in the orchestrator's process by default; `rollout_workers = N` (N > 1) runs
+  actor_gen on N worker processes, each taking every N-th row of the step (its own seed).
 - Finish: after writing the last rollouts the orchestrator waits until the trainer has
   consumed them (`broadcast/step_{max_steps}` is STABLE) and exits 0, so "the orchestrator
   exited 0" means "the run is done" and eviction during the last step is still reported.
@@ -34,31 +39,32 @@ stderr with the reason), 4 gave up waiting (`--wait-timeout`), 1 anything else.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
-import numpy as np
-import torch
-
-from rlplex.algos.grpo import group_advantages
+from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCExecutionError, ModelWorker, ProcessModelWorker
 from rlplex.errors import ConfigError, MultiRunError, RlplexError, RunConfigError, RunDirGoneError, WaitTimeoutError
-from rlplex.models.lm import generate
 from rlplex.multirun.orch_config import OrchestratorConfig, create_run, read_orch_config
+from rlplex.multirun.orch_graph import orchestrator_graph
+from rlplex.multirun.orch_models import ActorModel, Handoff, RolloutHandoff, StepPrompts, TaskRewardModel
 from rlplex.multirun.peft_export import is_stable_adapter
 from rlplex.multirun.policy import AdapterPolicy
-from rlplex.multirun.rollout_io import RolloutBatch, rollouts_ready, write_rollouts
+from rlplex.multirun.rollout_io import rollouts_ready
 from rlplex.multirun.rundir import RunDir, parse_step, write_eviction
-from rlplex.tasks import CharTokenizer, Task, get_task
+from rlplex.tasks import Task, get_task
 
 log = logging.getLogger(__name__)
 
 MAX_EMPTY_BATCH_ATTEMPTS = 3
 EXIT_DONE, EXIT_ERROR, EXIT_CONFIG, EXIT_EVICTED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
 _PROGRESS_EVERY_S = 10.0
+_STEP_TIMEOUT_S = 3600.0  # a stalled dataflow fails with the buffer's dump; generation never takes this long
 
 
 class RunEvictedError(MultiRunError, RuntimeError):
@@ -142,57 +148,67 @@ def open_run(output_dir: Path, run_id: str, config: OrchestratorConfig) -> RunDi
     return create_run(output_dir, run_id, config)
 
 
-@dataclass
-class StepResult:
-    batch: RolloutBatch
-    has_signal: bool
-    reward_mean: float
-    tokens_per_s: float
-    generated_tokens: int
+class StepDataflow:
+    """The orchestrator's RL step as a dataflow (`orch_graph`) run by a `FunctionExecutor`.
 
+    One event loop for the orchestrator's life: the buffer's events belong to it. Reward and
+    hand-over run in-process (`LocalModelWorker`, a thread each); generation too when
+    `rollout_workers` is 1, else on that many `ProcessModelWorker`s, each loading the base
+    model from the cache and the broadcast adapters from the run directory itself.
+    """
 
-class RolloutGenerator:
-    """Samples and scores one step of a run with the currently loaded policy."""
+    def __init__(self, output_dir: Path, run: RunDir, config: OrchestratorConfig, task: Task) -> None:
+        from rlplex.multirun.base_model import base_model
 
-    def __init__(self, run: RunDir, config: OrchestratorConfig, task: Task, policy: AdapterPolicy) -> None:
-        self.run, self.config, self.task, self.policy = run, config, task, policy
-        self.tokenizer = CharTokenizer()
-        self.max_new_tokens = config.max_new_tokens or task.max_answer_len + 1
+        self.dataset = StepPrompts(task, config)
+        self.handoff = RolloutHandoff(run)
+        self.workers: dict[str, list[ModelWorker]] = {
+            "reward": [LocalModelWorker("reward", TaskRewardModel(task, config.group_size))],
+            "trainer": [LocalModelWorker("trainer", self.handoff)],
+            "actor": [],
+        }
+        self.loop = asyncio.new_event_loop()
+        try:
+            base = base_model(config, output_dir)  # warmed up once here: the workers load the cache
+            if config.rollout_workers == 1:
+                policy = AdapterPolicy(base, max_rank=config.model.lora.rank)
+                self.workers["actor"].append(LocalModelWorker("actor", ActorModel(policy, run, config, task)))
+            else:
+                factory = partial(ActorModel.for_run, str(output_dir), run.run_id, config)
+                for index in range(config.rollout_workers):
+                    self.workers["actor"].append(ProcessModelWorker(f"actor{index}", factory).start())
+            self.executor = FunctionExecutor(
+                orchestrator_graph(config.batch_size),
+                self.workers,
+                self.dataset,
+                capacity=config.batch_size,
+                step_timeout=_STEP_TIMEOUT_S,
+            )
+        except BaseException:
+            self.close()
+            raise
 
-    def generate(self, step: int, attempt: int, policy_step: int) -> StepResult:
-        config = self.config
-        rng = np.random.default_rng([config.seed, step, attempt])
-        problems = self.task.sample(config.batch_size // config.group_size, rng)
-        prompts = [p.prompt for p in problems for _ in range(config.group_size)]  # group after group
-        generator = torch.Generator().manual_seed(int(rng.integers(2**62)))
-        started = time.perf_counter()
-        with self.policy.active(len(prompts)) as model:
-            rollouts = generate(model, self.tokenizer, prompts, self.max_new_tokens, config.temperature, generator)
-        elapsed = time.perf_counter() - started
-        rewards = torch.tensor(
-            [self.task.reward(problems[i // config.group_size], c) for i, c in enumerate(rollouts.completions)],
-            dtype=torch.float32,
-        )
-        advantages = group_advantages(rewards, config.group_size).float()
-        batch = RolloutBatch(
-            run_id=self.run.run_id,
-            step=step,
-            policy_step=policy_step,
-            tokens=rollouts.tokens_B_L,
-            attention=rollouts.attention_B_L,
-            loss_mask=rollouts.completion_mask_B_L,
-            logprobs=rollouts.logprobs_B_L.float(),
-            advantages=advantages,
-            rewards=rewards,
-        )
-        generated = int(rollouts.completion_mask_B_L.sum())
-        return StepResult(
-            batch=batch,
-            has_signal=bool((advantages != 0).any()),
-            reward_mean=float(rewards.mean()),
-            tokens_per_s=generated / max(elapsed, 1e-9),
-            generated_tokens=generated,
-        )
+    def run_step(self, step: int, attempt: int, policy_step: int) -> tuple[Handoff, dict[str, float]]:
+        """Generate, score and hand over one step; the timings are the executor's, per MFC."""
+        self.dataset.prepare(step, attempt, policy_step)
+        self.handoff.last = None
+        timings = self.loop.run_until_complete(self.executor.execute_step())
+        if self.handoff.last is None or self.handoff.last.step != step:
+            raise MFCExecutionError(f"step {step}: the dataflow finished without rollout_write handing the batch over")
+        return self.handoff.last, timings
+
+    def __enter__(self) -> StepDataflow:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for group in self.workers.values():
+            for worker in group:
+                worker.close()  # type: ignore[attr-defined]  # both worker kinds have close()
+        self.loop.run_until_complete(self.loop.shutdown_default_executor())
+        self.loop.close()
 
 
 def run_orchestrator(
@@ -204,7 +220,6 @@ def run_orchestrator(
 ) -> int:
     """Run the orchestrator of `run_id` to completion; return the number of steps it generated."""
     from rlplex.diagnostics import MetricsLogger
-    from rlplex.multirun.base_model import base_model
 
     wait = wait or WaitOptions()
     output_dir = Path(output_dir)
@@ -219,19 +234,14 @@ def run_orchestrator(
         _say(f"{run_id}: resuming at step {step} (rollouts of steps 0..{step - 1} are STABLE)")
     generated = 0
     if step < config.max_steps:
-        policy = AdapterPolicy(base_model(config, output_dir), max_rank=config.model.lora.rank)
-        generator = RolloutGenerator(run, config, task, policy)
         run.ensure_dir()  # MetricsLogger makes missing parents: never let it recreate a deleted run
-        metrics = MetricsLogger(run.root, tensorboard=tensorboard)
-        empty = 0
-        try:
+        with StepDataflow(output_dir, run, config, task) as dataflow, MetricsLogger(run.root, tensorboard) as metrics:
+            empty = 0
             while step < config.max_steps:
                 check_evicted(run)
                 policy_step = wait_for_broadcast(run, step - config.max_async_level, f"step {step}", wait)
-                if policy_step != policy.loaded_step:
-                    policy.load(run.broadcast_step(policy_step), policy_step)
-                result = generator.generate(step, empty, policy_step)
-                if not result.has_signal:
+                result, timings = dataflow.run_step(step, empty, policy_step)
+                if not result.written:
                     empty += 1
                     _say(f"{run_id}: step {step} attempt {empty}: no learning signal (all advantages zero)")
                     if empty >= MAX_EMPTY_BATCH_ATTEMPTS:
@@ -243,23 +253,23 @@ def run_orchestrator(
                         raise RunEvictedError(f"{run_id} evicted: {reason}")
                     continue
                 empty = 0
-                write_rollouts(run, result.batch)
                 generated += 1
+                # Generated tokens over actor_gen's run time (a new broadcast's load included).
+                tokens_per_s = result.generated_tokens / max(timings["timings/actor_gen_run_s"], 1e-9)
                 stats = {
                     "charts/reward_mean": result.reward_mean,
-                    "charts/tokens_per_s": result.tokens_per_s,
+                    "charts/tokens_per_s": tokens_per_s,
                     "charts/policy_lag": float(step - policy_step),
                     "charts/policy_step": float(policy_step),
                     "charts/generated_tokens": float(result.generated_tokens),
+                    **timings,
                 }
                 metrics.log(step, stats)
                 _say(
                     f"{run_id}: step {step} written ({step + 1}/{config.max_steps}) reward {result.reward_mean:.3f} "
-                    f"tokens/s {result.tokens_per_s:.0f} policy_step {policy_step} lag {step - policy_step}"
+                    f"tokens/s {tokens_per_s:.0f} policy_step {policy_step} lag {step - policy_step}"
                 )
                 step += 1
-        finally:
-            metrics.close()
     # Done when the trainer has trained the last step (see the module docstring).
     wait_for_broadcast(run, config.max_steps, "finished,", wait)
     _say(f"{run_id}: done ({config.max_steps} steps trained)")

@@ -1,0 +1,125 @@
+"""Rollout throughput of one run's orchestrator, with the trainer taken out of the loop.
+
+    python -m benchmarks.orchestrator_rollouts [--quick] [--steps 8] [--batch 64] [--group 8] [--threads 1]
+        [--rollout-workers 1]
+
+The run's `broadcast/step_0` and `broadcast/step_<steps>` are written beforehand (one random
+adapter) and `max_async_level = steps`, so the orchestrator never waits for a trainer: it
+generates, scores and writes every step back to back and exits. The base model is warmed up
+(and cached) before timing starts. Figures: the orchestrator's own `charts/tokens_per_s`
+(generated tokens over the generation MFC's time, mean over steps), end-to-end generated tokens per
+wall second, and wall seconds per step (everything: eviction check, adapter load, generation,
+reward, advantages, writing `rollouts/step_N`, progress.csv), and CPU seconds per step (this
+process's threads only, so other load on the machine does not inflate it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import report
+from rlplex.diagnostics.metrics import read_metrics_csv
+from rlplex.multirun import OrchestratorConfig, apply_multi_lora, create_run, write_peft_adapter
+from rlplex.multirun.base_model import base_model
+from rlplex.multirun.orchestrator import WaitOptions, run_orchestrator
+
+NAME = "orchestrator_rollouts"
+TARGETS = ("q_proj", "v_proj")
+RUN_ID = "run_bench"
+
+
+def make_config(steps: int, batch: int, group: int, warmup: int, rollout_workers: int = 1) -> OrchestratorConfig:
+    extra = {"rollout_workers": rollout_workers} if rollout_workers != 1 else {}  # older configs lack the key
+    return OrchestratorConfig.model_validate(
+        {
+            **extra,
+            "task": "reverse",
+            "max_steps": steps,
+            "batch_size": batch,
+            "group_size": group,
+            "max_async_level": steps,
+            "model": {"lora": {"rank": 8, "alpha": 16.0}, "base": {"warmup_steps": warmup}},
+        }
+    )
+
+
+def write_broadcasts(out: Path, config: OrchestratorConfig) -> None:
+    import copy
+
+    model = copy.deepcopy(base_model(config, out))
+    lora = apply_multi_lora(model, target_modules=TARGETS, rank=config.model.lora.rank, n_adapters=1)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for _, param in lora.named_parameters_for_adapter(0):
+            param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    run = create_run(out, RUN_ID, config)  # what the orchestrator does first; it reuses the run
+    for step in (0, config.max_steps):
+        write_peft_adapter(
+            run.broadcast_step(step),
+            lora.adapter_state_dict(0),
+            None,
+            rank=config.model.lora.rank,
+            alpha=config.model.lora.alpha,
+            target_modules=TARGETS,
+        )
+
+
+def measure(config: OrchestratorConfig, base_cache: Path) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="rlplex-orch-bench-") as tmp:
+        out = Path(tmp)
+        shutil.copytree(base_cache / "base_model", out / "base_model")
+        write_broadcasts(out, config)
+        t0, cpu0 = time.perf_counter(), time.process_time()
+        run_orchestrator(out, RUN_ID, config, WaitOptions(timeout_s=60), tensorboard=False)
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        rows = read_metrics_csv(out / RUN_ID / "progress.csv")
+    generated = sum(row["charts/generated_tokens"] for row in rows)
+    return {
+        "steps": float(len(rows)),
+        "charts_tokens_per_s": statistics.mean(row["charts/tokens_per_s"] for row in rows),
+        "wall_tokens_per_s": generated / wall,
+        "wall_s_per_step": wall / len(rows),
+        "cpu_s_per_step": cpu / len(rows),  # all of the process's threads: load from others does not count
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="4 steps of 32 samples, a short warm-up")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3, help="runs measured; the median is reported")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rollout-workers", type=int, default=1, help="generation processes (1: in process)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    steps, batch, warmup = (4, 32, 20) if args.quick else (args.steps, args.batch, 120)
+    config = make_config(steps, batch, args.group, warmup, args.rollout_workers)
+    with tempfile.TemporaryDirectory(prefix="rlplex-orch-base-") as cache:
+        base_model(config, Path(cache))  # warm-up, cached: not timed
+        results = [measure(config, Path(cache)) for _ in range(args.repeats)]
+    figures = {key: statistics.median(r[key] for r in results) for key in results[0]}
+    rows = [(key, value) for key, value in figures.items()]
+    report(
+        NAME,
+        f"orchestrator rollouts: {steps} steps x {batch} samples, median of {args.repeats}",
+        ["figure", "value"],
+        rows,
+        {
+            "config": {"steps": steps, "batch": batch, "group": args.group, "rollout_workers": args.rollout_workers},
+            "runs": results,
+            "median": figures,
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
