@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench bench-quick clean
+.PHONY: setup demo demo-cartpole test lint bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -17,7 +17,13 @@ $(STAMP): pyproject.toml requirements.txt requirements-dev.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
+# The main job: three LLM runs on one elastic trainer, a fourth added, one evicted. Each
+# `make demo` starts afresh (the job refuses a folder that already holds one).
 demo: $(STAMP)
+	rm -rf outputs/multirun-demo
+	$(VENV)/bin/rlplex run examples/multirun_demo.toml
+
+demo-cartpole: $(STAMP)
 	$(VENV)/bin/rlplex train examples/cartpole_ppo.toml --output outputs/demo-cartpole-ppo
 
 test: $(STAMP)

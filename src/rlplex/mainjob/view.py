@@ -28,7 +28,7 @@ from rlplex.multirun.rundir import RunDir, stable_steps
 
 REWARD_COLUMNS = ("reward_mean", "charts/reward_mean", "reward")
 # Start and end rewards are means over this many steps: one step's reward is a noisy sample.
-REWARD_WINDOW = 3
+REWARD_WINDOW = 10
 # The trainer's throughput is measured over the newest stretch of its progress logs.
 THROUGHPUT_WINDOW_S = 30.0
 TOKENS_COLUMNS = ("tokens_per_s", "charts/tokens_per_s")
