@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
@@ -37,3 +39,19 @@ def job_processes(output_dir: Path) -> list[psutil.Process]:
         if any(str(output_dir) in part for part in process.info["cmdline"] or []):
             found.append(process)
     return found
+
+
+@contextlib.contextmanager
+def local_ray(*import_paths: Path | str, namespace: str | None = None) -> Iterator[str]:
+    """A local Ray (num_cpus=2) whose workers import `import_paths` first (this checkout's rlplex
+    and the tests' worker modules, not an installed copy); yields the GCS address."""
+    import ray
+
+    path = os.pathsep.join([*(str(p) for p in import_paths), os.environ.get("PYTHONPATH", "")])
+    context = ray.init(
+        num_cpus=2, include_dashboard=False, namespace=namespace, runtime_env={"env_vars": {"PYTHONPATH": path}}
+    )
+    try:
+        yield str(context.address_info["gcs_address"])
+    finally:
+        ray.shutdown()

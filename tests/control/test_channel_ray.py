@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from node_helpers import local_ray
 from rlplex.control import ChannelClosedError, ChannelTimeoutError, DataChannel, RayDataChannel
 
 ray = pytest.importorskip("ray")
@@ -30,12 +30,8 @@ def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "
 @pytest.fixture(scope="module", autouse=True)
 def ray_cluster() -> Iterator[None]:
     # Ray's workers must import this worktree's rlplex, not the editable install's.
-    path = os.pathsep.join([SRC, os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    try:
+    with local_ray(SRC):
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.fixture

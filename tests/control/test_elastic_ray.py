@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from test_elastic import CKPT_EVERY, STEPS, elastic_job, job_processes, progress, result
 
-from node_helpers import wait_for
+from node_helpers import local_ray, wait_for
 from rlplex.control import JobState, PrimeMaster, parse_job
 from rlplex.control.elastic import read_elastic_status
 
@@ -25,12 +25,8 @@ from rlplex.control.ray_scheduler import NAMESPACE  # noqa: E402
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    path = os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    try:
+    with local_ray(SRC, HERE, namespace=NAMESPACE):
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.slow

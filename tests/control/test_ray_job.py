@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from node_helpers import node_processes, wait_for
+from node_helpers import local_ray, node_processes, wait_for
 from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, SqliteStateStore
 from rlplex.errors import ConfigError, JobFailedError
 
@@ -45,13 +45,8 @@ config = {{ items = 40, delay_s = 0.01 }}
 @pytest.fixture(scope="module")
 def ray_address() -> Iterator[str]:
     # Ray's workers must import this worktree's rlplex and the test workers.
-    path = os.pathsep.join([str(SRC), str(HERE), os.environ.get("PYTHONPATH", "")])
-    context = ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE,
-                       runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
-    try:
-        yield str(context.address_info["gcs_address"])
-    finally:
-        ray.shutdown()
+    with local_ray(SRC, HERE, namespace=NAMESPACE) as address:
+        yield address
 
 
 def leftovers() -> list[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import psutil
+from mainjob_helpers import run_config, tiny_job
 from rich.console import Console
 
 from node_helpers import job_processes
@@ -14,31 +15,12 @@ from rlplex.mainjob.config import load_main_job
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect
 
-RUN = (
-    'task = "reverse", max_steps = {steps}, batch_size = 8, group_size = 4, '
-    "model = {{ base = {{ warmup_steps = 20 }} }}"
-)
-JOB = f"""
-name = "mj-e2e"
-output_dir = "OUT_DIR"
-timeout_s = 400
-[trainer]
-world_size = 2
-max_runs = 4
-[[runs]]
-id = "run_a"
-config = {{ seed = 1, {RUN.format(steps=3)} }}
-[[runs]]
-id = "run_b"
-config = {{ seed = 2, {RUN.format(steps=6)}, optim = {{ lr = 3e-3 }} }}
-[[later_runs]]
-id = "run_c"
-config = {{ seed = 3, {RUN.format(steps=2)} }}
+EVENTS = """
 [[events]]
-when = {{ run = "run_a", step = 1 }}
+when = { run = "run_a", step = 1 }
 add_run = "run_c"
 [[events]]
-when = {{ run = "run_b", step = 1 }}
+when = { run = "run_b", step = 1 }
 evict_run = "run_b"
 reason = "evicted on purpose by the test"
 """
@@ -47,7 +29,8 @@ reason = "evicted on purpose by the test"
 def test_main_job_runs_end_to_end_with_an_added_and_an_evicted_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
-    path.write_text(JOB.replace("OUT_DIR", str(out)))
+    runs = {"run_a": run_config(1, 3), "run_b": run_config(2, 6, "optim = { lr = 3e-3 }")}
+    path.write_text(tiny_job("mj-e2e", out, runs, {"run_c": run_config(3, 2)}, rest=EVENTS))
     try:
         state = run_main_job(load_main_job(path), Console(file=open(tmp_path / "console.txt", "w")), live=False)
         assert state == JobState.STOPPED, (out / "report.md").read_text()

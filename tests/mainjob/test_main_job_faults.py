@@ -13,31 +13,14 @@ import sys
 from pathlib import Path
 
 import psutil
+from mainjob_helpers import BATCH, run_config, tiny_job
 
 from node_helpers import job_processes, wait_for
 from rlplex.control.elastic import read_elastic_status
 from rlplex.mainjob.view import collect, read_progress_rows
 from rlplex.multirun.rundir import RunDir, stable_steps
 
-STEPS, BATCH = 8, 8
-RUN = (
-    f'task = "reverse", max_steps = {STEPS}, batch_size = {BATCH}, group_size = 4, '
-    "model = { base = { warmup_steps = 20 } }"
-)
-JOB = f"""
-name = "mj-faults"
-output_dir = "OUT_DIR"
-timeout_s = 400
-[trainer]
-world_size = 2
-max_runs = 4
-[[runs]]
-id = "run_a"
-config = {{ seed = 1, {RUN} }}
-[[runs]]
-id = "run_b"
-config = {{ seed = 2, {RUN} }}
-"""
+STEPS = 8
 
 
 def node_process(out: Path, node_id: str) -> psutil.Process | None:
@@ -67,7 +50,7 @@ def trained(out: Path, run_id: str) -> int:
 def test_sigkill_of_an_orchestrator_and_a_trainer_rank_loses_and_repeats_no_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
-    path.write_text(JOB.replace("OUT_DIR", str(out)))
+    path.write_text(tiny_job("mj-faults", out, {"run_a": run_config(1, STEPS), "run_b": run_config(2, STEPS)}))
     log = open(tmp_path / "job.log", "w")
     command = [sys.executable, "-m", "rlplex.cli"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

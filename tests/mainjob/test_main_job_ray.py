@@ -3,13 +3,14 @@ the trainer ranks rendezvous over gloo, and the job ends with its runs finished.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from mainjob_helpers import run_config, tiny_job
 from rich.console import Console
 
+from node_helpers import local_ray
 from rlplex.control.states import JobState
 from rlplex.mainjob.config import load_main_job
 from rlplex.mainjob.driver import run_main_job
@@ -20,39 +21,20 @@ ray = pytest.importorskip("ray")
 from rlplex.control.ray_scheduler import NAMESPACE  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-RUN = 'task = "reverse", max_steps = 2, batch_size = 8, group_size = 4, model = { base = { warmup_steps = 20 } }'
-JOB = f"""
-name = "mj-ray"
-output_dir = "OUT_DIR"
-backend = "ray"
-timeout_s = 400
-[trainer]
-world_size = 2
-max_runs = 2
-[[runs]]
-id = "run_a"
-config = {{ seed = 1, {RUN} }}
-[[runs]]
-id = "run_b"
-config = {{ seed = 2, {RUN} }}
-"""
 
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:
-    path = os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])
-    ray.init(num_cpus=2, include_dashboard=False, namespace=NAMESPACE, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    try:
+    with local_ray(SRC, namespace=NAMESPACE):
         yield
-    finally:
-        ray.shutdown()
 
 
 @pytest.mark.slow
 def test_main_job_runs_on_ray(ray_session: None, tmp_path: Path) -> None:
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
-    path.write_text(JOB.replace("OUT_DIR", str(out)))
+    runs = {"run_a": run_config(1, 2), "run_b": run_config(2, 2)}
+    path.write_text(tiny_job("mj-ray", out, runs, backend="ray", max_runs=2))
     state = run_main_job(load_main_job(path), Console(file=open(tmp_path / "console.txt", "w")), live=False)
     assert state == JobState.STOPPED, (out / "report.md").read_text()
     view = collect(out)

@@ -1,0 +1,42 @@
+"""Tiny main-job files for the end-to-end tests: a small base warm-up and batches of 8."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+BATCH = 8
+
+
+def run_config(seed: int, steps: int, extra: str = "") -> str:
+    """One run's inline orchestrator config."""
+    tail = f", {extra}" if extra else ""
+    return (
+        f'{{ seed = {seed}, task = "reverse", max_steps = {steps}, batch_size = {BATCH}, group_size = 4, '
+        f"model = {{ base = {{ warmup_steps = 20 }} }}{tail} }}"
+    )
+
+
+def tiny_job(
+    name: str,
+    output_dir: Path,
+    runs: dict[str, str],
+    later_runs: dict[str, str] | None = None,
+    backend: str = "local",
+    max_runs: int = 4,
+    rest: str = "",
+) -> str:
+    """A main-job TOML of two trainer ranks; `runs`/`later_runs` map run ids to `run_config()`s,
+    `rest` is appended as is (events)."""
+    lines = [
+        f'name = "{name}"',
+        f'output_dir = "{output_dir}"',
+        f'backend = "{backend}"',
+        "timeout_s = 400",
+        "[trainer]",
+        "world_size = 2",
+        f"max_runs = {max_runs}",
+    ]
+    for table, entries in (("runs", runs), ("later_runs", later_runs or {})):
+        for run_id, config in entries.items():
+            lines += [f"[[{table}]]", f'id = "{run_id}"', f"config = {config}"]
+    return "\n".join(lines) + "\n" + rest
