@@ -50,6 +50,10 @@ class Counter(WorkerLoad):
                 self.context.report_progress(items=len(done))
                 if "crash" in my_faults:
                     raise RuntimeError("injected crash")
+                hold = cfg.get("hold_until")  # a file the test creates: the node waits, beating, until then
+                if hold and len(done) >= int(cfg.get("hold_after", 3)):
+                    while not (Path(self.context.output_dir) / str(hold)).exists() and not self.context.should_stop():
+                        time.sleep(0.02)
                 if "stall" in my_faults and self.context.incarnation == 0 and len(done) >= 2:
                     while not self.context.should_stop():
                         time.sleep(0.05)  # alive and beating, but no progress

@@ -20,8 +20,13 @@ capacity = {{ cpu = 2 }}
 count = 3
 entrypoint = "control_workers:Counter"
 resources = {{ cpu = 0.5 }}
-config = {{ items = 90, delay_s = 0.04 }}
+config = {{ items = 90, delay_s = 0.04, hold_until = "{hold}" }}
 """
+
+
+# Nodes hold after 3 items until this file exists, so that none can finish before the master
+# is killed however slow the machine is.
+RELEASE = "release_nodes"
 
 
 def rlplex(*args: str, env: dict[str, str]) -> list[str]:
@@ -31,7 +36,7 @@ def rlplex(*args: str, env: dict[str, str]) -> list[str]:
 def start_master(job_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], SqliteStateStore, str]:
     """`rlplex job run` in a subprocess, returned once every node is RUNNING and has made progress."""
     job_file = job_dir.parent / "job.toml"
-    job_file.write_text(JOB.format(out=job_dir))
+    job_file.write_text(JOB.format(out=job_dir, hold=RELEASE))
     master = subprocess.Popen(rlplex("run", str(job_file), env=env), env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
     wait_for(lambda: (job_dir / "job.sqlite").exists(), 30, "the job's store")
@@ -56,6 +61,7 @@ def test_killed_master_is_resumed_without_restarting_live_nodes(job_dir: Path, c
         os.kill(master.pid, signal.SIGKILL)
         master.wait(timeout=10)
         assert all(p.is_running() for p in node_processes(job_dir)) and len(node_processes(job_dir)) == 3
+        (job_dir / RELEASE).touch()
 
         resumed = subprocess.run(rlplex("resume", str(job_dir), env=child_env), env=child_env,
                                  capture_output=True, text=True, timeout=60)  # fmt: skip
@@ -89,6 +95,7 @@ def test_master_failover_during_a_worker_failure(job_dir: Path, child_env: dict[
         os.kill(master.pid, signal.SIGKILL)
         os.kill(before["counter-0"], signal.SIGKILL)
         master.wait(timeout=10)
+        (job_dir / RELEASE).touch()
         resumed = subprocess.run(rlplex("resume", str(job_dir), env=child_env), env=child_env,
                                  capture_output=True, text=True, timeout=60)  # fmt: skip
         assert resumed.returncode == 0, resumed.stdout + resumed.stderr

@@ -114,6 +114,8 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
                 time.sleep(master.manager.spec.monitor_interval_s)
             if display is not None:
                 display.update(render(collect(output_dir)), refresh=True)
+        if display is not None and not console.is_terminal:
+            console.print()  # a live view drawn to a file or pipe ends without a newline
     finally:
         master.stop("master exiting")
         master.close()
