@@ -36,8 +36,12 @@ def _decisions(output_dir: Path) -> list[str]:
         store.close()
 
 
-def write_report(output_dir: Path, wall_time_s: float, trainer_tokens_per_s: float | None = None) -> Path:
+def write_report(output_dir: Path, fallback_wall_time_s: float) -> Path:
+    """The wall time runs from the job's creation in the store (so a resumed master reports the
+    whole job); `fallback_wall_time_s` serves when the store has no job."""
     view = collect(output_dir)
+    wall_time_s = view.read_at - view.created_at if view.created_at else fallback_wall_time_s
+    trainer_tokens_per_s = view.trained_tokens / wall_time_s if wall_time_s > 0 else None
     plots = output_dir / "plots"
     lines = [
         f"# Job report: {output_dir.name}",
