@@ -15,7 +15,7 @@ Rendezvous states (one machine per ElasticMaster, recorded in the job store as e
     any live state -> FAILED  (budget spent, too few nodes, a failing check during prepare)
 
 Workers pull: every `sync_interval_s` a worker sends a `report` (its script's and check's state,
-progress, and an endpoint: its node's address and a port free there) and gets back its
+progress, and an endpoint: its node's address and a port it holds free, see `PortReservation`) and gets back its
 `assignment` (epoch, action idle/check/run/finish, rank, world, addr, port). A round's
 MASTER_ADDR:MASTER_PORT is the endpoint its rank 0 reported, so the rendezvous store runs on rank
 0's machine whichever machine the ElasticMaster is on. The worker reconciles towards the
@@ -79,7 +79,9 @@ class ElasticConfig(StrictModel):
     slow_factor: float = Field(default=2.0, gt=1.0, description="a matmul this many times the median is slow")
     join_timeout_s: float = Field(default=10.0, ge=0, description="wait this long for missing members")
     rendezvous_timeout_s: float = Field(default=60.0, gt=0, description="fail with fewer than min_nodes after this")
-    member_timeout_s: float = Field(default=3.0, gt=0, description="a member silent this long is lost")
+    member_timeout_s: float = Field(
+        default=10.0, gt=0, description="a member whose agent is silent this long is lost (a dead node is seen at once)"
+    )
     stop_timeout_s: float = Field(default=10.0, gt=0)
     max_restarts: int = Field(default=3, ge=0, description="re-rendezvous budget (failures and master take-overs)")
     poll_interval_s: float = Field(default=0.05, gt=0)
@@ -120,11 +122,24 @@ def parse_role_config(model: type[StrictModel], data: dict[str, Any], role: str)
 LOCAL_HOST = "127.0.0.1"
 
 
-def free_port(host: str = LOCAL_HOST) -> int:
-    """A port free now on `host` (the script's rank 0 binds it a moment later, as torchrun does)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+class PortReservation:
+    """A port held for a round's rendezvous store from the moment a node reports it until rank 0's
+    script serves it.
+
+    A port that was merely free when reported (bind, close) can be taken meanwhile by any connect()
+    on the machine, and rank 0's script then fails to listen: an extra re-rendezvous. The socket
+    here stays bound with SO_REUSEADDR and never listens, so the kernel hands the port to nobody
+    else, while torch's TCPStore (which also sets SO_REUSEADDR) can still bind and listen on it.
+    """
+
+    def __init__(self, host: str = LOCAL_HOST) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, 0))
+        self.port = int(self._sock.getsockname()[1])
+
+    def release(self) -> None:
+        self._sock.close()
 
 
 def rendezvous_endpoint(rank0: str, report: dict[str, Any]) -> tuple[str, int]:

@@ -7,7 +7,7 @@ back: run the node check, start the script for an epoch, stop it, or finish.
 
 The script gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
 (where rank 0 runs: its node's address, 127.0.0.1 on one machine or that machine's IP on a
-multi-machine Ray cluster, and a port rank 0's node reported free), RLPLEX_RESTART_COUNT
+multi-machine Ray cluster, and a port rank 0's node holds for it), RLPLEX_RESTART_COUNT
 (= TORCHELASTIC_RESTART_COUNT), RLPLEX_CHECKPOINT_DIR and RLPLEX_PROGRESS_FILE, where it may
 write a JSON object of numbers (e.g. {"step": 12, "loss": 0.3}); the worker reads it into its
 heartbeats and reports. The script stays in the node's
@@ -25,7 +25,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rlplex.control.elastic_rdzv import CHECK, FINISH, RUN, ScriptConfig, free_port, parse_role_config
+from rlplex.control.elastic_rdzv import CHECK, FINISH, RUN, PortReservation, ScriptConfig, parse_role_config
 from rlplex.control.rpc import RpcClient, parse_address
 from rlplex.control.worker import FAILED, FINISHED, Worker, WorkerContext
 from rlplex.errors import JobSpecError, RlplexError
@@ -112,6 +112,10 @@ class ElasticWorker(Worker):
         self._check_result: dict[str, Any] | None = None
         self._finished = False
         self._client: RpcClient | None = None
+        # The port this node offers for a round's rendezvous store, and the one its current check
+        # or script was handed (held until the next round, as the script binds it only after its imports).
+        self._offered: PortReservation | None = None
+        self._handed: PortReservation | None = None
         self._agent = threading.Thread(target=self._agent_main, name=f"{context.node_id}-elastic", daemon=True)
         self._agent.start()
 
@@ -160,6 +164,7 @@ class ElasticWorker(Worker):
         with self._lock:
             self._stop_script()
             self._stop_check()
+            self._release_ports()
 
     # ---- the agent ---------------------------------------------------------------------------
     def _agent_main(self) -> None:
@@ -196,10 +201,28 @@ class ElasticWorker(Worker):
                 "check": {"epoch": self._check_epoch, "result": self._check_result},
                 "progress": progress,
                 "finished": self._finished,
-                # Where a round's rank 0 serves the rendezvous store if this node gets rank 0. The port is
-                # picked anew at each report so that it is still free when the master hands it out.
-                "endpoint": {"host": self.context.host, "port": free_port(self.context.host)},
+                # Where a round's rank 0 serves the rendezvous store if this node gets rank 0.
+                "endpoint": {"host": self.context.host, "port": self._offered_port()},
             }
+
+    def _offered_port(self) -> int:
+        if self._offered is None:
+            self._offered = PortReservation(self.context.host)
+        return self._offered.port
+
+    def _hand_over_port(self, assignment: dict[str, Any]) -> None:
+        """A round starts: if it serves its store on this node's offered port, keep that port held
+        for it and offer a fresh one to the next round."""
+        if self._offered is not None and assignment.get("port") == self._offered.port:
+            if self._handed is not None:
+                self._handed.release()
+            self._handed, self._offered = self._offered, None
+
+    def _release_ports(self) -> None:
+        for reservation in (self._offered, self._handed):
+            if reservation is not None:
+                reservation.release()
+        self._offered = self._handed = None
 
     def _sync(self, report: dict[str, Any]) -> dict[str, Any] | None:
         try:
@@ -233,6 +256,8 @@ class ElasticWorker(Worker):
             self._stop_script()
         if self._check is not None and not (action == CHECK and epoch == self._check_epoch):
             self._stop_check()
+        if action in (CHECK, RUN) and epoch not in (self._check_epoch, self._script_epoch):
+            self._hand_over_port(assignment)
         if action == CHECK and epoch != self._check_epoch:
             self._check_epoch, self._check_result = epoch, None
             self._check_result = self.start_node_check(assignment)
