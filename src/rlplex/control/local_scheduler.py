@@ -17,11 +17,10 @@ from pathlib import Path
 
 import psutil
 
-from rlplex.control.heartbeat import HeartbeatServer
 from rlplex.control.node import TOKEN_ENV
 from rlplex.control.placement import Bundle
-from rlplex.control.rpc import RpcClient, parse_address
-from rlplex.control.scheduler import NodeEvent, NodeHandle, read_log_tail
+from rlplex.control.scheduler import NodeHandle
+from rlplex.control.served_scheduler import ServedScheduler
 
 
 def _child_pythonpath() -> str:
@@ -32,14 +31,9 @@ def _child_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys(entries))
 
 
-class LocalScheduler:
+class LocalScheduler(ServedScheduler):
     def __init__(self, output_dir: str | Path, job_id: str, token: bytes, rpc_timeout_s: float = 10.0) -> None:
-        self.output_dir, self.job_id, self._token, self._rpc_timeout_s = Path(output_dir), job_id, token, rpc_timeout_s
-        self.log_dir = self.output_dir / "logs"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._server = HeartbeatServer(token)
-        self.master_address = self._server.address
-        self._handles: dict[str, NodeHandle] = {}
+        super().__init__(output_dir, job_id, token, rpc_timeout_s)
         self._env = {**os.environ, TOKEN_ENV: token.hex(), "PYTHONPATH": _child_pythonpath()}
 
     def _launch(self, node_id: str, role: str, rank: int, incarnation: int, bundle: int) -> NodeHandle:
@@ -114,15 +108,6 @@ class LocalScheduler:
             process = self._process(handle)
             if process is not None:
                 psutil.wait_procs([process], timeout=5.0)
-
-    def client(self, handle: NodeHandle, address: str) -> RpcClient:
-        return RpcClient(parse_address(address), self._token, handle.node_id, self._rpc_timeout_s)
-
-    def events(self) -> list[NodeEvent]:
-        return self._server.events()
-
-    def log_tail(self, handle: NodeHandle, lines: int = 5) -> str:
-        return read_log_tail(self.log_dir, handle.node_id, lines)
 
     def cleanup(self) -> None:
         for handle in self._handles.values():

@@ -35,11 +35,10 @@ from ray.exceptions import RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from rlplex.control.heartbeat import HeartbeatServer
 from rlplex.control.placement import Bundle, Member
 from rlplex.control.ray_node import RemoteNode
-from rlplex.control.rpc import RpcClient, parse_address
-from rlplex.control.scheduler import NodeEvent, NodeHandle, read_log_tail
+from rlplex.control.scheduler import NodeHandle
+from rlplex.control.served_scheduler import ServedScheduler
 from rlplex.control.spec import JobSpec, Resources
 from rlplex.errors import PlacementError
 
@@ -92,19 +91,14 @@ class ActorRef:
     dead: bool = False
 
 
-class RayScheduler:
+class RayScheduler(ServedScheduler):
     def __init__(
         self, spec: JobSpec, job_id: str, token: bytes, rpc_timeout_s: float = 10.0, connect: bool = True
     ) -> None:
-        self.spec, self.job_id, self._token, self._rpc_timeout_s = spec, job_id, token, rpc_timeout_s
-        self.output_dir = Path(spec.output_dir)
-        self.log_dir = self.output_dir / "logs"
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.spec = spec
         local = connect_ray(spec.ray_address, spec.capacity) if connect else True
         self.host = "127.0.0.1" if local else ray.util.get_node_ip_address()
-        self._server = HeartbeatServer(token, self.host)
-        self.master_address = self._server.address
-        self._handles: dict[str, NodeHandle] = {}
+        super().__init__(spec.output_dir, job_id, token, rpc_timeout_s, self.host)
         self._group_table: dict[str, Any] | None = None
         self._env = forwarded_env()
 
@@ -285,15 +279,6 @@ class RayScheduler:
             _kill_ray_worker(handle.pid)
         # Wait for Ray to see the death: the actor's name is free again after it.
         self._settle(ref, _KILL_WAIT_S)
-
-    def client(self, handle: NodeHandle, address: str) -> RpcClient:
-        return RpcClient(parse_address(address), self._token, handle.node_id, self._rpc_timeout_s)
-
-    def events(self) -> list[NodeEvent]:
-        return self._server.events()
-
-    def log_tail(self, handle: NodeHandle, lines: int = 5) -> str:
-        return read_log_tail(self.log_dir, handle.node_id, lines)
 
     def cleanup(self) -> None:
         for handle in self._handles.values():
