@@ -10,7 +10,8 @@ local backend only (64 Ray actors are 64 Python processes of ~150 MB each).
 Goals (issue 3): 16 no-op workers RUNNING <= 3 s; SIGKILL detected <= 1 s; a hung worker
 detected within its deadline + 1 s; a lost worker back to RUNNING <= 2 s; a killed master
 resumed <= 3 s with no live worker restarted; the idle control plane with 64 workers
-<= 2 % of one core (master process CPU time over a window, psutil).
+<= 2 % of one core (master process CPU time over a window, psutil; the node processes' CPU
+is reported beside it).
 """
 
 from __future__ import annotations
@@ -63,18 +64,33 @@ def first_transition(master: PrimeMaster, node_id: str, state: str, after: float
                and r.at >= after)  # fmt: skip
 
 
-def idle_cpu_percent(master: PrimeMaster, window_s: float) -> float:
-    """The master process's CPU (% of one core) while it watches idle nodes, after 1 s to settle."""
+def _cpu_s(processes: list[psutil.Process]) -> float:
+    total = 0.0
+    for process in processes:
+        try:
+            times = process.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def idle_cpu(master: PrimeMaster, window_s: float) -> tuple[float, float]:
+    """(% of one core) of the master process, and of all its node processes together, while the
+    master watches idle nodes, after 1 s to settle. The master's figure is the goal's: the nodes'
+    share is their heartbeat thread plus the idle user worker, reported beside it."""
     me = psutil.Process()
     settle = time.monotonic() + 1.0
     while time.monotonic() < settle:
         master.monitor()
         time.sleep(master.manager.spec.monitor_interval_s)
-    cpu0, wall0 = sum(me.cpu_times()[:2]), time.monotonic()
+    nodes = me.children(recursive=True)
+    cpu0, nodes0, wall0 = _cpu_s([me]), _cpu_s(nodes), time.monotonic()
     while time.monotonic() - wall0 < window_s:
         master.monitor()
         time.sleep(master.manager.spec.monitor_interval_s)
-    return 100.0 * (sum(me.cpu_times()[:2]) - cpu0) / (time.monotonic() - wall0)
+    wall = time.monotonic() - wall0
+    return 100.0 * (_cpu_s([me]) - cpu0) / wall, 100.0 * (_cpu_s(nodes) - nodes0) / wall
 
 
 def bench_startup(root: Path, backend: str, window_s: float) -> tuple[float, float]:
@@ -84,7 +100,7 @@ def bench_startup(root: Path, backend: str, window_s: float) -> tuple[float, flo
         master.start()
         elapsed = time.perf_counter() - start
         assert master.state == JobState.RUNNING
-        return elapsed, idle_cpu_percent(master, window_s)
+        return elapsed, idle_cpu(master, window_s)[0]
 
 
 def bench_sigkill(root: Path, backend: str) -> tuple[float, float]:
@@ -195,12 +211,13 @@ def bench_resume(root: Path) -> tuple[float, int, bool]:
             cli.kill()
 
 
-def bench_idle_cpu(root: Path, window_s: float, heartbeat_s: float) -> tuple[float, float]:
+def bench_idle_cpu(root: Path, window_s: float, heartbeat_s: float) -> tuple[float, float, float]:
+    """(master % of a core, the 64 nodes' % together, seconds to RUNNING)."""
     with PrimeMaster.create(idle_job(root / "idle64", 64, heartbeat_s=heartbeat_s)) as master:
         started = time.perf_counter()
         master.start()
         ready_s = time.perf_counter() - started
-        return idle_cpu_percent(master, window_s), ready_s
+        return (*idle_cpu(master, window_s), ready_s)
 
 
 def start_ray() -> None:
@@ -245,11 +262,12 @@ def main() -> None:
         for backend in backends:
             results[backend] = run_backend(root, backend, hang_timeout, window)
         if "local" in backends:
-            idle_pct, idle_ready = bench_idle_cpu(root, window, HEARTBEAT_S)
-            idle_fast, _ = bench_idle_cpu(root / "fast", window, 0.2)
+            idle_pct, idle_nodes, idle_ready = bench_idle_cpu(root, window, HEARTBEAT_S)
+            idle_fast, _, _ = bench_idle_cpu(root / "fast", window, 0.2)
             results["local"].update(
                 {
                     "idle_cpu_percent_64": idle_pct,
+                    "idle_nodes_cpu_percent_64": idle_nodes,
                     "idle_cpu_percent_64_heartbeat_0.2": idle_fast,
                     "startup_64_s": idle_ready,
                 }
@@ -265,6 +283,7 @@ def main() -> None:
         ("master_resume_same_pids", "  same pids after resume", "True"),
         ("idle_cpu_percent_64", f"idle master CPU, 64 workers, heartbeat {HEARTBEAT_S:g} s (% of a core, {window:g} s)",
          "<= 2"),
+        ("idle_nodes_cpu_percent_64", "  the 64 node processes together (% of a core)", "-"),
         ("idle_cpu_percent_64_heartbeat_0.2",
          f"idle master CPU, 64 workers, heartbeat 0.2 s (% of a core, {window:g} s)", "-"),
         ("startup_64_s", "  64 workers RUNNING (s)", "-"),

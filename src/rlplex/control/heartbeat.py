@@ -20,7 +20,7 @@ from rlplex.control.rpc import format_address
 from rlplex.control.scheduler import NodeEvent
 
 _POLL_S = 0.1
-_COALESCE_S = 0.02
+_COALESCE_S = 0.1
 
 
 class HeartbeatServer:

@@ -307,7 +307,8 @@ class PrimeManager:
     def _node_status(self, slot: NodeSlot, now: float) -> NodeStatus:
         role = self.spec.roles[slot.role]
         handle = slot.handle
-        alive = handle is not None and (self.scheduler.is_alive(handle) or slot.connected)
+        # The open heartbeat connection says alive for free; only a closed one costs a waitpid.
+        alive = handle is not None and (slot.connected or self.scheduler.is_alive(handle))
         return NodeStatus(
             node_id=slot.node_id,
             role=slot.role,
