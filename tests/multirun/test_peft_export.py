@@ -145,3 +145,11 @@ def test_bad_adapter_states_are_refused(tmp_path: Path, state: dict[str, torch.T
     with pytest.raises(AdapterError, match=match):
         write_peft_adapter(tmp_path / "a", state, "tiny", rank=3, alpha=6.0, target_modules=["q_proj"])
     assert not (tmp_path / "a").exists()
+
+
+def test_a_file_where_the_broadcast_folder_should_be_is_a_clear_error(multi, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    base, _, lora = multi
+    (tmp_path / "broadcast").write_text("not a folder")
+    with pytest.raises(AdapterError, match="broadcast is not a directory"):
+        _export(lora, base, 0, tmp_path / "broadcast" / "step_1")
+    assert (tmp_path / "broadcast").read_text() == "not a folder", "the file is left as it was"

@@ -136,6 +136,8 @@ def write_peft_adapter(
         raise AdapterError(
             f"{directory}: parent {directory.parent.parent} no longer exists; adapter not written"
         ) from None
+    except FileExistsError:  # mkdir(exist_ok=True) raises this only when the path is not a directory
+        raise AdapterError(f"{directory}: {directory.parent} is not a directory; adapter not written") from None
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
