@@ -2,15 +2,19 @@
 
 SB3 runs the rl-zoo CartPole-v1 settings (8 DummyVecEnv envs, n_steps 32, batch 256,
 gae 0.8, gamma 0.98, 20 epochs, linear lr 1e-3 and clip 0.2, MlpPolicy, cpu). rlplex runs
-`examples/cartpole_ppo.toml` (or `--rlplex-config`). Both use one torch thread, the same
-seeds and the same evaluation: rlplex's `Evaluator` (10 deterministic episodes on the same
-evaluation seeds) every `--eval-every` env steps, after the update. Evaluation time is
-EXCLUDED from the headline times of both (it is reported separately, and the times with
-it included are in the JSON). Runs alternate rlplex / SB3 per seed so that machine noise
-hits both. Times include building the envs and the model.
+ITS OWN CONFIG, `examples/cartpole_ppo.toml` (or `--rlplex-config`), which is rl-zoo's
+settings with twice the learning rate (2e-3); so the default comparison is of the two
+libraries as shipped, not of the same hyperparameters. `--same-settings` runs rlplex with
+exactly SB3's settings instead (lr 1e-3), for the like-for-like figure. Both use one torch
+thread, the same seeds and the same evaluation: rlplex's `Evaluator` (10 deterministic
+episodes on the same evaluation seeds) every `--eval-every` env steps, after the update.
+Evaluation time is EXCLUDED from the headline times of both (it is reported separately, and
+the times with it included are in the JSON). Runs alternate rlplex / SB3 per seed so that
+machine noise hits both. Times include building the envs and the model.
 
-    python -m benchmarks.ppo_vs_sb3               # 5 seeds
-    python -m benchmarks.ppo_vs_sb3 --quick       # 1 seed
+    python -m benchmarks.ppo_vs_sb3                     # 5 seeds, rlplex's own config
+    python -m benchmarks.ppo_vs_sb3 --same-settings     # 5 seeds, rlplex with SB3's settings
+    python -m benchmarks.ppo_vs_sb3 --quick             # 1 seed
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 import torch
 
 from benchmarks.common import TimedEvaluator, override, write_json
-from rlplex.runners.config import build_runner, load_train_config
+from rlplex.runners.config import TrainConfig, build_runner, load_train_config
 
 TARGET = 475.0
 ENV_ID = "CartPole-v1"
@@ -40,6 +44,25 @@ SB3_ZOO = dict(
     ent_coef=0.0,
 )
 SB3_N_ENVS = 8
+# SB3_ZOO (+ 8 envs, linear lr 1e-3 and clip 0.2) in rlplex's terms. rlplex halves the squared
+# error in its value loss, so value_coef 1.0 is SB3's vf_coef 0.5.
+RLPLEX_SAME_AS_SB3: dict[str, dict[str, Any]] = {
+    "sampler": {"batch_T": 32, "batch_B": SB3_N_ENVS},
+    "algo": {
+        "learning_rate": 1e-3,
+        "lr_schedule": "linear",
+        "n_epochs": 20,
+        "minibatch_size": 256,
+        "gamma": 0.98,
+        "gae_lambda": 0.8,
+        "clip_range": 0.2,
+        "clip_schedule": "linear",
+        "entropy_coef": 0.0,
+        "value_coef": 1.0,
+        "max_grad_norm": 0.5,
+        "normalize_advantage": True,
+    },
+}
 
 
 @dataclass
@@ -53,8 +76,15 @@ class Run:
     total_s: float  # wall time including evaluation
 
 
-def run_rlplex(config_path: Path, seed: int, eval_every: int, budget: int) -> Run:
+def rlplex_config(config_path: Path, same_settings: bool) -> TrainConfig:
     config = load_train_config(config_path)
+    if same_settings:
+        for section, updates in RLPLEX_SAME_AS_SB3.items():
+            config = override(config, section, **updates)
+    return config
+
+
+def run_rlplex(config: TrainConfig, seed: int, eval_every: int, budget: int) -> Run:
     config = override(config, "runner", seed=seed, stop_at_return=TARGET, log_interval_steps=eval_every, n_steps=budget)
     t0 = time.perf_counter()
     runner = build_runner(config, output_dir=None, show_progress=False)
@@ -135,6 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=2048, help="env steps between evaluations (both)")
     parser.add_argument("--budget", type=int, default=200_000, help="env steps at most (both; sets the schedules)")
     parser.add_argument("--rlplex-config", type=Path, default=DEFAULT_CONFIG)
+    parser.add_argument("--same-settings", action="store_true", help="rlplex runs SB3's (rl-zoo's) settings")
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
@@ -143,15 +174,25 @@ def main(argv: list[str] | None = None) -> None:
     torch.optim.Adam([torch.zeros(1, requires_grad=True)])
     seeds = args.seeds if args.seeds is not None else ([0] if args.quick else [0, 1, 2, 3, 4])
 
+    config = rlplex_config(args.rlplex_config, args.same_settings)
+    lr = float(getattr(config.algo, "learning_rate", float("nan")))
+    settings = (
+        f"rlplex: SB3's rl-zoo settings (lr {lr:g})"
+        if args.same_settings
+        else f"rlplex: its own config {args.rlplex_config.name} (lr {lr:g})"
+    )
+    settings += "; SB3: rl-zoo CartPole-v1 settings (lr 0.001)"
+    print(settings, flush=True)
     runs: list[tuple[Run, Run]] = []
     for seed in seeds:
-        ours = run_rlplex(args.rlplex_config, seed, args.eval_every, args.budget)
+        ours = run_rlplex(config, seed, args.eval_every, args.budget)
         print(f"  seed {seed} rlplex: {ours.train_s:.2f}s, {ours.steps} steps, reached={ours.reached}", flush=True)
         theirs = run_sb3(seed, args.eval_every, args.budget)
         print(f"  seed {seed} sb3:    {theirs.train_s:.2f}s train, {theirs.steps} steps, reached={theirs.reached}")
         runs.append((ours, theirs))
 
     print(f"\nPPO to eval return >= {TARGET:g} on {ENV_ID} (times exclude evaluation; torch 1 thread)")
+    print(settings)
     print(f"{'seed':>4} {'rlplex s':>9} {'rlplex steps':>12} {'sb3 s':>8} {'sb3 steps':>10} {'sb3/rlplex':>10}")
     ratios: list[float] = []
     for ours, theirs in runs:
@@ -166,7 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     median = statistics.median(ratios) if ratios else float("nan")
     print(f"median speed-up (SB3 time / rlplex time): {median:.2f}x  (goal >= 2)")
     path = write_json(
-        "ppo_vs_sb3",
+        "ppo_vs_sb3_same_settings" if args.same_settings else "ppo_vs_sb3",
         {
             "env": ENV_ID,
             "target": TARGET,
@@ -174,7 +215,8 @@ def main(argv: list[str] | None = None) -> None:
             "eval_episodes": 10,
             "eval_time": "excluded from train_s, included in total_s",
             "budget_steps": args.budget,
-            "rlplex_config": load_train_config(args.rlplex_config).model_dump(),
+            "rlplex_settings": "same as sb3 (rl-zoo)" if args.same_settings else "own config",
+            "rlplex_config": config.model_dump(),
             "rlplex_config_file": str(args.rlplex_config),
             "sb3_settings": {**SB3_ZOO, "n_envs": SB3_N_ENVS, "learning_rate": "lin_1e-3", "clip_range": "lin_0.2"},
             "runs": [{"rlplex": asdict(o), "sb3": asdict(t)} for o, t in runs],

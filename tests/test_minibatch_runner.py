@@ -87,3 +87,22 @@ def test_eval_runner_stops_at_target(tmp_path: Path, cartpole: EnvConfig) -> Non
     result = runner.train()
     assert result.target_reached_at_steps == 64 and result.env_steps == 64
     assert np.isfinite(result.history[0]["charts/eval_return_mean"])
+
+
+def test_build_runner_fixes_the_initial_weights_by_the_seed() -> None:
+    """`runner.seed` alone fixes a run: the agent's initial weights must not depend on the state
+    of torch's global generator, which a process starts with a random seed."""
+    from rlplex.runners.config import build_runner, load_train_config
+
+    config = load_train_config(Path(__file__).resolve().parent.parent / "examples" / "cartpole_ppo.toml")
+    data = config.model_dump()
+
+    def initial_weights(seed: int, global_seed: int) -> list[torch.Tensor]:
+        torch.manual_seed(global_seed)  # stands for whatever state the process is in
+        data["runner"].update(seed=seed)
+        runner = build_runner(type(config).model_validate(data), output_dir=None, show_progress=False)
+        return [p.detach().clone() for p in runner.agent.model.parameters()]
+
+    first, again, other = initial_weights(3, 100), initial_weights(3, 200), initial_weights(4, 100)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
+import torch
 
-from rlplex.algos.ppo import gae_advantages
+from rlplex.algos.ppo import _clip_grad_norm, gae_advantages
+from rlplex.models import ActorCriticMlp, QMlp
 
 
 def test_gae_bootstraps_through_truncation_but_not_termination() -> None:
@@ -36,3 +39,31 @@ def test_gae_with_lambda_one_and_no_dones_is_discounted_return_minus_value() -> 
     for t in range(4, -1, -1):
         ret = reward[t, 0] + 0.9 * ret
         np.testing.assert_allclose(adv[t, 0], ret - value[t, 0], rtol=1e-5)
+
+
+def test_clip_grad_norm_equals_torch_clip_grad_norm() -> None:
+    torch.manual_seed(0)
+    model = ActorCriticMlp(4, 2)
+    out, value = model(torch.randn(32, 4))
+    (out.pow(2).sum() * 100 + value.sum()).backward()  # a gradient norm well above the limit
+    params = list(model.parameters())
+    grads = [p.grad.clone() for p in params if p.grad is not None]
+    expected = [g.clone() for g in grads]
+    reference = [torch.nn.Parameter(torch.zeros_like(g)) for g in expected]
+    for p, g in zip(reference, expected, strict=True):
+        p.grad = g
+    torch.nn.utils.clip_grad_norm_(reference, 0.5, foreach=True)
+    _clip_grad_norm(params, 0.5)
+    assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) > 0.5
+    for p, r in zip(params, reference, strict=True):
+        assert torch.equal(p.grad, r.grad)
+
+
+@pytest.mark.parametrize("model", [ActorCriticMlp(4, 3), QMlp(4, 3)])
+def test_functional_mlp_forward_equals_module_calls(model: torch.nn.Module) -> None:
+    x = torch.randn(16, 4)
+    ours = model(x)
+    if isinstance(model, ActorCriticMlp):
+        assert torch.equal(ours[0], model.pi(x)) and torch.equal(ours[1], model.v(x).squeeze(-1))
+    else:
+        assert torch.equal(ours, model.q(x))

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -22,6 +23,25 @@ def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, activation: type[nn.Mo
         last = width
     layers.append(nn.Linear(last, out_dim))
     return nn.Sequential(*layers)
+
+
+def run_mlp(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
+    """`layers(x)`, calling the functional ops of Linear, Tanh and ReLU directly.
+
+    A module call costs several microseconds of hook bookkeeping, about as much as a small
+    layer's arithmetic: on CartPole-sized batches this halves the time of a policy forward.
+    The arithmetic is the same ops in the same order; other layer types are called normally.
+    """
+    for layer in layers:
+        if type(layer) is nn.Linear:
+            x = F.linear(x, layer.weight, layer.bias)
+        elif type(layer) is nn.Tanh:
+            x = torch.tanh(x)
+        elif type(layer) is nn.ReLU:
+            x = torch.relu(x)
+        else:
+            x = layer(x)
+    return x
 
 
 def _init_orthogonal(module: nn.Sequential, last_gain: float) -> None:
@@ -42,7 +62,7 @@ class ActorCriticMlp(nn.Module):
         _init_orthogonal(self.v, 1.0)
 
     def forward(self, obs_B_O: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.pi(obs_B_O), self.v(obs_B_O).squeeze(-1)
+        return run_mlp(self.pi, obs_B_O), run_mlp(self.v, obs_B_O).squeeze(-1)
 
 
 class GaussianActorCriticMlp(ActorCriticMlp):
@@ -64,7 +84,7 @@ class QMlp(nn.Module):
         self.register_buffer("epsilon", torch.tensor(1.0))
 
     def forward(self, obs_B_O: torch.Tensor) -> torch.Tensor:
-        return self.q(obs_B_O)
+        return run_mlp(self.q, obs_B_O)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import torch
 from pydantic import Field
 
 from rlplex.agents import CategoricalPgAgent, DqnAgent, GaussianPgAgent
@@ -158,6 +159,10 @@ def build_rank_runner(
     spaces = probe_spaces(config.env)
     if r.kind in ("async", "async_eval"):
         return _build_async_runner(config, spaces, output_dir, show_progress)
+    # The initial weights come from torch's global generator, which a process starts with a
+    # random seed: without this, two runs of one config and seed started from different weights.
+    # Per rank, like the runner's own seeding (SyncRl's DDP then gives every rank rank 0's).
+    torch.manual_seed(r.seed + rank)
     agent: Agent = agent_factory(config, spaces)(spaces)
     common: dict[str, Any] = dict(
         n_steps=r.n_steps,
