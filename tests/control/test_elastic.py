@@ -221,6 +221,29 @@ def test_killed_elastic_master_takes_over_then_a_scaled_down_role_trains_on_with
         assert causes[3] == "taking over after restart #1" and "trainer-1 (rank 1) lost: node is STOPPED" in causes[6]
 
 
+def test_a_scaled_up_role_grows_the_world_and_the_joiner_is_checked_first(job_dir: Path) -> None:
+    spec = elastic_job(job_dir, count=1, step_delay=0.02, min_nodes=1, max_nodes=2)
+    with PrimeMaster.create(spec) as master:
+        master.start()
+        wait_for(lambda: progress(job_dir, "trainer-0").get("step", 0) >= CKPT_EVERY + 2, 40, "rank 0 past step 12")
+        master.scale_role("trainer", 2)
+        assert master.wait(timeout=60) == JobState.STOPPED
+        done = result(job_dir)
+        assert done["steps"] == STEPS and done["world"] == 2
+        assert done["restarts"] == 1, restart_causes(job_dir)
+        assert done["resumed_from"] >= CKPT_EVERY and done["final_loss"] < 0.1
+        status = read_elastic_status(job_dir)
+        assert [r["world"] for r in status["rounds"]] == [1, 2]
+        assert status["rounds"][1]["ranks"] == {"trainer-0": 0, "trainer-1": 1}  # the survivor keeps rank 0
+        assert "['trainer-1'] joined; growing the world" in restart_causes(job_dir)[0]
+        assert set(status["checks"]) == {"trainer-0", "trainer-1"}  # the joiner passed its own node check
+        steps = rendezvous_steps(master)
+        assert steps == ["WAITING", "CHECKING", "READY", "RUNNING", "RESTARTING", "WAITING", "CHECKING", "READY",
+                         "RUNNING", "FINISHED"]  # fmt: skip
+        nodes = master.store.nodes(master.job_id)
+        assert {n.state for n in nodes} == {"FINISHED"} and all(n.restarts == 0 for n in nodes)
+
+
 def test_a_script_failing_every_time_spends_the_budget_and_fails_the_job(job_dir: Path) -> None:
     failing = {"module": "json.tool", "args": [str(job_dir / "no-such-input.json")]}
     spec = elastic_job(job_dir, script=failing, node_check=False, max_restarts=1, master_restart={"scope": "never"})
