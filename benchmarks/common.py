@@ -47,6 +47,27 @@ def report(
     return path
 
 
+# rl-zoo's CartPole-v1 PPO settings (8 envs x 32 steps, linear lr 1e-3 and clip 0.2) in rlplex's
+# terms. rlplex halves the squared error in its value loss, so value_coef 1.0 is SB3's vf_coef 0.5.
+ZOO_CARTPOLE_PPO: dict[str, dict[str, Any]] = {
+    "sampler": {"batch_T": 32, "batch_B": 8},
+    "algo": {
+        "learning_rate": 1e-3,
+        "lr_schedule": "linear",
+        "n_epochs": 20,
+        "minibatch_size": 256,
+        "gamma": 0.98,
+        "gae_lambda": 0.8,
+        "clip_range": 0.2,
+        "clip_schedule": "linear",
+        "entropy_coef": 0.0,
+        "value_coef": 1.0,
+        "max_grad_norm": 0.5,
+        "normalize_advantage": True,
+    },
+}
+
+
 def override(config: TrainConfig, section: str, **updates: Any) -> TrainConfig:
     """A copy of `config` with fields of one section replaced (validated like the TOML file)."""
     data = config.model_dump()

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.common import TimedEvaluator, override, write_json
+from benchmarks.common import ZOO_CARTPOLE_PPO, TimedEvaluator, override, write_json
 from rlplex.runners.config import TrainConfig, build_runner, load_train_config
 
 TARGET = 475.0
@@ -44,25 +44,7 @@ SB3_ZOO = dict(
     ent_coef=0.0,
 )
 SB3_N_ENVS = 8
-# SB3_ZOO (+ 8 envs, linear lr 1e-3 and clip 0.2) in rlplex's terms. rlplex halves the squared
-# error in its value loss, so value_coef 1.0 is SB3's vf_coef 0.5.
-RLPLEX_SAME_AS_SB3: dict[str, dict[str, Any]] = {
-    "sampler": {"batch_T": 32, "batch_B": SB3_N_ENVS},
-    "algo": {
-        "learning_rate": 1e-3,
-        "lr_schedule": "linear",
-        "n_epochs": 20,
-        "minibatch_size": 256,
-        "gamma": 0.98,
-        "gae_lambda": 0.8,
-        "clip_range": 0.2,
-        "clip_schedule": "linear",
-        "entropy_coef": 0.0,
-        "value_coef": 1.0,
-        "max_grad_norm": 0.5,
-        "normalize_advantage": True,
-    },
-}
+RLPLEX_SAME_AS_SB3 = ZOO_CARTPOLE_PPO  # SB3_ZOO (+ 8 envs, linear lr 1e-3 and clip 0.2) in rlplex's terms
 
 
 @dataclass

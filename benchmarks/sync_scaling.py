@@ -2,7 +2,7 @@
 
     python -m benchmarks.sync_scaling [--quick] [--world-size 2]
 
-Both runs use examples/cartpole_ppo.toml's PPO settings with `kind = "minibatch"` / `"sync"`
+Both runs use rl-zoo's CartPole PPO settings (`ZOO_CARTPOLE_PPO`) with `kind = "minibatch"` / `"sync"`
 and the same `batch_T x batch_B` per rank, so SyncRl(W) samples W times as many steps per
 iteration (batch sizes are per rank). Steps/s counts the steps of all ranks over the
 training loop; "wall" adds process start-up. On a machine with fewer free cores than ranks
@@ -16,7 +16,7 @@ import tempfile
 import time
 from typing import Any
 
-from benchmarks.common import report
+from benchmarks.common import ZOO_CARTPOLE_PPO, report
 from rlplex.runners.config import TrainConfig, build_runner
 
 
@@ -24,17 +24,8 @@ def config(kind: str, n_steps: int, world_size: int) -> TrainConfig:
     return TrainConfig.model_validate(
         {
             "env": {"id": "CartPole-v1"},
-            "sampler": {"batch_T": 32, "batch_B": 8},
-            "algo": {
-                "name": "ppo",
-                "learning_rate": 1e-3,
-                "lr_schedule": "linear",
-                "n_epochs": 20,
-                "minibatch_size": 256,
-                "gamma": 0.98,
-                "gae_lambda": 0.8,
-                "clip_schedule": "linear",
-            },
+            "sampler": ZOO_CARTPOLE_PPO["sampler"],
+            "algo": {"name": "ppo", **ZOO_CARTPOLE_PPO["algo"]},
             "runner": {
                 "kind": kind,
                 "n_steps": n_steps,
