@@ -48,6 +48,18 @@ def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.sin(x @ w).unsqueeze(1)
 
 
+def leave(store: dist.Store, rank: int, world: int) -> None:
+    """Leave the group with rank 0 last. Rank 0 serves the store: if it exits while a peer is still
+    tearing down its side of the group, that peer can abort (SIGABRT) instead of exiting 0, and
+    an elastic launcher then counts a failure after a finished run."""
+    dist.barrier()
+    dist.destroy_process_group()
+    if rank == 0:
+        store.wait([f"left/{peer}" for peer in range(1, world)], timedelta(seconds=30))
+    else:
+        store.set(f"left/{rank}", "1")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300)
@@ -67,9 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     ckpt_path, result_path = ckpt_dir / "last.pt", Path(args.result or ckpt_dir / "result.json")
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=60)
-    )
+    # The rendezvous store, explicit so that the shutdown below can still use it: rank 0 serves it.
+    store = dist.TCPStore(addr, port, world, rank == 0, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(IN_DIM, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
@@ -112,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
                   "restarts": int(os.environ.get("RLPLEX_RESTART_COUNT", 0))}  # fmt: skip
         write_atomic(result_path, result)
         print(f"done: {result}", flush=True)
-    dist.destroy_process_group()
+    leave(store, rank, world)
 
 
 if __name__ == "__main__":
