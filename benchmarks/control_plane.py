@@ -75,20 +75,23 @@ def _cpu_s(processes: list[psutil.Process]) -> float:
     return total
 
 
+def _drive(master: PrimeMaster, seconds: float) -> None:
+    """Run the master's control loop for `seconds`, as `wait()` does."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        master.monitor()
+        time.sleep(master.manager.spec.monitor_interval_s)
+
+
 def idle_cpu(master: PrimeMaster, window_s: float) -> tuple[float, float]:
     """(% of one core) of the master process, and of all its node processes together, while the
     master watches idle nodes, after 1 s to settle. The master's figure is the goal's: the nodes'
     share is their heartbeat thread plus the idle user worker, reported beside it."""
     me = psutil.Process()
-    settle = time.monotonic() + 1.0
-    while time.monotonic() < settle:
-        master.monitor()
-        time.sleep(master.manager.spec.monitor_interval_s)
+    _drive(master, 1.0)
     nodes = me.children(recursive=True)
     cpu0, nodes0, wall0 = _cpu_s([me]), _cpu_s(nodes), time.monotonic()
-    while time.monotonic() - wall0 < window_s:
-        master.monitor()
-        time.sleep(master.manager.spec.monitor_interval_s)
+    _drive(master, window_s)
     wall = time.monotonic() - wall0
     return 100.0 * (_cpu_s([me]) - cpu0) / wall, 100.0 * (_cpu_s(nodes) - nodes0) / wall
 

@@ -15,8 +15,8 @@ Rendezvous states (one machine per ElasticMaster, recorded in the job store as e
     any live state -> FAILED  (budget spent, too few nodes, a failing check during prepare)
 
 Workers pull: every `sync_interval_s` a worker sends a `report` (its script's and check's state,
-progress, and an endpoint: its node's address and a port it holds free, see `PortReservation`) and gets back its
-`assignment` (epoch, action idle/check/run/finish, rank, world, addr, port). A round's
+progress, and an endpoint: its node's address and a port it holds free, see `PortReservation`)
+and gets back its `assignment` (epoch, action idle/check/run/finish, rank, world, addr, port). A round's
 MASTER_ADDR:MASTER_PORT is the endpoint its rank 0 reported, so the rendezvous store runs on rank
 0's machine whichever machine the ElasticMaster is on. The worker reconciles towards the
 assignment, so a lost message or a restarted master costs nothing but one interval.

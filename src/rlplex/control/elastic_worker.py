@@ -211,8 +211,9 @@ class ElasticWorker(Worker):
         return self._offered.port
 
     def _hand_over_port(self, assignment: dict[str, Any]) -> None:
-        """A round starts: if it serves its store on this node's offered port, keep that port held
-        for it and offer a fresh one to the next round."""
+        """A round that serves its store on this node's offered port keeps that port held; the next
+        round is offered a fresh one. (A repeated assignment names the handed port, not the offered
+        one, and idle/finish assignments name none, so this is a no-op for them.)"""
         if self._offered is not None and assignment.get("port") == self._offered.port:
             if self._handed is not None:
                 self._handed.release()
@@ -256,8 +257,7 @@ class ElasticWorker(Worker):
             self._stop_script()
         if self._check is not None and not (action == CHECK and epoch == self._check_epoch):
             self._stop_check()
-        if action in (CHECK, RUN) and epoch not in (self._check_epoch, self._script_epoch):
-            self._hand_over_port(assignment)
+        self._hand_over_port(assignment)
         if action == CHECK and epoch != self._check_epoch:
             self._check_epoch, self._check_result = epoch, None
             self._check_result = self.start_node_check(assignment)
