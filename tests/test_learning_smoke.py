@@ -34,11 +34,13 @@ def test_example_configs_load() -> None:
 
 def test_ppo_pendulum_gaussian_agent_beats_random_from_the_example_config() -> None:
     data = load_train_config(EXAMPLES / "pendulum_ppo.toml").model_dump()
-    data["runner"].update(seed=0, n_steps=36_864, log_interval_steps=12_288, eval_episodes=4, stop_at_return=-600.0)
+    data["runner"].update(seed=0, n_steps=49_152, log_interval_steps=12_288, eval_episodes=4, stop_at_return=-600.0)
     config = validate_config(TrainConfig, data)
     runner = build_runner(config, output_dir=None, show_progress=False)
     result = runner.train()
     evals = [row["charts/eval_return_mean"] for row in result.history]
     # A random Pendulum policy averages about -1200 to -1500; the full benchmark's target is -300.
+    # Seeds 0-3 pass -600 at the third or fourth evaluation (-65 to -678 at the third): four
+    # evaluations leave room for float-rounding changes that move a seed's trajectory.
     assert max(evals) >= -600.0, f"eval returns {evals}"
     assert np.isfinite(evals).all()

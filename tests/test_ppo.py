@@ -4,8 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from rlplex.algos.ppo import _clip_grad_norm, gae_advantages
+from rlplex.agents.pg import CategoricalPgAgent, GaussianPgAgent, PgAgent
+from rlplex.algos.ppo import PPO, PPOConfig, _clip_grad_norm, fused_update_supported, gae_advantages
+from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.models import ActorCriticMlp, QMlp
+from rlplex.samplers.batch import SampleBatch, allocate_batch
 
 
 def test_gae_bootstraps_through_truncation_but_not_termination() -> None:
@@ -67,3 +70,78 @@ def test_functional_mlp_forward_equals_module_calls(model: torch.nn.Module) -> N
         assert torch.equal(ours[0], model.pi(x)) and torch.equal(ours[1], model.v(x).squeeze(-1))
     else:
         assert torch.equal(ours, model.q(x))
+
+
+def _random_batch(agent: PgAgent, T: int, B: int, seed: int) -> SampleBatch:
+    """A [T, B] batch with random observations and actions and the agent's own log-probs."""
+    rng = np.random.default_rng(seed)
+    batch = allocate_batch(agent.spaces, agent.info_spec, T, B)
+    batch.observation[:] = rng.normal(size=batch.observation.shape)
+    batch.next_observation[:] = rng.normal(size=batch.next_observation.shape)
+    batch.reward[:] = rng.normal(size=(T, B))
+    batch.terminated[:] = rng.random((T, B)) < 0.05
+    batch.truncated[:] = rng.random((T, B)) < 0.05
+    for t in range(T):
+        action, info = agent.step(batch.observation[t])
+        batch.action[t] = action
+        batch.agent_info["log_prob"][t] = info["log_prob"] + rng.normal(scale=0.2, size=B)  # some clipping
+        batch.agent_info["value"][t] = info["value"]
+    return batch
+
+
+@pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
+@pytest.mark.parametrize("minibatch_size", [64, 256])
+def test_fused_update_equals_autograd_update(env_id: str, minibatch_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PPO's closed-form gradients (rlplex's own agents) against autograd's, entropy bonus included."""
+    spaces = probe_spaces(EnvConfig(id=env_id))
+    config = PPOConfig(learning_rate=1e-3, n_epochs=4, minibatch_size=minibatch_size, entropy_coef=0.05)
+    results = []
+    for fused in (True, False):
+        torch.manual_seed(0)
+        agent: PgAgent = CategoricalPgAgent(spaces) if env_id == "CartPole-v1" else GaussianPgAgent(spaces)
+        if isinstance(agent, GaussianPgAgent):
+            with torch.no_grad():
+                agent.model.log_std.fill_(-0.3)  # type: ignore[operator]
+        batch = _random_batch(agent, 32, 8, seed=1)
+        initial = {k: v.clone() for k, v in agent.model.state_dict().items()}
+        algo = PPO(config)
+        algo.initialize(agent, n_itr=10)
+        assert fused_update_supported(agent)
+        if not fused:
+            monkeypatch.setattr("rlplex.algos.ppo.fused_update_supported", lambda agent: False)
+        torch.manual_seed(2)  # the same minibatch order for both
+        info = algo.optimize_agent(0, batch)
+        results.append((info, {k: v.clone() for k, v in agent.model.state_dict().items()}))
+        moved = max(float((v - initial[k]).abs().max()) for k, v in results[-1][1].items())
+        assert moved > 1e-3, "the update should move the weights by far more than the tolerance"
+    (fused_info, fused_state), (auto_info, auto_state) = results
+    assert fused_info["losses/clipfrac"] > 0, "the batch should exercise the clipped branch"
+    for key, value in fused_state.items():
+        np.testing.assert_allclose(value, auto_state[key], rtol=0, atol=2e-6, err_msg=key)
+    for key, value in fused_info.items():
+        assert value == pytest.approx(auto_info[key], abs=1e-5), key
+
+
+def test_a_wrapped_or_custom_model_takes_the_autograd_path() -> None:
+    agent = CategoricalPgAgent(probe_spaces(EnvConfig(id="CartPole-v1")))
+    assert fused_update_supported(agent)
+
+    class Custom(ActorCriticMlp):
+        pass
+
+    agent.model = Custom(4, 2)
+    assert not fused_update_supported(agent)
+
+
+def test_categorical_agent_samples_actions_with_the_policy_probabilities() -> None:
+    agent = CategoricalPgAgent(probe_spaces(EnvConfig(id="CartPole-v1")))
+    probs = torch.tensor([0.2, 0.5, 0.3])
+    logits = probs.log().expand(20_000, 3)
+    torch.manual_seed(0)
+    action, log_prob = agent._sample(logits)
+    frequencies = torch.bincount(action, minlength=3).float() / len(action)
+    np.testing.assert_allclose(frequencies, probs, atol=0.01)  # 3+ standard errors
+    np.testing.assert_allclose(log_prob, probs.log()[action], rtol=1e-6)
+    # A total probability that rounds below the draw still gives a valid action.
+    edge = torch.tensor([[0.0, -30.0]])
+    assert all(int(agent._sample(edge)[0]) in (0, 1) for _ in range(100))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from rlplex.envs import EnvConfig, env_seed, make_env, probe_spaces
 from rlplex.errors import RlplexError
 from rlplex.samplers.batch import SampleBatch, allocate_batch
@@ -33,7 +35,9 @@ class SerialSampler:
     def obtain_samples(self, itr: int) -> SampleBatch:
         if self._collector is None or self._agent is None or self._batch is None:
             raise RlplexError("SerialSampler.obtain_samples called before initialize()")
-        self._collector.collect(self._agent.step, self._batch)
+        # inference_mode: no autograd bookkeeping at all, a few µs less per policy call.
+        with torch.inference_mode():
+            self._collector.collect(self._agent.step, self._batch)
         return self._batch
 
     def shutdown(self) -> None:
