@@ -7,7 +7,7 @@ value of `next_observation`), then `n_epochs` passes of shuffled minibatches.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
@@ -71,14 +71,18 @@ def _clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> None:
     torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
 
 
+class Minibatch(NamedTuple):
+    """One gradient step's samples, flattened over time and environments."""
+
+    observation: torch.Tensor
+    action: torch.Tensor
+    old_log_prob: torch.Tensor
+    advantage: torch.Tensor
+    returns: torch.Tensor
+
+
 def clipped_losses_and_grads(
-    log_prob: torch.Tensor,
-    value: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantage: torch.Tensor,
-    returns: torch.Tensor,
-    clip: float,
-    value_coef: float,
+    log_prob: torch.Tensor, value: torch.Tensor, minibatch: Minibatch, clip: float, value_coef: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's clipped surrogate and value losses with their gradients, without autograd.
 
@@ -91,11 +95,11 @@ def clipped_losses_and_grads(
     which is what autograd gives for the expression (the min's and the clamp's masks).
     """
     n = log_prob.numel()
-    ratio = (log_prob - old_log_prob).exp()
-    unclipped = ratio * advantage
-    clipped = ratio.clamp(1 - clip, 1 + clip) * advantage
+    ratio = (log_prob - minibatch.old_log_prob).exp()
+    unclipped = ratio * minibatch.advantage
+    clipped = ratio.clamp(1 - clip, 1 + clip) * minibatch.advantage
     policy_loss = -torch.minimum(unclipped, clipped).mean()
-    value_error = value - returns
+    value_error = value - minibatch.returns
     value_loss = 0.5 * value_error.pow(2).mean()
     loss = policy_loss + value_coef * value_loss
     grad_log_prob = torch.where(unclipped <= clipped, unclipped, 0.0).mul_(-1.0 / n)
@@ -110,17 +114,10 @@ class _ClippedPpoLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,
-        log_prob: torch.Tensor,
-        value: torch.Tensor,
-        old_log_prob: torch.Tensor,
-        advantage: torch.Tensor,
-        returns: torch.Tensor,
-        clip: float,
-        value_coef: float,
+        ctx: Any, log_prob: torch.Tensor, value: torch.Tensor, minibatch: Minibatch, clip: float, value_coef: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         loss, policy_loss, value_loss, ratio, grad_log_prob, grad_value = clipped_losses_and_grads(
-            log_prob, value, old_log_prob, advantage, returns, clip, value_coef
+            log_prob, value, minibatch, clip, value_coef
         )
         ctx.save_for_backward(grad_log_prob, grad_value)
         ctx.mark_non_differentiable(policy_loss, value_loss, ratio)
@@ -129,23 +126,15 @@ class _ClippedPpoLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
         grad_log_prob, grad_value = ctx.saved_tensors
-        return grad_log_prob * grad_loss, grad_value * grad_loss, None, None, None, None, None
+        return grad_log_prob * grad_loss, grad_value * grad_loss, None, None, None
 
 
 def clipped_ppo_loss(
-    log_prob: torch.Tensor,
-    value: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantage: torch.Tensor,
-    returns: torch.Tensor,
-    clip: float,
-    value_coef: float,
+    log_prob: torch.Tensor, value: torch.Tensor, minibatch: Minibatch, clip: float, value_coef: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(policy_loss + value_coef * value_loss, policy_loss, value_loss, ratio), differentiable
     in log_prob and value; see `clipped_losses_and_grads`."""
-    loss, policy_loss, value_loss, ratio = _ClippedPpoLoss.apply(
-        log_prob, value, old_log_prob, advantage, returns, clip, value_coef
-    )
+    loss, policy_loss, value_loss, ratio = _ClippedPpoLoss.apply(log_prob, value, minibatch, clip, value_coef)
     return loss, policy_loss, value_loss, ratio
 
 
@@ -215,6 +204,7 @@ class PPO:
         whole = mb == n
         if whole and cfg.normalize_advantage and n > 1:
             adv_all = (adv_all - adv_all.mean()) / (adv_all.std() + 1e-8)
+        whole_batch = Minibatch(obs, action, old_log_prob, adv_all, ret_all)
         params = [p for p in agent.model.parameters() if p.requires_grad]
         # Gradients in closed form when the agent and model are rlplex's own (half the update
         # time of autograd for a CartPole-sized MLP); the same arithmetic up to float rounding.
@@ -229,28 +219,18 @@ class PPO:
             order = None if whole else torch.randperm(n)
             for start in range(0, n - mb + 1, mb):
                 if order is None:
-                    mb_obs, mb_action, mb_old, adv, ret = obs, action, old_log_prob, adv_all, ret_all
+                    minibatch = whole_batch
                 else:
-                    idx = order[start : start + mb]
-                    mb_obs, mb_action, mb_old, adv, ret = (
-                        obs[idx],
-                        action[idx],
-                        old_log_prob[idx],
-                        adv_all[idx],
-                        ret_all[idx],
-                    )
+                    minibatch = Minibatch(*(tensor[order[start : start + mb]] for tensor in whole_batch))
                     if cfg.normalize_advantage and mb > 1:
-                        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+                        adv = minibatch.advantage
+                        minibatch = minibatch._replace(advantage=(adv - adv.mean()) / (adv.std() + 1e-8))
                 if fused:
                     with torch.no_grad():
-                        policy_loss, value_loss, entropy_mean, ratio, log_ratio = self._fused_gradients(
-                            mb_obs, mb_action, mb_old, adv, ret, clip
-                        )
+                        policy_loss, value_loss, entropy_mean, ratio, log_ratio = self._fused_gradients(minibatch, clip)
                 else:
                     self.optimizer.zero_grad(set_to_none=True)
-                    policy_loss, value_loss, entropy_mean, ratio, log_ratio = self._autograd_gradients(
-                        mb_obs, mb_action, mb_old, adv, ret, clip
-                    )
+                    policy_loss, value_loss, entropy_mean, ratio, log_ratio = self._autograd_gradients(minibatch, clip)
                 _clip_grad_norm(params, cfg.max_grad_norm)
                 self.optimizer.step()
                 self.update_count += 1
@@ -281,50 +261,34 @@ class PPO:
             "charts/learning_rate": lr,
         }
 
-    def _autograd_gradients(
-        self,
-        obs: torch.Tensor,
-        action: torch.Tensor,
-        old_log_prob: torch.Tensor,
-        advantage: torch.Tensor,
-        returns: torch.Tensor,
-        clip: float,
-    ) -> tuple[torch.Tensor, ...]:
+    def _autograd_gradients(self, minibatch: Minibatch, clip: float) -> tuple[torch.Tensor, ...]:
         """Backpropagates the loss; returns (policy loss, value loss, entropy, ratio, log ratio)."""
         assert self.agent is not None
         cfg = self.config
-        log_prob, entropy, value = self.agent.evaluate(obs, action)
-        loss, policy_loss, value_loss, ratio = clipped_ppo_loss(
-            log_prob, value, old_log_prob, advantage, returns, clip, cfg.value_coef
-        )
+        log_prob, entropy, value = self.agent.evaluate(minibatch.observation, minibatch.action)
+        loss, policy_loss, value_loss, ratio = clipped_ppo_loss(log_prob, value, minibatch, clip, cfg.value_coef)
         if cfg.entropy_coef != 0.0:  # a zero-weighted term would still cost its backward pass
             loss = loss - cfg.entropy_coef * entropy.mean()
         loss.backward()
-        return policy_loss, value_loss, entropy.detach().mean(), ratio, log_prob.detach() - old_log_prob
+        return policy_loss, value_loss, entropy.detach().mean(), ratio, log_prob.detach() - minibatch.old_log_prob
 
-    def _fused_gradients(
-        self,
-        obs: torch.Tensor,
-        action: torch.Tensor,
-        old_log_prob: torch.Tensor,
-        advantage: torch.Tensor,
-        returns: torch.Tensor,
-        clip: float,
-    ) -> tuple[torch.Tensor, ...]:
+    def _fused_gradients(self, minibatch: Minibatch, clip: float) -> tuple[torch.Tensor, ...]:
         """`_autograd_gradients` in closed form (see `fused_update_supported`): sets every
         parameter's `.grad` directly."""
         agent, cfg = self.agent, self.config
         assert agent is not None
         model = agent.model
         assert isinstance(model, ActorCriticMlp)
-        out, value, saved = model.forward_saving(obs)
-        log_prob, entropy = agent.log_prob_entropy(out, action)
+        out, value, saved = model.forward_saving(minibatch.observation)
+        log_prob, entropy = agent.log_prob_entropy(out, minibatch.action)
         _, policy_loss, value_loss, ratio, grad_log_prob, grad_value = clipped_losses_and_grads(
-            log_prob, value, old_log_prob, advantage, returns, clip, cfg.value_coef
+            log_prob, value, minibatch, clip, cfg.value_coef
         )
-        grad_out = agent.distribution_backward(out, action, grad_log_prob, cfg.entropy_coef / log_prob.numel())
+        grad_out = agent.distribution_backward(
+            out, minibatch.action, grad_log_prob, cfg.entropy_coef / log_prob.numel()
+        )
         model.backward_into_grads(saved, grad_out, grad_value)
-        return policy_loss, value_loss, entropy.mean(), ratio, log_prob - old_log_prob
+        return policy_loss, value_loss, entropy.mean(), ratio, log_prob - minibatch.old_log_prob
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
