@@ -7,6 +7,7 @@ import torch
 from rlplex.agents.pg import CategoricalPgAgent, GaussianPgAgent, PgAgent
 from rlplex.algos.ppo import PPO, PPOConfig, _clip_grad_norm, fused_update_supported, gae_advantages
 from rlplex.envs import EnvConfig, probe_spaces
+from rlplex.errors import RlplexError
 from rlplex.models import ActorCriticMlp, QMlp
 from rlplex.samplers.batch import SampleBatch, allocate_batch
 
@@ -104,11 +105,12 @@ def test_fused_update_equals_autograd_update(env_id: str, minibatch_size: int, m
                 agent.model.log_std.fill_(-0.3)  # type: ignore[operator]
         batch = _random_batch(agent, 32, 8, seed=1)
         initial = {k: v.clone() for k, v in agent.model.state_dict().items()}
-        algo = PPO(config)
-        algo.initialize(agent, n_itr=10)
         assert fused_update_supported(agent)
         if not fused:
             monkeypatch.setattr("rlplex.algos.ppo.fused_update_supported", lambda agent: False)
+        algo = PPO(config)
+        algo.initialize(agent, n_itr=10)
+        assert (algo._flat is not None) == fused
         torch.manual_seed(2)  # the same minibatch order for both
         info = algo.optimize_agent(0, batch)
         results.append((info, {k: v.clone() for k, v in agent.model.state_dict().items()}))
@@ -145,3 +147,18 @@ def test_categorical_agent_samples_actions_with_the_policy_probabilities() -> No
     # A total probability that rounds below the draw still gives a valid action.
     edge = torch.tensor([[0.0, -30.0]])
     assert all(int(agent._sample(edge)[0]) in (0, 1) for _ in range(100))
+
+
+def test_ppo_refuses_to_train_a_stale_copy_of_replaced_parameters() -> None:
+    agent = CategoricalPgAgent(probe_spaces(EnvConfig(id="CartPole-v1")))
+    batch = _random_batch(agent, 8, 4, seed=0)
+    algo = PPO(PPOConfig(n_epochs=1, minibatch_size=32))
+    algo.initialize(agent, n_itr=10)
+    before = agent.model.pi[0].weight.detach().clone()
+    algo.optimize_agent(0, batch)
+    assert not torch.equal(agent.model.pi[0].weight, before), "the module's own parameters are trained"
+    agent.model.load_state_dict({k: v.clone() for k, v in agent.model.state_dict().items()}, assign=True)
+    with pytest.raises(RlplexError, match=r"replaced after PPO\.initialize"):
+        algo.optimize_agent(1, batch)
+    algo.initialize(agent, n_itr=10)
+    algo.optimize_agent(1, batch)
