@@ -12,6 +12,7 @@ from typing import Any, Literal, NamedTuple
 import numpy as np
 import torch
 from pydantic import Field
+from torch.autograd.function import once_differentiable
 
 from rlplex.agents.pg import CategoricalPgAgent, GaussianPgAgent, PgAgent
 from rlplex.config import StrictModel
@@ -124,6 +125,7 @@ class _ClippedPpoLoss(torch.autograd.Function):
         return loss, policy_loss, value_loss, ratio
 
     @staticmethod
+    @once_differentiable  # a second derivative through the written-out backward is not supported
     def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
         grad_log_prob, grad_value = ctx.saved_tensors
         return grad_log_prob * grad_loss, grad_value * grad_loss, None, None, None

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 
 def mlp(in_dim: int, hidden: Sequence[int], out_dim: int, activation: type[nn.Module] = nn.Tanh) -> nn.Sequential:
@@ -90,6 +91,7 @@ class _MlpFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable  # a second derivative through the written-out backward is not supported
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved = ctx.saved_tensors
         n_layers = len(saved) // 2
