@@ -51,17 +51,18 @@ def mlp_backward(
     weights: Sequence[torch.Tensor],
     activation: str,
     input_grad: bool = False,
-) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """([weight grad, bias grad] per layer, the input's grad if asked) for `mlp_forward`.
+) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor | None]:
+    """(weight grads, bias grads, the input's grad if asked) for `mlp_forward`.
 
     The same ops autograd runs for addmm and tanh/relu, so the same gradients.
     """
-    grads: list[torch.Tensor] = [grad_out] * (2 * len(weights))
+    weight_grads: list[torch.Tensor] = [grad_out] * len(weights)
+    bias_grads: list[torch.Tensor] = [grad_out] * len(weights)
     grad = grad_out
     grad_x: torch.Tensor | None = None
     for i in range(len(weights) - 1, -1, -1):
-        grads[2 * i] = grad.t().mm(layer_inputs[i])
-        grads[2 * i + 1] = grad.sum(0)
+        weight_grads[i] = grad.t().mm(layer_inputs[i])
+        bias_grads[i] = grad.sum(0)
         if i > 0:
             below = layer_inputs[i]  # the activation's output
             grad = grad.mm(weights[i])
@@ -71,7 +72,7 @@ def mlp_backward(
                 grad = torch.ops.aten.threshold_backward(grad, below, 0)
         elif input_grad:
             grad_x = grad.mm(weights[0])
-    return grads, grad_x
+    return weight_grads, bias_grads, grad_x
 
 
 class _MlpFunction(torch.autograd.Function):
@@ -79,13 +80,14 @@ class _MlpFunction(torch.autograd.Function):
 
     Autograd records a node per op and walks them one by one; for a 64-wide MLP on a batch
     of a few hundred that bookkeeping costs about as much as the arithmetic. Inputs: x, the
-    activation's name, then weight, bias per layer.
+    activation's name, then every layer's weight, then every layer's bias.
     """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, activation: str, *weights_biases: torch.Tensor) -> torch.Tensor:
-        weights = weights_biases[0::2]
-        out, layer_inputs = mlp_forward(x, weights, weights_biases[1::2], activation)
+        n_layers = len(weights_biases) // 2
+        weights = weights_biases[:n_layers]
+        out, layer_inputs = mlp_forward(x, weights, weights_biases[n_layers:], activation)
         ctx.activation = activation
         ctx.save_for_backward(*layer_inputs, *weights)
         return out
@@ -95,10 +97,10 @@ class _MlpFunction(torch.autograd.Function):
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         saved = ctx.saved_tensors
         n_layers = len(saved) // 2
-        grads, grad_x = mlp_backward(
+        weight_grads, bias_grads, grad_x = mlp_backward(
             grad_out, saved[:n_layers], saved[n_layers:], ctx.activation, bool(ctx.needs_input_grad[0])
         )
-        return (grad_x, None, *grads)
+        return (grad_x, None, *weight_grads, *bias_grads)
 
 
 def _fusable(layers: nn.Sequential, x: torch.Tensor) -> str | None:
@@ -130,10 +132,8 @@ def run_mlp(layers: nn.Sequential, x: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled():
         activation = _fusable(layers, x)
         if activation is not None:
-            tensors: list[torch.Tensor] = []
-            for linear in _linears(layers):
-                tensors += [linear.weight, linear.bias]
-            out = _MlpFunction.apply(x, activation, *tensors)
+            weights, biases = _weights_biases(layers)
+            out = _MlpFunction.apply(x, activation, *weights, *biases)
             assert isinstance(out, torch.Tensor)
             return out
     for layer in layers:
@@ -157,12 +157,13 @@ def _linears(layers: nn.Sequential) -> list[nn.Linear]:
     return [layer for layer in layers if type(layer) is nn.Linear]
 
 
-def _pairs(items: Sequence[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    return list(zip(items[0::2], items[1::2], strict=True))
+def _weights_biases(layers: nn.Sequential) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    linears = _linears(layers)
+    return [m.weight for m in linears], [m.bias for m in linears]
 
 
 def _init_orthogonal(module: nn.Sequential, last_gain: float) -> None:
-    linears = [m for m in module if isinstance(m, nn.Linear)]
+    linears = _linears(module)
     for i, layer in enumerate(linears):
         nn.init.orthogonal_(layer.weight, gain=last_gain if i == len(linears) - 1 else float(np.sqrt(2)))
         nn.init.zeros_(layer.bias)
@@ -183,24 +184,17 @@ class ActorCriticMlp(nn.Module):
 
     def forward_saving(self, obs_B_O: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ActorCriticSaved]:
         """`forward` without autograd, keeping what `backward_into_grads` needs."""
-        pi_w, pi_b, v_w, v_b = self._weights_biases()
-        out, pi_inputs = mlp_forward(obs_B_O, pi_w, pi_b, "tanh")
-        value, v_inputs = mlp_forward(obs_B_O, v_w, v_b, "tanh")
+        out, pi_inputs = mlp_forward(obs_B_O, *_weights_biases(self.pi), "tanh")
+        value, v_inputs = mlp_forward(obs_B_O, *_weights_biases(self.v), "tanh")
         return out, value.squeeze(-1), (pi_inputs, v_inputs)
 
     def backward_into_grads(self, saved: ActorCriticSaved, grad_out: torch.Tensor, grad_value: torch.Tensor) -> None:
         """Sets `.grad` of the pi and v layers from the gradients of `forward_saving`'s outputs."""
-        pi_w, _, v_w, _ = self._weights_biases()
-        pi_grads, _ = mlp_backward(grad_out, saved[0], pi_w, "tanh")
-        v_grads, _ = mlp_backward(grad_value.unsqueeze(-1), saved[1], v_w, "tanh")
-        for layer, (weight_grad, bias_grad) in zip(
-            [*_linears(self.pi), *_linears(self.v)], _pairs([*pi_grads, *v_grads]), strict=True
-        ):
-            layer.weight.grad, layer.bias.grad = weight_grad, bias_grad
-
-    def _weights_biases(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        pi, v = _linears(self.pi), _linears(self.v)
-        return [m.weight for m in pi], [m.bias for m in pi], [m.weight for m in v], [m.bias for m in v]
+        for layers, layer_inputs, grad in ((self.pi, saved[0], grad_out), (self.v, saved[1], grad_value.unsqueeze(-1))):
+            linears = _linears(layers)
+            weight_grads, bias_grads, _ = mlp_backward(grad, layer_inputs, [m.weight for m in linears], "tanh")
+            for layer, weight_grad, bias_grad in zip(linears, weight_grads, bias_grads, strict=True):
+                layer.weight.grad, layer.bias.grad = weight_grad, bias_grad
 
 
 class GaussianActorCriticMlp(ActorCriticMlp):
