@@ -1,0 +1,62 @@
+"""Environments by name: a config says `env = { name = "reverse" }`, and the other keys are that environment's settings.
+
+Each environment validates its settings with its own pydantic model, so a typo in a setting is a
+`ConfigError` naming the field and value, as anywhere else in a config.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from pydantic import ConfigDict
+
+from rlplex.config import StrictModel, validate_config
+from rlplex.errors import ConfigError
+from rlplex.tasks.arithmetic import ArithmeticEnv, ArithmeticSettings
+from rlplex.tasks.environment import Environment
+from rlplex.tasks.files import FileEnv, FileSettings
+from rlplex.tasks.toy import AddEnv, AddSettings, ReverseEnv, ReverseSettings, SortDigitsEnv, SortDigitsSettings
+
+
+class EnvSpec(StrictModel):
+    """An environment's name; the extra keys are the environment's own settings."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str
+
+
+@dataclass(frozen=True)
+class _Entry:
+    settings: type[StrictModel]
+    build: Callable[[Any], Environment]
+
+
+_ENVIRONMENTS: dict[str, _Entry] = {
+    "reverse": _Entry(ReverseSettings, ReverseEnv),
+    "sort_digits": _Entry(SortDigitsSettings, SortDigitsEnv),
+    "add": _Entry(AddSettings, AddEnv),
+    "arithmetic": _Entry(ArithmeticSettings, ArithmeticEnv),
+    "jsonl": _Entry(FileSettings, partial(FileEnv, file_format="json", name="jsonl")),
+    "parquet": _Entry(FileSettings, partial(FileEnv, file_format="parquet", name="parquet")),
+}
+
+
+def environment_names() -> list[str]:
+    return sorted(_ENVIRONMENTS)
+
+
+def load_environment(spec: EnvSpec | Mapping[str, Any] | str) -> Environment:
+    """Build the environment `spec` names, with its settings; a str is just the name."""
+    if isinstance(spec, str):
+        spec = EnvSpec(name=spec)
+    elif not isinstance(spec, EnvSpec):
+        spec = validate_config(EnvSpec, dict(spec), source="env")
+    entry = _ENVIRONMENTS.get(spec.name)
+    if entry is None:
+        known = ", ".join(environment_names())
+        raise ConfigError(f"env: field 'name': unknown environment {spec.name!r}; known environments: {known}")
+    settings = validate_config(entry.settings, dict(spec.model_extra or {}), source=f"env {spec.name!r}")
+    return entry.build(settings)

@@ -1,0 +1,71 @@
+"""Built-in reward functions, and finding a user's reward function by its dotted path.
+
+Every reward is a `RewardFn`: `(prompt_text, completion, answer) -> float`. A config names one as
+"package.module:function" (or "package.module.function"), e.g. "rlplex.tasks.rewards:math_answer".
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import cast
+
+from rlplex.errors import ConfigError
+from rlplex.tasks.environment import RewardFn
+
+
+def exact_match(prompt: str, completion: str, answer: str) -> float:
+    """1.0 when the completion is the answer, surrounding whitespace aside."""
+    return 1.0 if completion.strip() == answer.strip() else 0.0
+
+
+def positional_match(prompt: str, completion: str, answer: str) -> float:
+    """The fraction of answer positions right; a length mismatch counts as wrong positions.
+
+    A partly right answer still carries a learning signal for a model that starts from nothing.
+    """
+    width = max(len(answer), len(completion))
+    if width == 0:
+        return 1.0
+    right = sum(1 for a, c in zip(answer, completion, strict=False) if a == c)
+    return right / width
+
+
+def math_answer(prompt: str, completion: str, answer: str) -> float:
+    """1.0 when math-verify judges the completion's final answer equal to the reference, else 0.0."""
+    # Imported here: sympy behind it costs half a second, which runs without math rewards should not pay.
+    from math_verify import parse, verify
+
+    # math-verify's default timeouts use SIGALRM, which only works in the main thread; rewards run in
+    # worker threads, so they are off and a caller that needs a bound puts it around the whole call.
+    gold = parse(answer, parsing_timeout=None) or parse(f"${answer}$", parsing_timeout=None)
+    if not gold:
+        # Else every completion would score 0 and the run would learn nothing without saying why.
+        raise ConfigError(f"math_verify cannot read the reference answer {answer!r:.80}")
+    predicted = parse(completion, parsing_timeout=None)
+    return 1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0
+
+
+def import_reward(path: str, field: str = "reward") -> RewardFn:
+    """The callable that `path` ("package.module:function" or "package.module.function") names.
+
+    Raises `ConfigError` naming `field` and `path` when the module or the attribute is missing or is
+    not callable; an error raised while importing the user's module is reported the same way.
+    """
+    module_name, sep, attribute = path.partition(":")
+    if not sep:
+        module_name, _, attribute = path.rpartition(".")
+    if not module_name or not attribute:
+        raise ConfigError(f"field {field!r}: {path!r} is not a dotted path like 'package.module:function'")
+    try:
+        target: object = importlib.import_module(module_name)
+    except Exception as error:  # a user's module can fail in any way while it runs its top level
+        raise ConfigError(f"field {field!r}: cannot import module {module_name!r} for {path!r}: {error!r}") from None
+    for part in attribute.split("."):
+        try:
+            target = getattr(target, part)
+        except AttributeError:
+            raise ConfigError(f"field {field!r}: {path!r}: {module_name!r} has no attribute {attribute!r}") from None
+    if not callable(target):
+        raise ConfigError(f"field {field!r}: {path!r} is not callable (got {target!r:.80})")
+    # Its signature is the user's promise; a mismatch shows when it runs, as a scored-0 failure.
+    return cast(RewardFn, target)
