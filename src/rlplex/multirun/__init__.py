@@ -33,6 +33,7 @@ _EXPORTS = {
     "apply_multi_lora": "rlplex.multirun.lora",
     "clipped_pg_loss": "rlplex.multirun.run_optim",
     "create_run": "rlplex.multirun.orch_config",
+    "default_target_modules": "rlplex.multirun.lora",
     "get_multi_run_manager": "rlplex.multirun.manager",
     "load_checkpoint": "rlplex.multirun.checkpoint",
     "orch_config_to_toml": "rlplex.multirun.orch_config",
@@ -64,6 +65,7 @@ __all__ = [
     "apply_multi_lora",
     "clipped_pg_loss",
     "create_run",
+    "default_target_modules",
     "get_multi_run_manager",
     "load_checkpoint",
     "orch_config_to_toml",
@@ -84,7 +86,13 @@ def __getattr__(name: str) -> Any:
 
 if TYPE_CHECKING:
     from rlplex.multirun.checkpoint import RunCheckpoint, RunProgress, load_checkpoint
-    from rlplex.multirun.lora import AdapterBatch, MultiLoRALinear, MultiLoRAModules, apply_multi_lora
+    from rlplex.multirun.lora import (
+        AdapterBatch,
+        MultiLoRALinear,
+        MultiLoRAModules,
+        apply_multi_lora,
+        default_target_modules,
+    )
     from rlplex.multirun.manager import (
         EMPTY_SLOT_SCALING,
         MultiRunManager,

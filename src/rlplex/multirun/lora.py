@@ -4,13 +4,29 @@ Dataflow of one forward, x_N_I with an adapter id per token (``-1`` = base only)
 
     x_N_I ──► base_layer ─────────────────────────────────────────────► y_N_O ──► + ──► out
       │                                                                          ▲
-      └─► argsort(ids, stable) ─► gather rows with id >= 0 ─► per-adapter segment │
+      └─► gather rows with id >= 0 in plan.order ─► per-adapter segment           │
           matmuls (x_s @ A_a[:r_a]^T @ B_a[:, :r_a]^T · s_a) ─► index_add (unsort) ┘
 
-Segments: on CUDA with bf16 and aligned shapes, two ``grouped_mm`` calls over all
+The base layer is an ``nn.Linear`` or a GPT-2 style ``transformers.pytorch_utils.Conv1D``
+(weight stored [in, out]); its forward is called as is. LoRA A is [r, in] and B is [out, r]
+for both, as peft stores them (peft's ``fan_in_fan_out`` only changes how it merges).
+
+The batch plan — which tokens go to which adapter — is the same for every layer of a model,
+so the shared ``AdapterBatch`` computes it once per forward of the model (``BatchPlan``):
+range check, counts, the stable argsort order of the tokens that have an adapter, the
+adapters present, grouped-matmul offsets, and the per-run ranks and scalings read from the
+registry. It is computed on the ids' own device (the CPU in the trainer), so a layer never
+waits for the GPU: only ``order`` and ``offsets`` are copied to the activations' device, once.
+
+Segments: on CUDA with bf16 activations and aligned shapes, two ``grouped_mm`` calls over all
 segments; elsewhere one matmul pair per adapter *present* in the batch (at most
 ``n_adapters`` iterations, never a loop over tokens). A batch with a single adapter skips the
-sort entirely, so K = 1 costs what a plain LoRA layer costs.
+gather entirely, so K = 1 costs what a plain LoRA layer costs.
+
+Precision: LoRA weights may be kept in another dtype than the base (``lora_dtype``, e.g.
+float32 weights and so float32 optimizer state under bf16 activations). The LoRA matmuls run
+in the activations' dtype: the weights are cast, differentiably, so gradients reach the
+float32 leaves.
 
 Parameter layout — why a ParameterList of per-adapter Parameters and not stacked tensors:
 each run has its own optimizer (Adam state, weight decay, learning-rate schedule, gradient
@@ -28,14 +44,18 @@ Per-run rank is real: run k uses ``A_k[:r_k]`` and ``B_k[:, :r_k]`` with r_k rea
 ``lora_ranks``; the rows and columns beyond r_k contribute nothing, receive exactly zero
 gradient, and are left out of ``adapter_state_dict``. Scaling per run is read from
 ``scaling_factors`` (the manager sets alpha/rank, and 1e6 for empty slots so that using one
-by mistake is loud). Both are read through the registry at every forward, so the manager's
-updates are seen without re-registering.
+by mistake is loud). Both are read through the registry at every forward (the plan re-reads
+them when their version counter moves), so the manager's updates are seen without
+re-registering.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
@@ -56,23 +76,183 @@ def _find_grouped_mm() -> Callable[..., Tensor] | None:
 _GROUPED_MM = _find_grouped_mm()
 
 
+def grouped_mm_available() -> bool:
+    """Whether this torch has ``grouped_mm`` (torch 2.13 runs it on the CPU too, float32 and bf16, with backward)."""
+    return _GROUPED_MM is not None
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_capability(index: int | None) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """Whether ``module`` is transformers' GPT-2 style ``Conv1D`` (y = x @ W + b, W stored [in, out])."""
+    # A model holding one has imported transformers.pytorch_utils; looking it up in sys.modules
+    # spares models without transformers the import.
+    cls = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return isinstance(cls, type) and isinstance(module, cls)
+
+
+def _features(layer: nn.Module) -> tuple[int, int] | None:
+    """(in, out) of an ``nn.Linear`` or a Conv1D; None for any other module."""
+    if isinstance(layer, nn.Linear):
+        return layer.in_features, layer.out_features
+    if is_conv1d(layer):
+        n_in, n_out = layer.get_parameter("weight").shape
+        return int(n_in), int(n_out)
+    return None
+
+
+def _version(tensor: Tensor) -> int:
+    try:
+        return tensor._version
+    except RuntimeError:  # inference-mode tensors keep no version counter
+        return -1
+
+
+def _token_ids(ids: Tensor, x: Tensor) -> Tensor:
+    """One id per token of ``x`` (all dims but the last), flat, on the ids' own device."""
+    lead = x.shape[:-1]
+    if ids.shape == lead:
+        flat = ids.reshape(-1)
+    elif x.dim() == 3 and ids.shape == lead[:1]:
+        flat = ids[:, None].expand(lead).reshape(-1)  # one id per row
+    else:
+        raise AdapterError(
+            f"adapter ids of shape {tuple(ids.shape)} do not fit input {tuple(x.shape)}: "
+            "give one id per token or one per row"
+        )
+    return flat.long()
+
+
+class _RunTable:
+    """The registry's scalings and ranks as read for one batch, with what tells whether they changed since."""
+
+    def __init__(self, scaling_factors: Tensor, lora_ranks: Tensor) -> None:
+        # Holding the tensors keeps their identity from being reused by another tensor.
+        self.sources = (scaling_factors, lora_ranks)
+        self.versions = (_version(scaling_factors), _version(lora_ranks))
+        self.scales = [float(s) for s in scaling_factors.tolist()]
+        self.ranks = [int(r) for r in lora_ranks.tolist()]
+
+    def matches(self, scaling_factors: Tensor, lora_ranks: Tensor) -> bool:
+        return (
+            self.sources[0] is scaling_factors
+            and self.sources[1] is lora_ranks
+            and self.versions == (_version(scaling_factors), _version(lora_ranks))
+        )
+
+
+class BatchPlan:
+    """How one batch's tokens map to adapters: computed once per model forward, shared by every layer.
+
+    ``single`` is the one id every token has (``NO_ADAPTER`` included) or None for a mixed batch;
+    for a mixed batch ``order`` lists the tokens that have an adapter, grouped by adapter in
+    ``present`` order (stable), ``present`` holds (adapter, token count) and ``offsets`` the
+    int32 cumulative counts that ``grouped_mm`` takes.
+    """
+
+    def __init__(self, ids_n: Tensor, device: torch.device, n_adapters: int) -> None:
+        self.n_tokens = ids_n.numel()
+        self.single: int | None = NO_ADAPTER
+        self.present: list[tuple[int, int]] = []
+        self._order: Tensor | None = None
+        self._offsets: Tensor | None = None
+        self._runs: _RunTable | None = None
+        self._factors: dict[tuple[int, torch.dtype, torch.device], Tensor] = {}
+        if self.n_tokens == 0:
+            return
+        # The only host reads of the batch: free when the ids are on the CPU, one wait when on a GPU.
+        lo, hi = (int(v) for v in torch.aminmax(ids_n))
+        if lo < NO_ADAPTER or hi >= n_adapters:
+            raise AdapterError(f"adapter ids must be in [-1, {n_adapters}), got min {lo} max {hi}")
+        if lo == hi:
+            self.single = lo
+            return
+        self.single = None
+        counts = torch.bincount(ids_n + 1, minlength=hi + 2).tolist()
+        self.present = [(a, c) for a, c in enumerate(counts[1:]) if c > 0]
+        self._order = torch.argsort(ids_n, stable=True)[counts[0] :].to(device)
+        cumulative = list(itertools.accumulate(c for _, c in self.present))
+        self._offsets = torch.tensor(cumulative, dtype=torch.int32).to(device)
+
+    @property
+    def order(self) -> Tensor:
+        if self._order is None:
+            raise AdapterError("a batch with a single adapter has no token order")
+        return self._order
+
+    @property
+    def offsets(self) -> Tensor:
+        if self._offsets is None:
+            raise AdapterError("a batch with a single adapter has no grouped_mm offsets")
+        return self._offsets
+
+    @property
+    def adapters(self) -> list[int]:
+        return [idx for idx, _ in self.present]
+
+    def runs(self, scaling_factors: Tensor, lora_ranks: Tensor) -> tuple[list[float], list[int]]:
+        """Every slot's scaling and rank as Python numbers, read once per batch and again only when changed."""
+        if self._runs is None or not self._runs.matches(scaling_factors, lora_ranks):
+            self._factors.clear()
+            self._runs = _RunTable(scaling_factors, lora_ranks)
+        return self._runs.scales, self._runs.ranks
+
+    def grouped_factors(
+        self, scaling_factors: Tensor, lora_ranks: Tensor, max_rank: int, dtype: torch.dtype, device: torch.device
+    ) -> Tensor:
+        """[G, max_rank] per present adapter: its scaling in the columns below its rank, 0 beyond."""
+        scales, ranks = self.runs(scaling_factors, lora_ranks)  # clears the factors when they changed
+        key = (max_rank, dtype, device)
+        factors = self._factors.get(key)
+        if factors is None:
+            idxs = self.adapters
+            columns = torch.arange(max_rank)[None, :]
+            mask = columns < torch.tensor([ranks[i] for i in idxs])[:, None]
+            factors = (mask * torch.tensor([scales[i] for i in idxs], dtype=torch.float64)[:, None]).to(device, dtype)
+            self._factors[key] = factors
+        return factors
+
+
 class AdapterBatch:
     """The adapter id of each row or token for the forward pass in progress.
 
     One instance is shared by every MultiLoRALinear of a model (the manager owns it when
-    there is one), so the ids are set once per batch instead of threaded through the model.
+    there is one), so the ids are set once per batch instead of threaded through the model,
+    and the routing plan is computed by the first layer and reused by the others.
     """
 
     def __init__(self) -> None:
         self.ids: Tensor | None = None
+        # One entry: every layer of one model forward asks for the same plan; a new ids tensor,
+        # an in-place change of it or another input shape (a decoding step) replaces it.
+        self._plan_key: tuple[Any, ...] | None = None
+        self._plan_ids: Tensor | None = None
+        self._plan: BatchPlan | None = None
 
     @contextmanager
     def active(self, ids: Tensor) -> Iterator[None]:
         previous, self.ids = self.ids, ids
+        self.clear_plan()
         try:
             yield
         finally:
             self.ids = previous
+            self.clear_plan()
+
+    def clear_plan(self) -> None:
+        self._plan_key = self._plan_ids = self._plan = None
+
+    def plan(self, ids: Tensor, x: Tensor, n_adapters: int) -> BatchPlan:
+        """The plan of ``ids`` for an input shaped like ``x``, computed on first use and cached."""
+        key = (_version(ids), tuple(x.shape[:-1]), x.device, n_adapters)
+        if self._plan is None or self._plan_ids is not ids or self._plan_key != key:
+            # Holding the ids keeps their identity from being reused by another tensor.
+            self._plan = BatchPlan(_token_ids(ids, x), x.device, n_adapters)
+            self._plan_ids, self._plan_key = ids, key
+        return self._plan
 
 
 class LoRARegistry(Protocol):
@@ -95,28 +275,41 @@ class _LocalRegistry:
 
 
 class MultiLoRALinear(nn.Module):
-    """A frozen ``nn.Linear`` plus ``n_adapters`` LoRA adapters of rank up to ``rank``."""
+    """A frozen ``nn.Linear`` or GPT-2 ``Conv1D`` plus ``n_adapters`` LoRA adapters of rank up to ``rank``.
+
+    ``lora_dtype`` is the dtype of the LoRA weights (default: the base weight's); ``dtype`` is
+    its older name. The LoRA matmuls run in the activations' dtype whatever it is.
+    """
 
     def __init__(
         self,
-        base_layer: nn.Linear,
+        base_layer: nn.Module,
         rank: int,
         n_adapters: int,
         alpha: float = 16.0,
         dropout: float = 0.0,
         dtype: torch.dtype | None = None,
+        *,
+        lora_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(base_layer, nn.Linear):
-            raise AdapterError(f"base_layer: expected nn.Linear, got {type(base_layer).__name__}")
+        features = _features(base_layer)
+        if features is None:
+            raise AdapterError(
+                f"base_layer: expected nn.Linear or transformers' Conv1D, got {type(base_layer).__name__}"
+            )
         if rank < 1 or n_adapters < 1:
             raise AdapterError(f"rank={rank}, n_adapters={n_adapters}: both must be at least 1")
+        if dtype is not None and lora_dtype is not None and dtype != lora_dtype:
+            raise AdapterError(f"dtype={dtype} and lora_dtype={lora_dtype}: give one (dtype is lora_dtype's old name)")
         self.base_layer = base_layer.requires_grad_(False)
-        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        self.in_features, self.out_features = features
+        # peft stores A [r, in] and B [out, r] for Conv1D too; its config must say fan_in_fan_out.
+        self.fan_in_fan_out = is_conv1d(base_layer)
         self.rank, self.n_adapters, self.alpha = rank, n_adapters, alpha
         self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        weight = base_layer.weight
-        kwargs: dict[str, Any] = {"device": weight.device, "dtype": dtype or weight.dtype}
+        weight = base_layer.get_parameter("weight")
+        kwargs: dict[str, Any] = {"device": weight.device, "dtype": lora_dtype or dtype or weight.dtype}
         self.lora_A = nn.ParameterList(
             [nn.Parameter(torch.empty(rank, self.in_features, **kwargs)) for _ in range(n_adapters)]
         )
@@ -142,6 +335,10 @@ class MultiLoRALinear(nn.Module):
     @property
     def adapter_batch(self) -> AdapterBatch:
         return self._registry.adapter_batch
+
+    @property
+    def lora_dtype(self) -> torch.dtype:
+        return self.lora_A[0].dtype
 
     def register_with_runs(self, manager: LoRARegistry, module_name: str) -> None:
         for field in ("scaling_factors", "lora_ranks"):
@@ -201,12 +398,14 @@ class MultiLoRALinear(nn.Module):
         if not 0 <= idx < self.n_adapters:
             raise AdapterError(f"adapter index {idx} out of range [0, {self.n_adapters})")
 
-    def _rank_of(self, idx: int) -> int:
-        self._check_idx(idx)
-        r = int(self.lora_ranks[idx])
+    def _checked_rank(self, idx: int, r: int) -> int:
         if not 1 <= r <= self.rank:
             raise AdapterError(f"lora_ranks[{idx}] = {r}: a run's rank must be in [1, {self.rank}]")
         return r
+
+    def _rank_of(self, idx: int) -> int:
+        self._check_idx(idx)
+        return self._checked_rank(idx, int(self.lora_ranks[idx]))
 
     # -- forward -------------------------------------------------------------------------------
 
@@ -215,89 +414,151 @@ class MultiLoRALinear(nn.Module):
         if ids is None:
             raise AdapterError("no adapter ids: pass adapter_ids or set them with manager.active_adapters(ids)")
         result: Tensor = self.base_layer(x)
-        ids_n = self._token_ids(ids, x)
-        if ids_n.numel() == 0:
+        plan = self.adapter_batch.plan(ids, x, self.n_adapters)
+        if plan.single == NO_ADAPTER:
             return result
-        lo, hi = (int(v) for v in torch.aminmax(ids_n))
-        if lo < NO_ADAPTER or hi >= self.n_adapters:
-            raise AdapterError(f"adapter ids must be in [-1, {self.n_adapters}), got min {lo} max {hi}")
         x_n = x.reshape(-1, self.in_features)
-        if lo == hi:
+        if plan.single is not None:
             # One adapter for the whole batch: no sort, no gather — the cost of a plain LoRA layer.
-            if lo == NO_ADAPTER:
-                return result
-            delta = self._segment_delta(x_n, lo, self._rank_of(lo), float(self.scaling_factors[lo]))
+            scales, ranks = plan.runs(self.scaling_factors, self.lora_ranks)
+            idx = plan.single
+            delta = self._segment_delta(x_n, idx, self._checked_rank(idx, ranks[idx]), scales[idx])
             return result + delta.to(result.dtype).view(result.shape)
-        counts = torch.bincount(ids_n + 1, minlength=self.n_adapters + 1).tolist()
-        present = [(a, c) for a, c in enumerate(counts[1:]) if c > 0]
-        order = torch.argsort(ids_n, stable=True)[counts[0] :]  # tokens with an adapter, grouped
-        x_s = x_n.index_select(0, order)
+        x_s = x_n.index_select(0, plan.order)
         if self._grouped_enabled(x_s):
-            delta_s = self.grouped_delta(x_s, present)
+            delta_s = self.grouped_delta(x_s, plan)
         else:
-            delta_s = self.segment_loop_delta(x_s, present)
-        out_n = result.reshape(-1, self.out_features).index_add(0, order, delta_s.to(result.dtype))
+            delta_s = self.segment_loop_delta(x_s, plan)
+        out_n = result.reshape(-1, self.out_features).index_add(0, plan.order, delta_s.to(result.dtype))
         return out_n.view(result.shape)
-
-    def _token_ids(self, ids: Tensor, x: Tensor) -> Tensor:
-        lead = x.shape[:-1]
-        if ids.shape == lead:
-            flat = ids.reshape(-1)
-        elif x.dim() == 3 and ids.shape == lead[:1]:
-            flat = ids[:, None].expand(lead).reshape(-1)  # one id per row
-        else:
-            raise AdapterError(
-                f"adapter ids of shape {tuple(ids.shape)} do not fit input {tuple(x.shape)}: "
-                "give one id per token or one per row"
-            )
-        return flat.to(device=x.device, dtype=torch.long)
 
     def _segment_delta(self, x_m: Tensor, idx: int, r: int, scale: float) -> Tensor:
         a, b = self.lora_A[idx], self.lora_B[idx]
-        hidden = F.linear(self.dropout(x_m.to(a.dtype)), a[:r] if r < self.rank else a)
-        return F.linear(hidden, b[:, :r] if r < self.rank else b) * scale
+        a, b = (a[:r], b[:, :r]) if r < self.rank else (a, b)
+        # No-op casts unless the LoRA weights are kept in a wider dtype than the activations.
+        hidden = F.linear(self.dropout(x_m), a.to(x_m.dtype))
+        return F.linear(hidden, b.to(x_m.dtype)) * scale
 
-    def segment_loop_delta(self, x_s: Tensor, present: list[tuple[int, int]]) -> Tensor:
-        """LoRA outputs of adapter-sorted rows, one matmul pair per adapter present."""
-        scales = self.scaling_factors.tolist()
+    def segment_loop_delta(self, x_s: Tensor, plan: BatchPlan) -> Tensor:
+        """LoRA outputs of the plan's adapter-sorted rows, one matmul pair per adapter present."""
+        scales, ranks = plan.runs(self.scaling_factors, self.lora_ranks)
         pieces = []
-        for (idx, _), x_m in zip(present, torch.split(x_s, [c for _, c in present]), strict=True):
-            pieces.append(self._segment_delta(x_m, idx, self._rank_of(idx), float(scales[idx])))
+        for (idx, _), x_m in zip(plan.present, torch.split(x_s, [c for _, c in plan.present]), strict=True):
+            pieces.append(self._segment_delta(x_m, idx, self._checked_rank(idx, ranks[idx]), scales[idx]))
         return torch.cat(pieces)
 
-    def grouped_delta(self, x_s: Tensor, present: list[tuple[int, int]]) -> Tensor:
+    def grouped_delta(self, x_s: Tensor, plan: BatchPlan) -> Tensor:
         """Same as ``segment_loop_delta`` with two grouped matmuls over all segments."""
         if _GROUPED_MM is None:
             raise AdapterError("this torch has no grouped_mm")
-        idxs = [idx for idx, _ in present]
-        a_g, b_g = self.stacked_weights(idxs)
-        ranks = torch.tensor([self._rank_of(i) for i in idxs], device=a_g.device)
-        mask_g_r = (torch.arange(self.rank, device=a_g.device)[None, :] < ranks[:, None]).to(a_g.dtype)
-        scale_g = self.scaling_factors[idxs].to(device=a_g.device, dtype=a_g.dtype)
-        a_g = a_g * mask_g_r[:, :, None]
-        b_g = b_g * (mask_g_r * scale_g[:, None])[:, None, :]
-        offs = torch.tensor([c for _, c in present], device=x_s.device).cumsum(0).to(torch.int32)
-        hidden = _GROUPED_MM(self.dropout(x_s.to(a_g.dtype)), a_g.transpose(1, 2), offs=offs)
-        return _GROUPED_MM(hidden, b_g.transpose(1, 2), offs=offs)
+        _, ranks = plan.runs(self.scaling_factors, self.lora_ranks)
+        for idx in plan.adapters:
+            self._checked_rank(idx, ranks[idx])
+        a_g, b_g = self.stacked_weights(plan.adapters)
+        # Scalings and ranks folded into B in the LoRA dtype: B's columns past a run's rank are
+        # zero, which also zeroes the matching rows of A's gradient, so A needs no mask.
+        factors = plan.grouped_factors(self.scaling_factors, self.lora_ranks, self.rank, b_g.dtype, b_g.device)
+        b_g = b_g * factors[:, None, :]
+        dtype = x_s.dtype
+        hidden = _GROUPED_MM(self.dropout(x_s), a_g.to(dtype).transpose(1, 2), offs=plan.offsets)
+        return _GROUPED_MM(hidden, b_g.to(dtype).transpose(1, 2), offs=plan.offsets)
 
     def _grouped_enabled(self, x_s: Tensor) -> bool:
         if self.use_grouped_mm is not None:
             return self.use_grouped_mm
-        a = self.lora_A[0]
         return (
             _GROUPED_MM is not None
             and x_s.is_cuda
-            and a.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x_s.device) >= (8, 0)
+            and x_s.dtype == torch.bfloat16
+            and _cuda_capability(x_s.device.index) >= (8, 0)
             # grouped GEMM kernels need 16-byte aligned strides
             and all(d % 8 == 0 for d in (self.rank, self.in_features, self.out_features))
         )
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, n_adapters={self.n_adapters}"
+        kind = ", conv1d" if self.fan_in_fan_out else ""
+        return f"in={self.in_features}, out={self.out_features}, rank={self.rank}, n_adapters={self.n_adapters}{kind}"
 
 
+# The Llama family's targets; kept under this name because callers import it.
 DEFAULT_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+GPT2_TARGET_MODULES = ("c_attn", "c_proj", "c_fc")
+# config.model_type values whose decoder layers are q/k/v/o_proj + gate/up/down_proj nn.Linear
+# (checked on transformers 5.19). MoE models (mixtral, qwen*_moe) keep their experts in fused
+# parameters, not Linear layers, so they fall through to the all-linear rule.
+LLAMA_LIKE_MODEL_TYPES = frozenset(
+    {
+        "cohere",
+        "ernie4_5",
+        "exaone4",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "granite",
+        "helium",
+        "hunyuan_v1_dense",
+        "llama",
+        "ministral",
+        "mistral",
+        "olmo",
+        "olmo2",
+        "olmo3",
+        "qwen2",
+        "qwen3",
+        "seed_oss",
+        "smollm3",
+        "stablelm",
+    }
+)
+# Output heads the all-linear rule leaves out besides get_output_embeddings(): a LoRA there would
+# adapt the vocabulary projection or a task head, which peft leaves out of "all-linear" too.
+OUTPUT_HEAD_NAMES = frozenset({"lm_head", "embed_out", "score", "classifier"})
+
+
+def _last(name: str) -> str:
+    return name.rsplit(".", 1)[-1]
+
+
+def _adaptable_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's nn.Linear and Conv1D layers by module name, leaving out those already wrapped."""
+    wrapped = {id(m.base_layer) for m in model.modules() if isinstance(m, MultiLoRALinear)}
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if id(module) not in wrapped and _features(module) is not None
+    ]
+
+
+def default_target_modules(model: nn.Module) -> tuple[str, ...]:
+    """The LoRA targets of ``model``'s architecture family, as last name components (peft's matching).
+
+    - Llama-style decoders (``config.model_type`` in ``LLAMA_LIKE_MODEL_TYPES``: llama, mistral,
+      qwen2, qwen3, gemma, ...): ``DEFAULT_TARGET_MODULES``, q/k/v/o_proj and gate/up/down_proj.
+    - GPT-2 (``gpt2``): c_attn, c_proj, c_fc, its Conv1D layers.
+    - Any other model: every nn.Linear and Conv1D name (peft's "all-linear") except the output
+      head, i.e. the module ``get_output_embeddings()`` returns and layers named as in
+      ``OUTPUT_HEAD_NAMES``; a name the head shares with inner layers is left out, so those
+      inner layers must be asked for by ``target_modules``.
+
+    Raises AdapterError when the model has no such layer.
+    """
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type == "gpt2":
+        return GPT2_TARGET_MODULES
+    if model_type in LLAMA_LIKE_MODEL_TYPES:
+        return DEFAULT_TARGET_MODULES
+    layers = _adaptable_layers(model)
+    excluded = set(OUTPUT_HEAD_NAMES)
+    get_output_embeddings = getattr(model, "get_output_embeddings", None)
+    head = get_output_embeddings() if callable(get_output_embeddings) else None
+    excluded.update(_last(name) for name, module in layers if module is head)
+    names = sorted({_last(name) for name, _ in layers} - excluded)
+    if not names:
+        raise AdapterError(
+            f"{type(model).__name__} (model_type {model_type!r}) has no nn.Linear or Conv1D layer besides its "
+            "output head to put LoRA on; pass target_modules"
+        )
+    return tuple(names)
 
 
 class MultiLoRAModules:
@@ -320,6 +581,16 @@ class MultiLoRAModules:
     def lora_ranks(self) -> Tensor:
         return self.registry.lora_ranks
 
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        """The last name components of the wrapped layers, sorted: the PEFT config's target_modules."""
+        return tuple(sorted({_last(name) for name in self.modules}))
+
+    @property
+    def fan_in_fan_out(self) -> bool:
+        """Whether a wrapped layer is a Conv1D (GPT-2): pass it to ``write_peft_adapter`` so peft agrees."""
+        return any(module.fan_in_fan_out for module in self.modules.values())
+
     def active_adapters(self, ids: Tensor) -> AbstractContextManager[None]:
         return self.adapter_batch.active(ids)
 
@@ -340,40 +611,58 @@ class MultiLoRAModules:
         for module in self.modules.values():
             module.reset_adapter(idx)
 
+    def set_grouped_mm(self, enabled: bool | None) -> None:
+        """Force the grouped-matmul path on (True) or off (False) in every module; None = automatic."""
+        for module in self.modules.values():
+            module.use_grouped_mm = enabled
+
 
 def apply_multi_lora(
     model: nn.Module,
-    target_modules: tuple[str, ...] | list[str] = DEFAULT_TARGET_MODULES,
+    target_modules: Sequence[str] | None = None,
     rank: int = 8,
     n_adapters: int | None = None,
     alpha: float = 16.0,
     dropout: float = 0.0,
     manager: LoRARegistry | None = None,
+    lora_dtype: torch.dtype | None = None,
 ) -> MultiLoRAModules:
-    """Freeze ``model`` and replace each ``nn.Linear`` whose name ends in a target with a MultiLoRALinear.
+    """Freeze ``model`` and replace each nn.Linear or Conv1D whose name ends in a target with a MultiLoRALinear.
 
     Names match as in peft: the last component equals a target (``q_proj`` matches
-    ``model.layers.0.self_attn.q_proj``). With a manager, ``n_adapters`` defaults to its slot
-    count and every module registers under its module name.
+    ``model.layers.0.self_attn.q_proj``). ``target_modules=None`` takes the architecture's
+    default (``default_target_modules``). Every target must match at least one layer, else
+    AdapterError lists the layer names the model has. With a manager, ``n_adapters`` defaults to
+    its slot count and every module registers under its module name. ``lora_dtype``: dtype of
+    the LoRA weights (default: each base layer's).
     """
     if n_adapters is None:
         if manager is None:
             raise AdapterError("apply_multi_lora: give n_adapters or a manager")
         n_adapters = int(manager.scaling_factors.shape[0])
+    if isinstance(target_modules, str):
+        raise AdapterError(f"apply_multi_lora: target_modules={target_modules!r} must be a list of names, not a str")
+    targets = tuple(dict.fromkeys(default_target_modules(model) if target_modules is None else target_modules))
+    if not targets:
+        raise AdapterError("apply_multi_lora: target_modules is empty")
+    layers = _adaptable_layers(model)
+    found = [(name, module) for name, module in layers if _last(name) in targets]
+    matched = {_last(name) for name, _ in found}
+    unmatched = [target for target in targets if target not in matched]
+    if unmatched:
+        available = sorted({_last(name) for name, _ in layers})
+        raise AdapterError(
+            f"apply_multi_lora: target_modules {unmatched} match no nn.Linear or Conv1D layer of "
+            f"{type(model).__name__}; its layers are named {available}"
+        )
     model.requires_grad_(False)
-    targets = set(target_modules)
-    found = [
-        (name, module)
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets
-    ]
-    if not found:
-        raise AdapterError(f"apply_multi_lora: no nn.Linear module matches target_modules={sorted(targets)}")
     # Without a manager the modules share one local registry, so ranks, scalings and ids are set once.
     registry: LoRARegistry | _LocalRegistry = manager or _LocalRegistry(n_adapters, rank, alpha)
     modules: dict[str, MultiLoRALinear] = {}
     for name, base in found:
-        lora = MultiLoRALinear(base, rank=rank, n_adapters=n_adapters, alpha=alpha, dropout=dropout)
+        lora = MultiLoRALinear(
+            base, rank=rank, n_adapters=n_adapters, alpha=alpha, dropout=dropout, lora_dtype=lora_dtype
+        )
         if manager is not None:
             lora.register_with_runs(manager, name)
         else:

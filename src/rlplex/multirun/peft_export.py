@@ -73,8 +73,15 @@ def peft_adapter_config(
     alpha: float,
     target_modules: Iterable[str],
     task_type: str | None = None,
+    *,
+    fan_in_fan_out: bool = False,
 ) -> dict[str, Any]:
-    """The ``adapter_config.json`` fields a plain LoRA needs; peft fills the rest with defaults."""
+    """The ``adapter_config.json`` fields a plain LoRA needs; peft fills the rest with defaults.
+
+    ``fan_in_fan_out`` must be True when the targets are GPT-2 style Conv1D layers (weight stored
+    [in, out]): peft forces it to that value per layer type and warns when the file disagrees;
+    ``MultiLoRAModules.fan_in_fan_out`` says which. The LoRA tensors are the same either way.
+    """
     return {
         "peft_type": "LORA",
         "task_type": task_type,
@@ -85,7 +92,7 @@ def peft_adapter_config(
         "lora_dropout": 0.0,
         "target_modules": sorted(set(target_modules)),
         "bias": "none",
-        "fan_in_fan_out": False,
+        "fan_in_fan_out": fan_in_fan_out,
         "use_rslora": False,
         "use_dora": False,
         "init_lora_weights": True,
@@ -121,15 +128,20 @@ def write_peft_adapter(
     alpha: float,
     target_modules: Iterable[str],
     task_type: str | None = None,
+    *,
+    fan_in_fan_out: bool = False,
 ) -> Path:
     """Write ``directory`` as a STABLE PEFT LoRA adapter (replacing it if present); return it.
 
     ``adapter_state`` maps model module names (``model.layers.0.self_attn.q_proj.lora_A.weight``,
     with or without the ``base_model.model.`` prefix) to tensors of the run's real ``rank``.
+    ``fan_in_fan_out``: True for GPT-2 Conv1D targets (see ``peft_adapter_config``).
     """
     directory = Path(directory)
     tensors = _checked_tensors(adapter_state, rank)
-    config = peft_adapter_config(base_model_name_or_config, rank, alpha, target_modules, task_type)
+    config = peft_adapter_config(
+        base_model_name_or_config, rank, alpha, target_modules, task_type, fan_in_fan_out=fan_in_fan_out
+    )
     try:
         directory.parent.mkdir(exist_ok=True)  # one level only: never recreate a deleted run directory
     except FileNotFoundError:
