@@ -17,9 +17,11 @@ $(STAMP): pyproject.toml requirements.txt requirements-dev.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
 
-# The main job: three LLM runs on one elastic trainer, a fourth added, one evicted. Each
-# `make demo` starts afresh (the job refuses a folder that already holds one).
+# The main job: three LLM runs on one elastic trainer, a fourth added, one evicted, on the tiny
+# Hugging Face checkpoint (built once, then cached). Each `make demo` starts the job afresh
+# (the job refuses a folder that already holds one).
 demo: $(STAMP)
+	$(VENV)/bin/rlplex model tiny outputs/models/tiny-reverse --task reverse
 	rm -rf outputs/multirun-demo
 	$(VENV)/bin/rlplex run examples/multirun_demo.toml
 

@@ -20,6 +20,16 @@ from rlplex.runners.config import TrainConfig
 from rlplex.samplers import Evaluator
 
 RESULTS = Path("bench_results")
+MODELS = Path(__file__).resolve().parents[1] / "outputs" / "models"
+
+
+def tiny_checkpoint(**settings: Any) -> Path:
+    """rlplex's tiny Hugging Face checkpoint with these `TinyModelConfig` settings, built once
+    (cached by its settings in outputs/models/) and shared by every benchmark process."""
+    from rlplex.models.tiny import TinyModelConfig, build_tiny_model
+
+    config = TinyModelConfig.model_validate(settings)
+    return build_tiny_model(MODELS / f"tiny-{config.key()}", config)
 
 
 def machine() -> dict[str, Any]:

@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import RESULTS, report
+from benchmarks.common import RESULTS, report, tiny_checkpoint
 from rlplex.diagnostics import plot_learning_curves
 from rlplex.runners.grpo_lm import GRPOLMConfig, train_grpo_lm
 
@@ -24,12 +24,20 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--task", default="reverse")
     parser.add_argument("--target", type=float, default=0.8)
+    parser.add_argument("--warmup-steps", type=int, default=120, help="supervised warm-up of the tiny checkpoint")
     args = parser.parse_args()
     torch.set_num_threads(1)
     steps = 30 if args.quick else 400
     runs, rows, curves = [], [], {}
     for eta in (0, 1, 4):
-        config = GRPOLMConfig(task=args.task, eta=eta, steps=steps, eval_every=10, target_reward=args.target)
+        config = GRPOLMConfig(
+            model={"name": str(tiny_checkpoint(tasks=(args.task,), warmup_steps=args.warmup_steps))},
+            env={"name": args.task},
+            eta=eta,
+            steps=steps,
+            eval_every=10,
+            target_reward=args.target,
+        )
         result = train_grpo_lm(config)
         curves[f"eta={eta}"] = ([s for s, _, _ in result.curve], [r for _, r, _ in result.curve])
         runs.append({"eta": eta, "config": config.model_dump(), **result.__dict__})

@@ -9,11 +9,10 @@ Alone: per run its own trainer (`--max-runs 1`) and orchestrator on a fresh outp
 `--parallel` of them at a time. Every process runs with one thread. The reward of a step is the
 mean task reward of that step's rollouts (the orchestrator's `progress.csv`).
 
-Settings, and why (reverse task, 2 CPU cores): the tiny LM's base is warmed up for 80 supervised
-steps (`model.base.warmup_steps`), where its sampled reward (temperature 1) is about 0.59 and its
-greedy reward about 0.70; with 40-60 warm-up steps LoRA RL only sharpened the policy to about
-its greedy reward (0.56 after 100 steps at warm-up 50), so a lower warm-up cannot reach 0.7 in a
-benchmark-sized budget. 200 steps of 128 samples (16 prompts x 8) per run. Temperature stays 1:
+Settings, and why (reverse task, 2 CPU cores): the base is rlplex's tiny Hugging Face checkpoint
+(`rlplex model tiny`, a Qwen2 model with a BPE tokenizer trained on the spot) warmed up for
+`--warmup-steps` supervised steps, so that its sampled reward starts below the 0.7 goal while
+LoRA RL still has a signal to sharpen. 200 steps of 128 samples (16 prompts x 8) per run. Temperature stays 1:
 the trainer scores tokens with untempered log-probabilities, so a run sampling at another
 temperature trains on wrong importance ratios (at 1.5 the reward collapsed).
 Runs: run_a (lr 3e-3, rank 8) and run_b (lr 5e-3, rank 4) are the well-configured runs;
@@ -46,7 +45,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import RESULTS, report
+from benchmarks.common import RESULTS, report, tiny_checkpoint
 from benchmarks.multirun_throughput import process_env, trainer_command
 from rlplex.diagnostics import plot_learning_curves
 from rlplex.multirun import OrchestratorConfig
@@ -92,20 +91,21 @@ class GroupResult:
     seconds: float
 
 
+def base_model(budget: Budget) -> str:
+    return str(tiny_checkpoint(tasks=(budget.task,), warmup_steps=budget.warmup_steps))
+
+
 def orch_config(spec: RunSpec, budget: Budget, seed: int) -> OrchestratorConfig:
     return OrchestratorConfig.model_validate(
         {
-            "task": budget.task,
+            "env": {"name": budget.task},
             "seed": seed,
             "max_steps": budget.steps,
             "batch_size": budget.batch_size,
             "group_size": budget.group_size,
             "temperature": budget.temperature,
             "max_async_level": budget.max_async_level,
-            "model": {
-                "lora": {"rank": spec.rank, "alpha": 2.0 * spec.rank},
-                "base": {"warmup_steps": budget.warmup_steps},
-            },
+            "model": {"name": base_model(budget), "lora": {"rank": spec.rank, "alpha": 2.0 * spec.rank}},
             "optim": {"lr": spec.lr},
         }
     )
@@ -137,7 +137,7 @@ def train_group(output_dir: Path, specs: Sequence[RunSpec], budget: Budget, seed
         path.write_text(orch_config_to_toml(orch_config(spec, budget, seed)))
         paths.append(path)
     env = process_env(1)
-    trainer_args = ["--max-lora-rank", str(max(s.rank for s in specs)), "--base-from", str(paths[0])]
+    trainer_args = ["--max-lora-rank", str(max(s.rank for s in specs)), "--model", base_model(budget)]
     trainer_args += ["--checkpoint-every", str(budget.steps)]
     orchestrator = [sys.executable, "-m", "rlplex.multirun.orchestrator"]
     orchestrator_args = ["--no-tensorboard", "--wait-timeout", str(budget.timeout_s)]

@@ -26,22 +26,29 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import report
-from rlplex.models.lm import TinyLMConfig, build_tiny_lm, token_logprobs
+from benchmarks.common import report, tiny_checkpoint
+from rlplex.models.hf import load_causal_lm, load_tokenizer
+from rlplex.models.lm import token_logprobs
+from rlplex.models.spec import ModelSpec
 from rlplex.multirun import OrchestratorConfig, create_run
 from rlplex.multirun.peft_export import is_stable_adapter
 from rlplex.multirun.rollout_io import RolloutBatch, write_rollouts
 from rlplex.multirun.rundir import RunDir
 from rlplex.multirun.trainer import STOP_FILE
-from rlplex.tasks import CharTokenizer
 
 NAME = "multirun_throughput"
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
+def untrained_model() -> ModelSpec:
+    """The tiny checkpoint without warm-up: the trainer's speed does not depend on the weights."""
+    return ModelSpec(name=str(tiny_checkpoint(warmup_steps=0)))
+
+
 def make_batches(runs: int, steps: int, n: int, width: int) -> list[list[RolloutBatch]]:
-    model = build_tiny_lm(TinyLMConfig(), CharTokenizer()).eval()
-    vocab = CharTokenizer().vocab_size
+    spec = untrained_model()
+    model = load_causal_lm(spec)
+    vocab = len(load_tokenizer(spec))
     gen = torch.Generator().manual_seed(0)
     out = []
     for k in range(runs):
@@ -79,11 +86,11 @@ def prepare(output_dir: Path, run_ids: list[int], batches: list[list[RolloutBatc
     for k in run_ids:
         config = OrchestratorConfig.model_validate(
             {
-                "task": "reverse",
+                "env": {"name": "reverse"},
                 "max_steps": steps,
                 "batch_size": batches[k][0].n,
                 "optim": {"lr": 1e-3},
-                "model": {"base": {"warmup_steps": 0}},  # the untrained tiny LM, as make_batches scores with
+                "model": {"name": untrained_model().name},  # the untrained tiny LM, as make_batches scores with
             }
         )
         run = create_run(output_dir, f"run_{k}", config)
@@ -134,7 +141,7 @@ def measure(groups: list[tuple[Path, list[RunDir]]], threads: int, steps: int, m
     procs = []
     for output_dir, runs in groups:
         command = trainer_command(output_dir, len(runs), threads, "--micro-tokens", str(micro_tokens))
-        command += ["--checkpoint-every", str(10 * steps), "--base-warmup-steps", "0"]
+        command += ["--checkpoint-every", str(10 * steps), "--model", untrained_model().name]
         procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     all_runs = [run for _, runs in groups for run in runs]
     try:

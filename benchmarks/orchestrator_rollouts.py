@@ -5,8 +5,8 @@
 
 The run's `broadcast/step_0` and `broadcast/step_<steps>` are written beforehand (one random
 adapter) and `max_async_level = steps`, so the orchestrator never waits for a trainer: it
-generates, scores and writes every step back to back and exits. The base model is warmed up
-(and cached) before timing starts. Figures: the orchestrator's own `charts/tokens_per_s`
+generates, scores and writes every step back to back and exits. The base model is the tiny
+checkpoint, built (and cached) before timing starts. Figures: the orchestrator's own `charts/tokens_per_s`
 (generated tokens over the generation MFC's time, mean over steps), end-to-end generated tokens per
 wall second, and wall seconds per step (everything: eviction check, adapter load, generation,
 reward, advantages, writing `rollouts/step_N`, progress.csv), and CPU seconds per step (this
@@ -16,7 +16,6 @@ process's threads only, so other load on the machine does not inflate it).
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import tempfile
 import time
@@ -24,10 +23,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import report
+from benchmarks.common import report, tiny_checkpoint
 from rlplex.diagnostics.metrics import read_metrics_csv
+from rlplex.models.hf import load_causal_lm
 from rlplex.multirun import OrchestratorConfig, apply_multi_lora, create_run, write_peft_adapter
-from rlplex.multirun.base_model import base_model
 from rlplex.multirun.orchestrator import WaitOptions, run_orchestrator
 
 NAME = "orchestrator_rollouts"
@@ -40,12 +39,12 @@ def make_config(steps: int, batch: int, group: int, warmup: int, rollout_workers
     return OrchestratorConfig.model_validate(
         {
             **extra,
-            "task": "reverse",
+            "env": {"name": "reverse"},
             "max_steps": steps,
             "batch_size": batch,
             "group_size": group,
             "max_async_level": steps,
-            "model": {"lora": {"rank": 8, "alpha": 16.0}, "base": {"warmup_steps": warmup}},
+            "model": {"name": str(tiny_checkpoint(warmup_steps=warmup)), "lora": {"rank": 8, "alpha": 16.0}},
         }
     )
 
@@ -53,7 +52,7 @@ def make_config(steps: int, batch: int, group: int, warmup: int, rollout_workers
 def write_broadcasts(out: Path, config: OrchestratorConfig) -> None:
     import copy
 
-    model = copy.deepcopy(base_model(config, out))
+    model = copy.deepcopy(load_causal_lm(config.model))
     lora = apply_multi_lora(model, target_modules=TARGETS, rank=config.model.lora.rank, n_adapters=1)
     generator = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -64,17 +63,16 @@ def write_broadcasts(out: Path, config: OrchestratorConfig) -> None:
         write_peft_adapter(
             run.broadcast_step(step),
             lora.adapter_state_dict(0),
-            None,
+            config.model.name,
             rank=config.model.lora.rank,
             alpha=config.model.lora.alpha,
             target_modules=TARGETS,
         )
 
 
-def measure(config: OrchestratorConfig, base_cache: Path) -> dict[str, float]:
+def measure(config: OrchestratorConfig) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="rlplex-orch-bench-") as tmp:
         out = Path(tmp)
-        shutil.copytree(base_cache / "base_model", out / "base_model")
         write_broadcasts(out, config)
         t0, cpu0 = time.perf_counter(), time.process_time()
         run_orchestrator(out, RUN_ID, config, WaitOptions(timeout_s=60), tensorboard=False)
@@ -103,9 +101,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     steps, batch, warmup = (4, 32, 20) if args.quick else (args.steps, args.batch, 120)
     config = make_config(steps, batch, args.group, warmup, args.rollout_workers)
-    with tempfile.TemporaryDirectory(prefix="rlplex-orch-base-") as cache:
-        base_model(config, Path(cache))  # warm-up, cached: not timed
-        results = [measure(config, Path(cache)) for _ in range(args.repeats)]
+    results = [measure(config) for _ in range(args.repeats)]  # the checkpoint was built above: not timed
     figures = {key: statistics.median(r[key] for r in results) for key in results[0]}
     rows = [(key, value) for key, value in figures.items()]
     report(

@@ -6,13 +6,14 @@
 
 `rlplex.dataflow.ppo_graph` declares the four MFCs and the keys they read and write; the
 `FunctionExecutor` runs each MFC as soon as its inputs are in the `SequenceBuffer`, so
-`ref_inf` and `rew_inf` overlap. Three model workers answer the calls: the actor (the tiny
-language model, warmed up on the task), a frozen copy of it as the reference model, and the
-task's verifiable reward. The actor is trained with the clipped PPO objective, advantages
+`ref_inf` and `rew_inf` overlap. Three model workers answer the calls: the actor (any Hugging
+Face causal LM: `--model` names a hub id or a local folder; by default the tiny checkpoint,
+built once with `rlplex model tiny`), a frozen copy of it as the reference model, and the
+environment's reward. The actor is trained with the clipped PPO objective, advantages
 normalised over the batch (the seed's graph has no critic), and a KL penalty to the
 reference model. Each step prints its reward and how long each MFC ran and waited.
 
-    python examples/ppo_dataflow.py --steps 20 --output-dir outputs/ppo_dataflow
+    python examples/ppo_dataflow.py --steps 20 --output-dir outputs/ppo_dataflow [--model NAME]
 
 Writes progress.csv (one row per step), TensorBoard files (tb/) and learning_curve.png.
 """
@@ -33,12 +34,15 @@ import numpy as np
 import torch
 
 from rlplex.algos.grpo import grpo_loss
-from rlplex.algos.lm_interfaces import GRPOActor, TaskItem, TaskReward
+from rlplex.algos.lm_interfaces import EnvReward, GRPOActor, TaskItem
 from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCDef, ppo_graph
 from rlplex.diagnostics import plot_learning_curves
 from rlplex.diagnostics.metrics import MetricsLogger
-from rlplex.models.lm import TinyLMConfig, build_tiny_lm, left_pad, supervised_warmup, token_logprobs
-from rlplex.tasks import CharTokenizer, get_task, task_names
+from rlplex.models.hf import Tokenizer, encode_prompt, load_causal_lm, load_tokenizer
+from rlplex.models.lm import left_pad, pad_id_of, token_logprobs
+from rlplex.models.spec import ModelSpec
+from rlplex.models.tiny import TinyModelConfig, build_tiny_model
+from rlplex.tasks import Environment, environment_names, load_environment
 
 MFCS = ("actor_gen", "ref_inf", "rew_inf", "actor_train")
 
@@ -68,7 +72,7 @@ class PPOActor(GRPOActor):
     """`actor_gen` (inherited: sample one completion per prompt) and `actor_train` (PPO + KL to the reference)."""
 
     def __init__(
-        self, model: torch.nn.Module, tokenizer: CharTokenizer, max_new_tokens: int, kl_coef: float, **kwargs: Any
+        self, model: torch.nn.Module, tokenizer: Tokenizer, max_new_tokens: int, kl_coef: float, **kwargs: Any
     ) -> None:
         super().__init__(model, tokenizer, max_new_tokens, **kwargs)
         self.kl_coef = kl_coef
@@ -77,7 +81,7 @@ class PPOActor(GRPOActor):
         rewards = torch.tensor(inputs["rewards"], dtype=torch.float32)
         advantages = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)
         sequences = inputs["packed_input_ids"]
-        tokens, attention = left_pad([s.tolist() for s in sequences], self.tokenizer.pad_id)
+        tokens, attention = left_pad([s.tolist() for s in sequences], pad_id_of(self.tokenizer))
         width = tokens.shape[1]
         old, ref = torch.zeros(tokens.shape), torch.zeros(tokens.shape)
         mask = torch.zeros(tokens.shape, dtype=torch.bool)
@@ -112,12 +116,12 @@ class PPOActor(GRPOActor):
         return {}
 
 
-def prompts(task_name: str, seed: int) -> Iterator[dict[str, Any]]:
-    """The dataset: one fresh problem per datapoint (`task_ids` carries it to the reward model)."""
-    task, rng = get_task(task_name), np.random.default_rng(seed)
+def prompts(env: Environment, tokenizer: Tokenizer, seed: int) -> Iterator[dict[str, Any]]:
+    """The dataset: one fresh example per datapoint (`task_ids` carries it to the reward model)."""
+    rng = np.random.default_rng(seed)
     for index in itertools.count():
-        problem = task.sample(1, rng)[0]
-        yield {"packed_prompts": problem.prompt, "task_ids": TaskItem(problem, index)}
+        example = env.sample(1, rng)[0]
+        yield {"packed_prompts": encode_prompt(tokenizer, example), "task_ids": TaskItem(example, index)}
 
 
 async def train(executor: FunctionExecutor, actor: PPOActor, steps: int, logger: MetricsLogger) -> None:
@@ -139,29 +143,31 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="PPO steps (each runs the four MFCs once)")
     parser.add_argument("--output-dir", type=Path, default=Path("outputs/ppo_dataflow"))
-    parser.add_argument("--task", default="reverse", choices=task_names())
+    parser.add_argument("--model", default=None, help="hub id or local folder (default: the tiny checkpoint)")
+    parser.add_argument("--task", default="reverse", choices=environment_names(), help="the environment")
     parser.add_argument("--batch-size", type=int, default=64, help="sequences per step (and per MFC call)")
-    parser.add_argument("--warmup-steps", type=int, default=40, help="supervised steps before RL (0: none)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--kl-coef", type=float, default=0.05, help="weight of KL(actor || reference) in the loss")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.warmup_steps < 0:
-        parser.error("--steps and --batch-size must be at least 1, --warmup-steps at least 0")
+    if args.steps < 1 or args.batch_size < 1:
+        parser.error("--steps and --batch-size must be at least 1")
 
     torch.manual_seed(args.seed)
-    tokenizer, task = CharTokenizer(), get_task(args.task)
-    model = build_tiny_lm(TinyLMConfig(seed=args.seed), tokenizer)
     t0 = time.perf_counter()
-    supervised_warmup(model, tokenizer, task, steps=args.warmup_steps, seed=args.seed)
-    print(f"warm-up: {args.warmup_steps} supervised steps in {time.perf_counter() - t0:.1f} s", flush=True)
-    actor = PPOActor(model, tokenizer, task.max_answer_len + 1, lr=args.lr, kl_coef=args.kl_coef, seed=args.seed)
+    tiny = TinyModelConfig(tasks=(args.task,))
+    name = args.model or str(build_tiny_model(Path("outputs/models") / f"tiny-{args.task}", tiny))
+    spec = ModelSpec(name=name)
+    tokenizer, env = load_tokenizer(spec), load_environment(args.task)
+    model = load_causal_lm(spec).requires_grad_(True)
+    print(f"model {name}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
+    actor = PPOActor(model, tokenizer, env.max_new_tokens, lr=args.lr, kl_coef=args.kl_coef, seed=args.seed)
     workers = {
         "actor": [LocalModelWorker("actor0", actor)],
-        "ref": [LocalModelWorker("ref0", ReferenceModel(copy.deepcopy(model), tokenizer.pad_id))],
-        "reward": [LocalModelWorker("reward0", TaskReward(task, tokenizer))],
+        "ref": [LocalModelWorker("ref0", ReferenceModel(copy.deepcopy(model), pad_id_of(tokenizer)))],
+        "reward": [LocalModelWorker("reward0", EnvReward(env, tokenizer))],
     }
-    dataset = prompts(args.task, args.seed + 1)
+    dataset = prompts(env, tokenizer, args.seed + 1)
     executor = FunctionExecutor(ppo_graph(args.batch_size), workers, dataset, step_timeout=300)
     try:
         with MetricsLogger(args.output_dir) as logger:

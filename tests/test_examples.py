@@ -70,7 +70,9 @@ def test_cartpole_example_trains_through_the_cli(tmp_path: Path) -> None:
 # ----- the seed's PPO dataflow graph -------------------------------------------------------
 def test_ppo_dataflow_example_runs_the_four_mfcs(tmp_path: Path) -> None:
     out = tmp_path / "ppo"
-    done = run("examples/ppo_dataflow.py", "--steps", "2", "--batch-size", "8", "--warmup-steps", "2",
+    from lm_models import small_tiny_model
+
+    done = run("examples/ppo_dataflow.py", "--steps", "2", "--batch-size", "8", "--model", str(small_tiny_model()),
                "--output-dir", str(out))  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
     rows = read_csv(out / "progress.csv")

@@ -266,8 +266,10 @@ def _print_status(output_dir: Path) -> None:
 
 def _register_main_job() -> None:
     from rlplex.cli_mainjob import register
+    from rlplex.cli_model import register as register_model
 
     register(app, console)
+    register_model(app, console)
 
 
 _register_main_job()

@@ -29,10 +29,10 @@ def print_error(console: Console, label: str, message: object) -> None:
 
 # The top-level keys that tell the four kinds of TOML file apart, and the command for each.
 FILE_KINDS = {
-    "train": ({"env"}, "a runner's train config", "rlplex train FILE"),
+    "train": ({"sampler", "algo", "runner"}, "a runner's train config", "rlplex train FILE"),
     "job": ({"roles"}, "a control-plane job", "rlplex job run FILE"),
     "main": ({"trainer", "runs"}, "a main job", "rlplex run FILE"),
-    "orch": ({"task", "max_steps"}, "one run's orchestrator config", "rlplex runs add DIR --config FILE"),
+    "orch": ({"max_steps"}, "one run's orchestrator config", "rlplex runs add DIR --config FILE"),
 }
 
 
@@ -144,11 +144,13 @@ def register(app: typer.Typer, console: Console) -> None:
         def body() -> int:
             from rlplex.config import read_toml
             from rlplex.mainjob.config import RunEntry
+            from rlplex.mainjob.driver import read_job_model
             from rlplex.mainjob.registry import submit_add, wait_for_answer
 
             check_file_kind(config, "orch")
             entry = RunEntry(id=run_id or f"run_{config.stem}", config=read_toml(config))
-            entry.orch_config(str(config))
+            model = read_job_model(output_dir)
+            (entry.with_model(model) if model else entry).orch_config(str(config))
             accepted, text = wait_for_answer(submit_add(output_dir, entry), timeout_s)
             if accepted:
                 console.print(f"accepted: {escape(text)}", highlight=False, soft_wrap=True)

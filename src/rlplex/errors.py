@@ -72,3 +72,11 @@ class CheckpointError(MultiRunError):
 
 class AdapterError(RlplexError):
     """A multi-LoRA adapter slot, rank, id or exported adapter is invalid; the message names it."""
+
+
+class ModelLoadError(ConfigError):
+    """A model or tokenizer named by a config cannot be loaded; the message names it and says why."""
+
+
+class DeviceError(ConfigError):
+    """A config asks for a device this machine does not have (CUDA without a GPU)."""

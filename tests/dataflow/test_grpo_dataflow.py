@@ -10,32 +10,37 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlplex.algos.lm_interfaces import GRPOActor, TaskItem, TaskReward
+from lm_models import random_llama, tiny_model
+from rlplex.algos.lm_interfaces import EnvReward, GRPOActor, TaskItem
 from rlplex.dataflow import FunctionExecutor, LocalModelWorker, grpo_graph
-from rlplex.models.lm import TinyLMConfig, build_tiny_lm, mean_reward, supervised_warmup
-from rlplex.tasks import CharTokenizer, get_task
+from rlplex.models.hf import Tokenizer, encode_prompt, load_causal_lm, load_tokenizer
+from rlplex.models.lm import mean_reward
+from rlplex.models.spec import ModelSpec
+from rlplex.runners.grpo_lm import GRPOLMConfig, train_grpo_lm
+from rlplex.tasks import Environment, load_environment
 
 
-def grouped_prompts(task_name: str, group: int, seed: int) -> Iterator[dict[str, Any]]:
-    task, rng = get_task(task_name), np.random.default_rng(seed)
+def grouped_prompts(env: Environment, tokenizer: Tokenizer, group: int, seed: int) -> Iterator[dict[str, Any]]:
+    rng = np.random.default_rng(seed)
     for group_id in itertools.count():
-        problem = task.sample(1, rng)[0]
+        example = env.sample(1, rng)[0]
         for _ in range(group):
-            yield {"packed_prompts": problem.prompt, "task_ids": TaskItem(problem, group_id)}
+            yield {"packed_prompts": encode_prompt(tokenizer, example), "task_ids": TaskItem(example, group_id)}
 
 
 def test_grpo_through_the_executor_raises_reward() -> None:
     torch.manual_seed(0)
-    tokenizer, task = CharTokenizer(), get_task("reverse")
-    model = build_tiny_lm(TinyLMConfig(), tokenizer)
-    supervised_warmup(model, tokenizer, task, steps=40)
+    spec = ModelSpec(name=str(tiny_model(warmup_steps=40)))
+    tokenizer, task = load_tokenizer(spec), load_environment("reverse")
+    model = load_causal_lm(spec).requires_grad_(True)
     before = mean_reward(model, tokenizer, task, 256, seed=1)
-    actor = GRPOActor(model, tokenizer, task.max_answer_len + 1, lr=1e-3)
+    actor = GRPOActor(model, tokenizer, task.max_new_tokens, lr=1e-3)
     workers = {
         "actor": [LocalModelWorker("actor0", actor)],
-        "reward": [LocalModelWorker("reward0", TaskReward(task, tokenizer))],
+        "reward": [LocalModelWorker("reward0", EnvReward(task, tokenizer))],
     }
-    executor = FunctionExecutor(grpo_graph(batch_size=128), workers, grouped_prompts("reverse", 8, 5), capacity=256)
+    prompts = grouped_prompts(task, tokenizer, 8, 5)
+    executor = FunctionExecutor(grpo_graph(batch_size=128), workers, prompts, capacity=256)
 
     async def train() -> None:
         for _ in range(30):
@@ -46,3 +51,20 @@ def test_grpo_through_the_executor_raises_reward() -> None:
     assert actor.version == 30
     assert after > before + 0.1, (before, after)
     assert executor.plane.n_values == 0
+
+
+def test_async_grpo_runs_on_an_independent_llama_with_a_chat_environment() -> None:
+    """The dataflow's GRPO path on another architecture, tokenizer and prompt form (chat)."""
+    config = GRPOLMConfig(
+        model=ModelSpec(name=str(random_llama())),
+        env={"name": "arithmetic", "max_new_tokens": 4},
+        eta=1,
+        steps=2,
+        batch_size=8,
+        group_size=4,
+        eval_every=2,
+        eval_samples=8,
+    )
+    result = train_grpo_lm(config)
+    assert result.steps == 2 and result.max_staleness <= 1
+    assert 0.0 <= result.final_reward <= 1.0

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from lm_models import untrained_tiny_model
 from rlplex.dataflow.stream import StalenessController, StreamClosedError, StreamDataset, Trajectory
 from rlplex.errors import RlplexError, WaitTimeoutError
 from rlplex.runners.grpo_lm import GRPOLMConfig, train_grpo_lm
@@ -71,7 +72,14 @@ def test_stream_fifo_capacity_and_close() -> None:
 @pytest.mark.parametrize("eta", [0, 2])
 def test_no_trained_batch_older_than_eta(eta: int) -> None:
     config = GRPOLMConfig(
-        eta=eta, steps=6, batch_size=32, group_size=4, warmup_steps=5, eval_every=6, eval_samples=32, rollout_workers=2
+        model={"name": str(untrained_tiny_model())},
+        eta=eta,
+        steps=6,
+        batch_size=32,
+        group_size=4,
+        eval_every=6,
+        eval_samples=32,
+        rollout_workers=2,
     )
     result = train_grpo_lm(config)
     assert result.steps == 6

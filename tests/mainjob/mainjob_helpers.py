@@ -1,8 +1,10 @@
-"""Tiny main-job files for the end-to-end tests: a small base warm-up and batches of 8."""
+"""Tiny main-job files for the end-to-end tests: the small tiny checkpoint and batches of 8."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+from lm_models import small_tiny_model
 
 BATCH = 8
 
@@ -11,8 +13,8 @@ def run_config(seed: int, steps: int, extra: str = "") -> str:
     """One run's inline orchestrator config."""
     tail = f", {extra}" if extra else ""
     return (
-        f'{{ seed = {seed}, task = "reverse", max_steps = {steps}, batch_size = {BATCH}, group_size = 4, '
-        f"model = {{ base = {{ warmup_steps = 20 }} }}{tail} }}"
+        f'{{ seed = {seed}, env = {{ name = "reverse" }}, max_steps = {steps}, batch_size = {BATCH}, '
+        f"group_size = 4{tail} }}"
     )
 
 
@@ -32,6 +34,8 @@ def tiny_job(
         f'output_dir = "{output_dir}"',
         f'backend = "{backend}"',
         "timeout_s = 400",
+        "[model]",
+        f'name = "{small_tiny_model()}"',
         "[trainer]",
         "world_size = 2",
         f"max_runs = {max_runs}",

@@ -23,19 +23,21 @@ from rlplex.mainjob.report import REPORT_FILE, write_report
 from rlplex.mainjob.view import collect, render
 from rlplex.multirun.rundir import STABLE_MARKER, RunDir, write_finished
 
-RUN = {"task": "reverse", "max_steps": 4, "batch_size": 8}
+RUN = {"env": {"name": "reverse"}, "max_steps": 4, "batch_size": 8, "model": {"name": "m"}}
 
 JOB = """
 name = "mj"
 output_dir = "{out}"
+[model]
+name = "m"
 [trainer]
 world_size = 2
 [[runs]]
 id = "run_a"
-config = {{ task = "reverse", max_steps = 4, batch_size = 8 }}
+config = {{ env = {{ name = "reverse" }}, max_steps = 4, batch_size = 8 }}
 [[later_runs]]
 id = "run_late"
-config = {{ task = "reverse", max_steps = 2, batch_size = 8 }}
+config = {{ env = {{ name = "reverse" }}, max_steps = 2, batch_size = 8 }}
 [[events]]
 when = {{ run = "run_a", step = 2 }}
 add_run = "run_late"
@@ -170,5 +172,27 @@ def test_trainer_throughput_sums_the_runs_newest_token_increments(tmp_path: Path
 def test_job_config_model_refuses_duplicate_ids() -> None:
     with pytest.raises(ValueError, match="repeated"):
         MainJobConfig.model_validate(
-            {"name": "x", "output_dir": "o", "runs": [{"id": "run_a", "config": RUN}, {"id": "run_a", "config": RUN}]}
+            {
+                "name": "x",
+                "output_dir": "o",
+                "model": {"name": "m"},
+                "runs": [{"id": "run_a", "config": RUN}, {"id": "run_a", "config": RUN}],
+            }
         )
+
+
+def test_runs_take_the_job_model_and_a_local_folder_is_made_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "models" / "tiny").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    text = JOB.replace('name = "m"', 'name = "models/tiny"\ndtype = "float32"')
+    config = load_main_job(write_job(tmp_path, text))
+    absolute = str(tmp_path / "models" / "tiny")
+    assert config.model.name == absolute
+    for entry in [*config.runs, *config.later_runs]:
+        orch = entry.orch_config("job")
+        assert (orch.model.name, orch.model.dtype) == (absolute, "float32")
+    # A run may name its own model: the trainer (not the loader) rejects it if it differs.
+    other = RunEntry(id="run_x", config={**RUN, "model": {"name": "org/other", "lora": {"rank": 2}}})
+    assert other.with_model(config.model).orch_config("x").model.name == "org/other"

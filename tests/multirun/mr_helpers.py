@@ -9,11 +9,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from lm_models import untrained_tiny_model
 from rlplex.multirun import OrchestratorConfig, RunDir, create_run
 
 
 def make_config(**overrides: object) -> OrchestratorConfig:
-    data: dict[str, object] = {"task": "reverse", "max_steps": 10, "batch_size": 4}
+    """A valid run config on the untrained tiny checkpoint; `model` overrides merge into its table."""
+    model = {"name": str(untrained_tiny_model()), **dict(overrides.pop("model", {}))}  # type: ignore[call-overload]
+    data: dict[str, object] = {"env": {"name": "reverse"}, "max_steps": 10, "batch_size": 4, "model": model}
     data.update(overrides)
     return OrchestratorConfig.model_validate(data)
 

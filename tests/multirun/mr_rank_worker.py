@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 torch.set_num_threads(1)
+# Run as a script: tests/multirun is on sys.path, tests/ (lm_models) is not.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from mr_helpers import new_run  # noqa: E402
 

@@ -7,36 +7,44 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from rlplex.models.lm import TinyLMConfig, build_tiny_lm, token_logprobs
+from lm_models import untrained_tiny_model
+from rlplex.models.hf import Tokenizer, load_causal_lm, load_tokenizer
+from rlplex.models.lm import token_logprobs
+from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rollout_io import RolloutBatch, write_rollouts
 from rlplex.multirun.rundir import RunDir
 from rlplex.multirun.trainer import MultiRunTrainer, TrainerConfig
-from rlplex.tasks import CharTokenizer
 
 _BASE: dict[int, torch.nn.Module] = {}
-TEST_BASE = {"warmup_steps": 0}
-"""The runs and trainers of these tests share the untrained tiny LM (no warm-up): `base_model()`."""
+
+
+def shared_model() -> ModelSpec:
+    """The runs and trainers of these tests share the untrained tiny checkpoint (no warm-up)."""
+    return ModelSpec(name=str(untrained_tiny_model()))
 
 
 def new_train_run(output_dir: Path, name: str, **overrides: object) -> RunDir:
-    """`mr_helpers.new_run` with the tests' base model declared in `model.base`."""
+    """`mr_helpers.new_run` (which names the tests' model)."""
     from mr_helpers import new_run
 
-    model = dict(overrides.pop("model", {}))  # type: ignore[call-overload]
-    return new_run(output_dir, name, model={**model, "base": TEST_BASE}, **overrides)
+    return new_run(output_dir, name, **overrides)
 
 
 def base_model() -> torch.nn.Module:
     if 0 not in _BASE:
-        _BASE[0] = build_tiny_lm(TinyLMConfig(), CharTokenizer()).eval()
+        _BASE[0] = load_causal_lm(shared_model())
     return _BASE[0]
+
+
+def tokenizer() -> Tokenizer:
+    return load_tokenizer(shared_model())
 
 
 def synthetic_batch(run_id: str, step: int, n: int = 6, width: int = 10, seed: int = 0) -> RolloutBatch:
     """Rows of random prompts and completions with the base policy's log-probs, jittered so that
     some ratios fall outside the clip range; a function of (seed, step) only."""
     gen = torch.Generator().manual_seed(1000 * seed + step)
-    vocab = CharTokenizer().vocab_size
+    vocab = len(tokenizer())
     tokens = torch.randint(3, vocab, (n, width), generator=gen)
     attention = torch.ones(n, width, dtype=torch.int64)
     loss_mask = torch.zeros(n, width, dtype=torch.bool)
@@ -76,7 +84,7 @@ def write_synthetic(output_dir: Path, run_id: str, steps: range, **kwargs: objec
 
 def make_trainer(output_dir: Path, max_runs: int, **overrides: object) -> MultiRunTrainer:
     config = TrainerConfig.model_validate(
-        {"output_dir": output_dir, "max_runs": max_runs, "base": TEST_BASE, **overrides}
+        {"output_dir": output_dir, "max_runs": max_runs, "model": shared_model(), **overrides}
     )
     import copy
 
@@ -110,7 +118,7 @@ class FakeOrchestrator:
         from rlplex.multirun.lora import apply_multi_lora
 
         self.run, self.batch_size = run, batch_size
-        self.tokenizer = CharTokenizer()
+        self.tokenizer = tokenizer()
         self.model = copy.deepcopy(base_model())
         self.lora = apply_multi_lora(
             self.model,
@@ -134,8 +142,8 @@ class FakeOrchestrator:
         """Mean -log p('a') at the first completion position: what the reward pushes down."""
         from rlplex.models.lm import left_pad
 
-        tokens, attention = left_pad([self.tokenizer.encode(p) for p in self.prompts], self.tokenizer.pad_id)
-        target = self.tokenizer.token_to_id[self.TARGET]
+        tokens, attention = left_pad([self.tokenizer.encode(p) for p in self.prompts], self.tokenizer.pad_token_id)
+        target = self.tokenizer.convert_tokens_to_ids(self.TARGET)
         with torch.no_grad(), self.lora.active_adapters(torch.zeros(len(self.prompts), dtype=torch.long)):
             logits = self.model(input_ids=tokens, attention_mask=attention).logits[:, -1].float()
         return float(-torch.log_softmax(logits, -1)[:, target].mean())
@@ -143,7 +151,7 @@ class FakeOrchestrator:
     def rollouts(self, step: int) -> RolloutBatch:
         from rlplex.models.lm import generate
 
-        prompts = [self.prompts[i % len(self.prompts)] for i in range(self.batch_size)]
+        prompts = [self.tokenizer.encode(self.prompts[i % len(self.prompts)]) for i in range(self.batch_size)]
         with self.lora.active_adapters(torch.zeros(self.batch_size, dtype=torch.long)):
             out = generate(self.model, self.tokenizer, prompts, 4, 1.0, self.generator)
         rewards = torch.tensor([c.count(self.TARGET) / 4 for c in out.completions], dtype=torch.float32)
@@ -195,7 +203,10 @@ def train_alone(output_dir: Path, name: str, steps: int = STEPS, run_id: str | N
     return broadcast_weights(output_dir, run_id, steps)
 
 
-def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-5) -> None:
+def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float = 1e-4) -> None:
+    """Equal up to float32 summation order: the same run alone, packed into other micro-batches,
+    differs by up to 3.6e-5 (Adam at lr 0.01 magnifies rounding on near-zero gradients); a run that
+    leaked another's gradient or state differs by orders of magnitude more."""
     assert sorted(got) == sorted(want)
     worst = max(float((got[k] - want[k]).abs().max()) for k in want)
     assert worst <= atol, f"max abs difference {worst:.3g} > {atol}"

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 
 torch.set_num_threads(1)
+# Run as a script: tests/multirun is on sys.path, tests/ (lm_models) is not.
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from mr_train_helpers import PACKED, RUNS, STEPS, make_runs, make_trainer, train_until  # noqa: E402
 

@@ -48,7 +48,7 @@ def test_step1_scan_and_step6_mappings(tmp_path: Path) -> None:
     assert mrm.idx_2_id == {0: "run_a", 1: "run_b", 2: "run_c"}
     assert mrm.id_2_idx == {"run_a": 0, "run_b": 1, "run_c": 2}
     assert mrm.run_statuses() == {"run_a": "active", "run_b": "active", "run_c": "active"}
-    assert mrm.config[1].task == "reverse"
+    assert mrm.config[1].env.name == "reverse"
     assert mrm.progress[2].step == 0
 
 
@@ -90,10 +90,10 @@ def test_step2_evicted_runs_skipped(tmp_path: Path) -> None:
 def test_steps_3_4_7_hooks_for_new_and_deleted_runs(tmp_path: Path) -> None:
     mrm = manager(tmp_path)
     calls: list[tuple] = []
-    mrm.register_discovered_hook(lambda idx, run_id, config: calls.append(("discovered", idx, run_id, config.task)))
+    mrm.register_discovered_hook(lambda idx, run_id, config: calls.append(("discovered", idx, run_id, config.env.name)))
     mrm.register_forgotten_hook(lambda idx, run_id: calls.append(("forgotten", idx, run_id)))
     new_run(tmp_path, "run_a")
-    run_b = new_run(tmp_path, "run_b", task="sort")
+    run_b = new_run(tmp_path, "run_b", env={"name": "sort"})
     mrm.discover_runs()
     assert calls == [("discovered", 0, "run_a", "reverse"), ("discovered", 1, "run_b", "sort")]
     calls.clear()
@@ -170,14 +170,14 @@ def test_step5_config_validation_hooks(tmp_path: Path) -> None:
         return (config.batch_size <= 8, f"batch_size {config.batch_size} > 8")
 
     def broken(config: OrchestratorConfig) -> tuple[bool, str]:
-        if config.task == "explode":
+        if config.env.name == "explode":
             raise ValueError("boom")
         return True, ""
 
     mrm.register_config_validation_hook(small_batches)
     mrm.register_config_validation_hook(broken)
     new_run(tmp_path, "run_big", batch_size=64)
-    new_run(tmp_path, "run_boom", task="explode")
+    new_run(tmp_path, "run_boom", env={"name": "explode"})
     new_run(tmp_path, "run_ok")
     mrm.discover_runs()
     assert mrm.idx_2_id == {0: "run_ok"}

@@ -20,8 +20,7 @@ from pathlib import Path
 import pytest
 from test_orchestrator import Orchestrator, Orchestrators, make_config, new_output
 
-from rlplex.multirun import RunDir, create_run, orch_config_to_toml
-from rlplex.multirun.base_model import base_model, base_model_path
+from rlplex.multirun import RunDir, create_run
 from rlplex.multirun.peft_export import is_stable_adapter
 from rlplex.multirun.rundir import STABLE_MARKER, stable_steps, write_eviction
 from rlplex.multirun.trainer import STOP_FILE
@@ -38,16 +37,14 @@ CONFIGS = {
 REASON = "evicted by its user mid-way (test)"
 
 
-@pytest.fixture(scope="module")
-def base_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("base")
-    base_model(CONFIGS["run_a"], root)
-    return base_model_path(CONFIGS["run_a"], root)
+@pytest.fixture
+def base_cache() -> Path:
+    return Path(CONFIGS["run_a"].model.name)
 
 
-def start_trainer(out: Path, log: Path, base_toml: Path) -> subprocess.Popen[bytes]:
+def start_trainer(out: Path, log: Path, model: str, max_runs: int = 2) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"}
-    args = ["--output-dir", str(out), "--max-runs", "2", "--base-from", str(base_toml), "--checkpoint-every", "1"]
+    args = ["--output-dir", str(out), "--max-runs", str(max_runs), "--model", model, "--checkpoint-every", "1"]
     with log.open("wb") as handle:  # a file, not a pipe: a full pipe would block the trainer's logging
         return subprocess.Popen(
             [sys.executable, "-m", "rlplex.multirun.trainer", *args, "--threads", "1"],
@@ -63,14 +60,12 @@ def mtime(path: Path) -> int:
 
 def test_evicted_finished_and_added_runs_share_one_trainer_with_two_slots(tmp_path: Path, base_cache: Path) -> None:
     out = new_output(tmp_path, base_cache)
-    base_toml = tmp_path / "base.toml"
-    base_toml.write_text(orch_config_to_toml(CONFIGS["run_a"]))
     runs = {name: RunDir(out, name) for name in CONFIGS}
     trainer_log = tmp_path / "trainer.log"
     orchestrators = Orchestrators(tmp_path)
     procs: dict[str, Orchestrator] = {}
     allowed_exit: dict[str, int] = {}  # 0 (done) unless said otherwise
-    trainer = start_trainer(out, trainer_log, base_toml)
+    trainer = start_trainer(out, trainer_log, str(base_cache))
 
     def wait(condition: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + TIMEOUT_S
@@ -141,3 +136,76 @@ def test_evicted_finished_and_added_runs_share_one_trainer_with_two_slots(tmp_pa
         slots[name] = {int(r["slot"]) for r in rows}
     assert slots["run_c"] == slots["run_b"] and len(slots["run_b"]) == 1  # run_c took run_b's slot
     assert mtime(runs["run_c"].finished) >= mtime(runs["run_c"].checkpoint_step(3) / STABLE_MARKER)
+
+
+USER_REWARD = '''
+def varied(prompt: str, completion: str, answer: str) -> float:
+    """Rewards completions made of many different characters: random text varies, so groups do too."""
+    return len(set(completion)) / (1 + len(completion))
+'''
+
+
+def test_an_independent_llama_trains_a_user_chat_dataset_end_to_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trainer and orchestrator processes on a second checkpoint (another architecture, tokenizer
+    and chat template) with a user's JSONL file of chat messages and a reward named by dotted path."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from lm_models import random_llama
+    from rlplex.multirun import OrchestratorConfig
+
+    llama = str(random_llama())
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "user_rewards_e2e.py").write_text(USER_REWARD)
+    monkeypatch.syspath_prepend(str(tmp_path / "user"))  # the forked orchestrator inherits sys.path
+    data = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"say {n} things"}], "answer": str(n)} for n in range(12)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = {"name": "jsonl", "path": str(data), "messages_field": "messages", "reward": "user_rewards_e2e:varied"}
+    config = OrchestratorConfig.model_validate(
+        {
+            "env": {**env, "max_new_tokens": 6},
+            "max_steps": 3,
+            "batch_size": 8,
+            "group_size": 4,
+            "max_async_level": 0,
+            "model": {"name": llama, "lora": {"rank": 4, "alpha": 8.0}},
+        }
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    run = RunDir(out, "run_llama")
+    trainer_log = tmp_path / "trainer.log"
+    trainer = start_trainer(out, trainer_log, llama, max_runs=1)
+    orchestrators = Orchestrators(tmp_path)
+    try:
+        orch = orchestrators.start(out, "run_llama", config, "run_llama")
+        assert orch.wait_exit() == 0, orch.stderr() + trainer_log.read_text()
+        deadline = time.monotonic() + TIMEOUT_S
+        while not run.is_finished():
+            assert trainer.poll() is None, trainer_log.read_text()
+            assert time.monotonic() < deadline, "run_llama was not marked finished"
+            time.sleep(0.02)  # the polling interval of a condition wait
+        (out / STOP_FILE).write_text("test done\n")
+        assert trainer.wait(timeout=TIMEOUT_S) == 0, trainer_log.read_text()
+    finally:
+        orchestrators.close()
+        if trainer.poll() is None:
+            trainer.kill()
+        trainer.wait()
+    assert [int(r["step"]) for r in read_progress_csv(run)] == [1, 2, 3]
+    broadcast = run.broadcast_step(3)
+    assert json.loads((broadcast / "adapter_config.json").read_text())["base_model_name_or_path"] == llama
+    # peft loads the trained adapter over the checkpoint it names, and the adapter changes the model.
+    import torch
+
+    base = AutoModelForCausalLM.from_pretrained(llama).eval()
+    tokens = torch.tensor([[5, 9, 17, 33, 2]])
+    with torch.no_grad():
+        plain = base(tokens).logits
+        tuned = PeftModel.from_pretrained(base, str(broadcast)).eval()(tokens).logits
+    assert not torch.allclose(plain, tuned)

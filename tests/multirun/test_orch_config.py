@@ -10,6 +10,8 @@ from mr_helpers import make_config
 from rlplex.errors import RunConfigError
 from rlplex.multirun import MAX_ORCH_CONFIG_BYTES, OrchestratorConfig, orch_config_to_toml, read_orch_config
 
+HEAD = 'env = { name = "t" }\nmax_steps = 3\nbatch_size = 2\n[model]\nname = "m"\n'
+
 
 def write(path: Path, text: str | bytes) -> Path:
     path.write_bytes(text.encode() if isinstance(text, str) else text)
@@ -24,7 +26,8 @@ def test_round_trip_through_toml(tmp_path: Path) -> None:
 
 
 def test_defaults_and_int_alpha_accepted(tmp_path: Path) -> None:
-    path = write(tmp_path / "orch.toml", 'task = "t"\nmax_steps = 3\nbatch_size = 2\n[model.lora]\nalpha = 32\n')
+    body = 'env = { name = "t" }\nmax_steps = 3\nbatch_size = 2\n[model]\nname = "m"\n[model.lora]\nalpha = 32\n'
+    path = write(tmp_path / "orch.toml", body)
     config = read_orch_config(path)
     assert (config.model.lora.rank, config.model.lora.alpha, config.max_async_level) == (8, 32.0, 1)
 
@@ -32,12 +35,14 @@ def test_defaults_and_int_alpha_accepted(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("body", "expected"),
     [
-        ('task = "t"\nmax_steps = 3\nbatch_size = 2\n[model.lora]\nrank = "8"\n', "model.lora.rank"),
-        ('task = "t"\nmax_steps = "many"\nbatch_size = 2\n', "max_steps"),
-        ('task = "t"\nmax_steps = 3\nbatch_size = 0\n', "batch_size"),
-        ('task = "t"\nmax_steps = 3\nbatch_size = 2\n[optim]\nlr = -1.0\n', "optim.lr"),
-        ('task = "t"\nmax_steps = 3\nbatch_size = 2\nlearning_rat = 1.0\n', "learning_rat"),
-        ("max_steps = 3\nbatch_size = 2\n", "task"),
+        (f'{HEAD}[model.lora]\nrank = "8"\n', "model.lora.rank"),
+        ('env = { name = "t" }\nmax_steps = "many"\nbatch_size = 2\n', "max_steps"),
+        ('env = { name = "t" }\nmax_steps = 3\nbatch_size = 0\n', "batch_size"),
+        (f'{HEAD}[optim]\nlr = -1.0\n', "optim.lr"),
+        ('learning_rat = 1.0\nenv = { name = "t" }\nmax_steps = 3\nbatch_size = 2\n', "learning_rat"),
+        ("max_steps = 3\nbatch_size = 2\n[model]\nname = \"m\"\n", "env"),
+        ('env = { name = "t" }\nmax_steps = 3\nbatch_size = 2\n', "model"),
+        (f'{HEAD}dtype = "float16"\n', "model.dtype"),
     ],
 )
 def test_wrong_types_and_values_name_the_field(tmp_path: Path, body: str, expected: str) -> None:
@@ -82,3 +87,9 @@ def test_config_is_frozen() -> None:
     with pytest.raises(ValueError):
         config.seed = 3  # type: ignore[misc]
     assert isinstance(config, OrchestratorConfig)
+
+
+def test_strings_with_newlines_and_lists_write_valid_toml(tmp_path: Path) -> None:
+    config = make_config(env={"name": "jsonl", "path": 'a "quoted"\nname\\x', "fields": ["a", "b"]})
+    path = write(tmp_path / "orch.toml", orch_config_to_toml(config))
+    assert read_orch_config(path) == config

@@ -15,29 +15,29 @@ from typing import Any
 import pytest
 import torch
 
+from lm_models import small_tiny_model
 from rlplex.dataflow import MFCExecutionError, ModelInterfaceType, ProcessModelWorker, build_graph
-from rlplex.models.lm import generate
+from rlplex.models.hf import load_causal_lm, load_tokenizer
+from rlplex.models.lm import generate, pad_id_of
 from rlplex.multirun import OrchestratorConfig, apply_multi_lora, create_run, write_peft_adapter
-from rlplex.multirun.base_model import base_model
 from rlplex.multirun.orch_graph import DATASET_KEYS, orchestrator_graph, orchestrator_mfcs
-from rlplex.multirun.orch_models import ActorModel, RolloutHandoff, StepPrompts, TaskRewardModel
+from rlplex.multirun.orch_models import ActorModel, EnvRewardModel, RolloutHandoff, StepPrompts
 from rlplex.multirun.orchestrator import StepDataflow
 from rlplex.multirun.rollout_io import read_rollouts, rollouts_ready
 from rlplex.multirun.rundir import RunDir
-from rlplex.tasks import CharTokenizer, Problem, get_task
+from rlplex.tasks import Example, load_environment
 
 BATCH, GROUP = 16, 4
 TARGETS = ("q_proj", "v_proj")
-TINY_BASE = {"hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2, "warmup_steps": 0}
 
 
 def make_config(**overrides: object) -> OrchestratorConfig:
     data: dict[str, object] = {
-        "task": "reverse",
+        "env": {"name": "reverse"},
         "max_steps": 2,
         "batch_size": BATCH,
         "group_size": GROUP,
-        "model": {"lora": {"rank": 4, "alpha": 8.0}, "base": TINY_BASE},
+        "model": {"name": str(small_tiny_model()), "lora": {"rank": 4, "alpha": 8.0}},
     }
     data.update(overrides)
     return OrchestratorConfig.model_validate(data)
@@ -64,10 +64,11 @@ def test_graph_keys_order_and_batch() -> None:
 
 
 def test_prompts_are_seeded_by_seed_step_and_attempt() -> None:
-    config, task = make_config(), get_task("reverse")
+    config, task = make_config(), load_environment("reverse")
+    tokenizer = load_tokenizer(config.model)
 
     def draw(step: int, attempt: int, seed_config: OrchestratorConfig = config) -> list[dict[str, Any]]:
-        dataset = StepPrompts(task, seed_config)
+        dataset = StepPrompts(task, tokenizer, seed_config)
         dataset.prepare(step, attempt, policy_step=3)
         return [next(dataset) for _ in range(BATCH)]
 
@@ -79,7 +80,7 @@ def test_prompts_are_seeded_by_seed_step_and_attempt() -> None:
     for group in range(BATCH // GROUP):  # group after group, one prompt per group
         assert len({item["prompts"] for item in first[group * GROUP : (group + 1) * GROUP]}) == 1
     assert first != draw(1, 1) and first != draw(2, 0) and first != draw(1, 0, make_config(seed=1))
-    dataset = StepPrompts(task, config)
+    dataset = StepPrompts(task, tokenizer, config)
     with pytest.raises(MFCExecutionError, match="prepare"):
         next(dataset)
 
@@ -89,14 +90,14 @@ def actor_run(tmp_path: Path) -> tuple[OrchestratorConfig, RunDir, ActorModel]:
     """A run with a random adapter at broadcast/step_0 and the actor built from its files."""
     config = make_config()
     run = create_run(tmp_path, "run_g", config)
-    model = copy.deepcopy(base_model(config, tmp_path))
+    model = copy.deepcopy(load_causal_lm(config.model))
     lora = apply_multi_lora(model, target_modules=TARGETS, rank=4, n_adapters=1)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for _, param in lora.named_parameters_for_adapter(0):
             param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
     write_peft_adapter(
-        run.broadcast_step(0), lora.adapter_state_dict(0), None, rank=4, alpha=8.0, target_modules=TARGETS
+        run.broadcast_step(0), lora.adapter_state_dict(0), config.model.name, rank=4, alpha=8.0, target_modules=TARGETS
     )
     return config, run, ActorModel.for_run(tmp_path, "run_g", config)
 
@@ -111,7 +112,7 @@ def _run_step(
     """One step by hand: actor_gen on `shards` workers' shares, then rew_inf and rollout_write
     on the datapoints in a shuffled order (as if the buffer handed them over any way)."""
     graph = orchestrator_graph(BATCH)
-    dataset = StepPrompts(get_task(config.task), config)
+    dataset = StepPrompts(load_environment(config.env), actor.tokenizer, config)
     dataset.prepare(0, 0, policy_step=0)
     items = [next(dataset) for _ in range(BATCH)]
     for shard in range(shards):
@@ -122,10 +123,11 @@ def _run_step(
     if shuffle:
         random.Random(0).shuffle(items)
     rew = graph.get("rew_inf")
-    scored = TaskRewardModel(get_task(config.task), config.group_size).inference(rew, _columns(items, rew.input_keys))
+    reward = EnvRewardModel(load_environment(config.env), config.group_size)
+    scored = reward.inference(rew, _columns(items, rew.input_keys))
     for position, item in enumerate(items):
         item.update({key: values[position] for key, values in scored.items()})
-    handoff = RolloutHandoff(run)
+    handoff = RolloutHandoff(run, pad_id_of(actor.tokenizer))
     write = graph.get("rollout_write")
     assert handoff.train_step(write, _columns(items, write.input_keys)) == {}
     return handoff, items
@@ -137,21 +139,20 @@ def test_one_worker_writes_exactly_what_generate_gives(
     config, run, actor = actor_run
     handoff, items = _run_step(config, run, actor, shards=1, shuffle=True)
     assert handoff.last is not None and handoff.last.written and rollouts_ready(run, 0)
-    batch = read_rollouts(run, 0, vocab_size=CharTokenizer().vocab_size)
+    batch = read_rollouts(run, 0, vocab_size=len(actor.tokenizer))
     assert (batch.step, batch.policy_step, batch.n) == (0, 0, BATCH)
     # The layout the orchestrator wrote before its step was a dataflow: one generate call.
     ordered = sorted(items, key=lambda item: item["rows"])
     generator = torch.Generator().manual_seed(ordered[0]["sample_seeds"])
     with actor.policy.active(BATCH) as model:
-        direct = generate(model, actor.tokenizer, [i["prompts"] for i in ordered], actor.max_new_tokens, 1.0, generator)
+        prompts = [i["prompt_ids"] for i in ordered]
+        direct = generate(model, actor.tokenizer, prompts, actor.max_new_tokens, 1.0, generator)
     assert torch.equal(batch.tokens, direct.tokens_B_L)
     assert torch.equal(batch.attention, direct.attention_B_L)
     assert torch.equal(batch.loss_mask, direct.completion_mask_B_L)
     assert torch.equal(batch.logprobs, direct.logprobs_B_L.float())
-    task = get_task(config.task)
-    expected = [
-        task.reward(Problem(i["prompts"], i["answers"]), c) for i, c in zip(ordered, direct.completions, strict=True)
-    ]
+    env = load_environment(config.env)
+    expected = env.score([Example(prompt=i["prompts"], answer=i["answers"]) for i in ordered], direct.completions)
     assert batch.rewards.tolist() == pytest.approx(expected)
     grouped = batch.advantages.view(-1, GROUP)
     assert torch.allclose(grouped.mean(dim=1), torch.zeros(BATCH // GROUP), atol=1e-5)
@@ -164,7 +165,7 @@ def test_rows_of_several_workers_merge_into_one_valid_batch(
     config, run, actor = actor_run
     handoff, items = _run_step(config, run, actor, shards=3, shuffle=True)
     assert handoff.last is not None and handoff.last.written
-    batch = read_rollouts(run, 0, vocab_size=CharTokenizer().vocab_size)  # validated: shapes, masks, values
+    batch = read_rollouts(run, 0, vocab_size=len(actor.tokenizer))  # validated: shapes, masks, values
     ordered = sorted(items, key=lambda item: item["rows"])
     for row, item in enumerate(ordered):
         keep = batch.attention[row].bool()
@@ -179,7 +180,7 @@ def test_rows_of_several_workers_merge_into_one_valid_batch(
 def test_reward_refuses_partial_groups() -> None:
     config = make_config()
     rew = orchestrator_graph(BATCH).get("rew_inf")
-    model = TaskRewardModel(get_task(config.task), GROUP)
+    model = EnvRewardModel(load_environment(config.env), GROUP)
     inputs = {"prompts": ["r:ab>"] * 3, "answers": ["ba"] * 3, "completions": ["ba"] * 3, "rows": [0, 1, 2]}
     with pytest.raises(MFCExecutionError, match=r"rows \[0, 1, 2\] are not one whole group of 4"):
         model.inference(rew, inputs)
@@ -198,7 +199,7 @@ def test_rollout_workers_generate_in_processes_of_their_own(
 ) -> None:
     _, run, local_actor = actor_run
     config = make_config(rollout_workers=2)
-    with StepDataflow(tmp_path, run, config, get_task(config.task)) as dataflow:
+    with StepDataflow(tmp_path, run, config, load_environment(config.env)) as dataflow:
         actors = dataflow.workers["actor"]
         assert [type(w) for w in actors] == [ProcessModelWorker, ProcessModelWorker]
         pids = {w.process.pid for w in actors}  # type: ignore[attr-defined]
@@ -206,9 +207,9 @@ def test_rollout_workers_generate_in_processes_of_their_own(
         handoff, timings = dataflow.run_step(0, 0, policy_step=0)
         assert handoff.written and timings["timings/actor_gen_run_s"] > 0
     assert all(not w.process.is_alive() for w in actors)  # type: ignore[attr-defined]
-    batch = read_rollouts(run, 0, vocab_size=CharTokenizer().vocab_size)
+    batch = read_rollouts(run, 0, vocab_size=len(local_actor.tokenizer))
     # Worker k generated rows k, k+2, ...: what the same actor gives for that share in process.
-    dataset = StepPrompts(get_task(config.task), config)
+    dataset = StepPrompts(load_environment(config.env), local_actor.tokenizer, config)
     dataset.prepare(0, 0, policy_step=0)
     items = [next(dataset) for _ in range(BATCH)]
     mfc = orchestrator_graph(BATCH).get("actor_gen")

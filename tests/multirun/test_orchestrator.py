@@ -10,7 +10,6 @@ from __future__ import annotations
 import copy
 import multiprocessing
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -23,12 +22,13 @@ import pytest
 import torch
 from torch import nn
 
+from lm_models import small_tiny_model, tiny_model
 from rlplex.diagnostics.metrics import read_metrics_csv
 from rlplex.errors import RunConfigError
-from rlplex.models.lm import TinyLMConfig, token_logprobs
+from rlplex.models.hf import load_causal_lm
+from rlplex.models.lm import token_logprobs
 from rlplex.multirun import OrchestratorConfig, RunDir, apply_multi_lora, orch_config_to_toml, write_peft_adapter
-from rlplex.multirun.base_model import base_model, base_model_path
-from rlplex.multirun.orch_config import BaseModelConfig, read_orch_config
+from rlplex.multirun.orch_config import read_orch_config
 from rlplex.multirun.orch_graph import orchestrator_mfcs
 from rlplex.multirun.orchestrator import MAX_EMPTY_BATCH_ATTEMPTS, WaitOptions, main, run_orchestrator
 from rlplex.multirun.rollout_io import ROLLOUT_FILE, read_rollouts, rollouts_ready
@@ -37,36 +37,23 @@ from rlplex.multirun.rundir import write_eviction
 TIMEOUT_S = 60.0
 TARGETS = ("q_proj", "v_proj")
 RANK, ALPHA = 4, 8.0
-SMALL_BASE = {
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_layers": 1,
-    "num_heads": 2,
-    "warmup_steps": 20,
-    "warmup_batch_size": 32,
-    "warmup_lr": 1e-2,
-}
-
-
 def make_config(**overrides: object) -> OrchestratorConfig:
     data: dict[str, object] = {
-        "task": "reverse",
+        "env": {"name": "reverse"},
         "max_steps": 3,
         "batch_size": 16,
         "group_size": 4,
         "max_async_level": 0,
-        "model": {"lora": {"rank": RANK, "alpha": ALPHA}, "base": SMALL_BASE},
+        "model": {"name": str(small_tiny_model()), "lora": {"rank": RANK, "alpha": ALPHA}},
     }
     data.update(overrides)
     return OrchestratorConfig.model_validate(data)
 
 
-@pytest.fixture(scope="module")
-def base_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Warm the small base model up once; each test copies the cache file into its output_dir."""
-    root = tmp_path_factory.mktemp("base")
-    base_model(make_config(), root)
-    return base_model_path(make_config(), root)
+@pytest.fixture
+def base_cache() -> Path:
+    """The small tiny checkpoint, built once per cache (every process of a test loads it)."""
+    return small_tiny_model()
 
 
 def wait_until(condition: Callable[[], bool], what: str, proc: Orchestrator | None = None) -> None:
@@ -185,7 +172,7 @@ class FakeTrainer:
 
     def __init__(self, out: Path, run_id: str, config: OrchestratorConfig) -> None:
         self.run = RunDir(out, run_id)
-        self.base = base_model(config, out)  # from the cache: the orchestrator's weights exactly
+        self.base = load_causal_lm(config.model)  # the orchestrator's weights exactly
         self.model = copy.deepcopy(self.base)
         self.lora = apply_multi_lora(self.model, target_modules=TARGETS, rank=RANK, n_adapters=1)
         self.generator = torch.Generator().manual_seed(7)
@@ -195,7 +182,9 @@ class FakeTrainer:
             for _, param in self.lora.named_parameters_for_adapter(0):
                 param.copy_(torch.randn(param.shape, generator=self.generator) * 0.3)
         state = self.lora.adapter_state_dict(0)
-        write_peft_adapter(self.run.broadcast_step(step), state, None, rank=RANK, alpha=ALPHA, target_modules=TARGETS)
+        write_peft_adapter(
+            self.run.broadcast_step(step), state, self.base.config, rank=RANK, alpha=ALPHA, target_modules=TARGETS
+        )
 
     def peft_model(self, step: int) -> nn.Module:
         from peft import PeftModel
@@ -205,8 +194,7 @@ class FakeTrainer:
 
 def new_output(tmp_path: Path, base_cache: Path) -> Path:
     out = tmp_path / "out"
-    (out / "base_model").mkdir(parents=True)
-    shutil.copy(base_cache, out / "base_model" / base_cache.name)
+    out.mkdir(parents=True)
     return out
 
 
@@ -338,9 +326,12 @@ def test_restart_after_sigkill_resumes_without_regenerating(
     assert [row["step"] for row in rows] == [0.0, 1.0, 2.0]
 
 
-def test_bad_orch_toml_is_refused_naming_the_field(tmp_path: Path, orchestrators: Orchestrators) -> None:
+def test_bad_orch_toml_is_refused_naming_the_field(
+    tmp_path: Path, base_cache: Path, orchestrators: Orchestrators
+) -> None:
     out = tmp_path / "out"
-    body = 'task = "reverse"\nmax_steps = 3\nbatch_size = 6\ngroup_size = 4\n'
+    body = 'env = { name = "reverse" }\nmax_steps = 3\nbatch_size = 6\ngroup_size = 4\n'
+    body += f'[model]\nname = "{base_cache}"\n'
     orch = orchestrators.start(out, "run_bad", body, "bad", cli=True)
     assert orch.wait_exit() == 2
     message = orch.stderr()
@@ -348,11 +339,12 @@ def test_bad_orch_toml_is_refused_naming_the_field(tmp_path: Path, orchestrators
     assert not (out / "run_bad").exists()
 
 
-def test_unknown_task_and_changed_config_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_env_and_changed_config_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "orch.toml"
-    path.write_text('task = "juggle"\nmax_steps = 3\nbatch_size = 4\n')
+    body = f'env = {{ name = "juggle" }}\nmax_steps = 3\nbatch_size = 4\n[model]\nname = "{tiny_model()}"\n'
+    path.write_text(body)
     assert main([str(tmp_path / "out"), "run_t", str(path)]) == 2
-    assert "field 'task': unknown task 'juggle'" in capsys.readouterr().err
+    assert "'juggle'" in capsys.readouterr().err
     with pytest.raises(RunConfigError, match="different config"):
         out = tmp_path / "out2"
         out.mkdir()
@@ -364,41 +356,7 @@ def test_unknown_task_and_changed_config_are_refused(tmp_path: Path, capsys: pyt
         run_orchestrator(out, "run_c", make_config(seed=5), WaitOptions(timeout_s=1), tensorboard=False)
 
 
-def test_base_model_is_cached_and_matches_tiny_lm_fields(tmp_path: Path, base_cache: Path) -> None:
-    assert set(TinyLMConfig.model_fields) <= set(BaseModelConfig.model_fields)
-    out = new_output(tmp_path, base_cache)
-    path = base_model_path(make_config(), out)
-    stamp = os.stat(path).st_mtime_ns
-    first, second = base_model(make_config(), out), base_model(make_config(), out)
-    assert os.stat(path).st_mtime_ns == stamp  # loaded, not warmed up again
-    for (name, a), b in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
-    assert base_model_path(make_config(seed=9), out) == path  # the run seed is not part of the base
-    other = make_config(model={"lora": {"rank": RANK}, "base": {**SMALL_BASE, "warmup_steps": 3}})
-    assert base_model_path(other, out) != path
-    path.write_bytes(b"corrupt")
-    rebuilt = base_model(make_config(), out)
-    assert torch.equal(rebuilt.lm_head.weight, first.lm_head.weight)
-
-
 def test_example_config_is_valid() -> None:
     config = read_orch_config(Path(__file__).parents[2] / "examples" / "multirun_orch.toml")
-    assert (config.task, config.batch_size, config.group_size, config.max_async_level) == ("reverse", 64, 8, 1)
-
-
-def test_base_model_file_is_a_plain_state_dict_without_the_tied_head(tmp_path: Path, base_cache: Path) -> None:
-    from safetensors.torch import load_file
-
-    from rlplex.models.lm import build_tiny_lm
-    from rlplex.multirun.base_model import tiny_lm_config
-
-    out = new_output(tmp_path, base_cache)
-    expected = base_model(make_config(), out)
-    state = load_file(str(base_model_path(make_config(), out)))
-    assert "model.embed_tokens.weight" in state and "lm_head.weight" not in state
-    model = build_tiny_lm(tiny_lm_config(make_config()))  # what the trainer does with TrainerConfig.base_model
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    assert (missing, unexpected) == (["lm_head.weight"], [])
-    tokens = torch.randint(3, 20, (2, 7), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        torch.testing.assert_close(model(tokens).logits, expected(tokens).logits, rtol=0, atol=0)
+    assert (config.env.name, config.batch_size, config.group_size, config.max_async_level) == ("reverse", 64, 8, 1)
+    assert config.model.name == "outputs/models/tiny-reverse"

@@ -20,6 +20,7 @@ from mr_train_helpers import (
     make_runs,
     make_trainer,
     new_train_run,
+    shared_model,
     synthetic_batch,
     train_alone,
     train_until,
@@ -189,37 +190,34 @@ def test_stop_file_ends_the_loop_with_a_checkpoint_of_each_run(tmp_path: Path) -
     assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) == RunDir(tmp_path, "run_c").checkpoint_step(2)
 
 
-def test_a_run_declaring_another_base_model_is_rejected_with_the_reason(tmp_path: Path) -> None:
-    new_run(tmp_path, "run_other", task="add", model={"base": {"warmup_steps": 0}})
+def test_a_run_naming_another_model_is_rejected_with_the_reason(tmp_path: Path) -> None:
+    from lm_models import random_llama
+
+    new_run(tmp_path, "run_other", model={"name": str(random_llama())})
     make_runs(tmp_path, ["run_c"], steps=1)
     trainer = make_trainer(tmp_path, 2)
     trainer.iteration()
     assert sorted(trainer.manager.id_2_idx) == ["run_c"]
     assert trainer.manager.run_statuses()["run_other"] == "rejected"
     reason = RunDir(tmp_path, "run_other").config_error.read_text()
-    assert "'task' / 'model.base'" in reason and "'add'" in reason
+    assert "field 'model.name'" in reason and "random-llama" in reason and "is not this trainer's model" in reason
 
 
-def test_cli_takes_the_base_from_an_orch_toml_and_stops_after_steps(tmp_path: Path) -> None:
+def test_cli_takes_the_model_and_stops_after_steps(tmp_path: Path) -> None:
+    import json
     import signal
 
-    from rlplex.multirun.base_model import base_model_key
-    from rlplex.multirun.orch_config import read_orch_config
     from rlplex.multirun.trainer import main
 
     make_runs(tmp_path, ["run_c"], steps=3)
-    declared = tmp_path / "declared.toml"
-    declared.write_text('task = "reverse"\nmax_steps = 5\nbatch_size = 4\n[model.base]\nwarmup_steps = 7\n')
     handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
     try:
-        args = ["--output-dir", str(tmp_path), "--max-runs", "1", "--base-from", str(declared)]
-        assert main([*args, "--base-warmup-steps", "0", "--steps", "2"]) == 0
+        model = json.dumps({"name": shared_model().name, "device": "cpu"})
+        args = ["--output-dir", str(tmp_path), "--max-runs", "1", "--model-json", model]
+        assert main([*args, "--steps", "2"]) == 0
     finally:
         signal.signal(signal.SIGTERM, handlers[0])
         signal.signal(signal.SIGINT, handlers[1])
-    # warm-up overridden to 0: the key of the runs' base, so run_c was admitted and trained 2 steps
-    key = base_model_key(read_orch_config(RunDir(tmp_path, "run_c").orch_config))
-    assert [p.stem for p in (tmp_path / "base_model").glob("*.safetensors")] == [key]
     assert [r["step"] for r in read_progress_csv(RunDir(tmp_path, "run_c"))] == [1, 2]
     assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) == RunDir(tmp_path, "run_c").checkpoint_step(2)
 

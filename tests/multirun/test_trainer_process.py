@@ -4,6 +4,7 @@ by the tiny LM with the run's broadcast adapter), stopped by SIGTERM to one rank
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -13,9 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
-from mr_train_helpers import FakeOrchestrator, base_model, new_train_run
-from safetensors.torch import load_file
+from mr_train_helpers import FakeOrchestrator, new_train_run, shared_model
 from test_sync_multirank import free_port
 
 from rlplex.multirun.checkpoint import latest_stable_checkpoint_path
@@ -71,8 +70,8 @@ def test_two_torchrun_style_ranks_learn_from_a_fake_orchestrator_and_stop_togeth
             "2",
             "--checkpoint-every",
             "5",
-            "--base-warmup-steps",
-            "0",
+            "--model",
+            shared_model().name,
             env={"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port},
         )
         for rank in range(2)
@@ -94,12 +93,9 @@ def test_two_torchrun_style_ranks_learn_from_a_fake_orchestrator_and_stop_togeth
     finally:
         stop_all(procs)
     assert [p.returncode for p in procs] == [0, 0], [log[-2000:] for log in logs]
-    # The trainer's base came from the shared cache and is the model the fake orchestrator samples with.
-    (cached,) = (tmp_path / "base_model").glob("*.safetensors")
-    trainer_base = load_file(str(cached))
-    for name, tensor in base_model().state_dict().items():
-        if name in trainer_base:
-            assert torch.equal(trainer_base[name], tensor), name
+    # The adapters name the model the trainer loaded (and the fake orchestrator samples with).
+    adapter_config = json.loads((run.broadcast_step(STEPS) / "adapter_config.json").read_text())
+    assert adapter_config["base_model_name_or_path"] == shared_model().name
     # Step 8 is not a checkpoint step (every 5): the trainer checkpoints every run on its way out.
     assert latest_stable_checkpoint_path(run) == run.checkpoint_step(STEPS)
     assert run.checkpoint_step(5).is_dir()

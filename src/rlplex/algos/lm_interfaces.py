@@ -1,9 +1,10 @@
-"""Model interfaces that let the dataflow run GRPO on the tiny language model.
+"""Model interfaces that let the dataflow run GRPO on any causal language model.
 
 `GRPOActor` answers the `generate` and `train_step` MFCs (one model, policy version counted
-per train step); `TaskReward` answers `rew_inf` with the task's verifiable reward. Each
-datapoint is one sampled completion; `task_ids` carries the problem and its group (the
-prompt it was sampled for), so advantages are computed within groups present in the batch.
+per train step); `EnvReward` answers `rew_inf` with the environment's reward. Each datapoint
+is one sampled completion; `packed_prompts` holds the prompt's token ids (see
+`rlplex.models.hf.encode_prompt`) and `task_ids` the example and its group (the prompt it was
+sampled for), so advantages are computed within groups present in the batch.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import torch
 
 from rlplex.algos.grpo import grpo_loss
 from rlplex.dataflow.mfc import MFCDef
-from rlplex.models.lm import generate, left_pad, token_logprobs
-from rlplex.tasks import CharTokenizer, Problem, Task
+from rlplex.models.hf import Tokenizer, decode_completion, stop_token_ids
+from rlplex.models.lm import generate, left_pad, pad_id_of, token_logprobs
+from rlplex.tasks import Environment, Example
 
 
 @dataclass(frozen=True)
 class TaskItem:
-    problem: Problem
+    example: Example
     group: int
 
 
@@ -30,7 +32,7 @@ class GRPOActor:
     def __init__(
         self,
         model: torch.nn.Module,
-        tokenizer: CharTokenizer,
+        tokenizer: Tokenizer,
         max_new_tokens: int,
         lr: float = 1e-3,
         clip: float = 0.2,
@@ -43,14 +45,14 @@ class GRPOActor:
         self.max_new_tokens = max_new_tokens
         self.clip, self.epochs, self.max_grad_norm = clip, epochs, max_grad_norm
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
         self.version = 0
         self.last_stats: dict[str, float] = {}
 
     def generate(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
         rollouts = generate(
             self.model, self.tokenizer, inputs["packed_prompts"], self.max_new_tokens, generator=self.generator
-        )
+        ).cpu()
         tokens, logprobs, masks = [], [], []
         for row in range(len(inputs["packed_prompts"])):
             keep = rollouts.attention_B_L[row].bool()
@@ -70,7 +72,7 @@ class GRPOActor:
             group_rewards = rewards[positions]
             std = group_rewards.std(unbiased=False) if len(positions) > 1 else torch.tensor(0.0)
             advantages[positions] = (group_rewards - group_rewards.mean()) / (std + 1e-6)
-        tokens, attention = left_pad([t.tolist() for t in inputs["packed_input_ids"]], self.tokenizer.pad_id)
+        tokens, attention = left_pad([t.tolist() for t in inputs["packed_input_ids"]], pad_id_of(self.tokenizer))
         width = tokens.shape[1]
         old = torch.zeros(tokens.shape)
         mask = torch.zeros(tokens.shape, dtype=torch.bool)
@@ -91,15 +93,21 @@ class GRPOActor:
         return {}
 
 
-class TaskReward:
-    def __init__(self, task: Task, tokenizer: CharTokenizer) -> None:
-        self.task = task
-        self.tokenizer = tokenizer
+class EnvReward:
+    """`rew_inf`: decodes each completion (the tokens after its prompt, up to a stop token) and
+    scores it with the environment's reward."""
 
-    def score(self, ids: torch.Tensor, item: TaskItem) -> float:
-        prompt_len = len(self.tokenizer.encode(item.problem.prompt))
-        return float(self.task.reward(item.problem, self.tokenizer.decode(ids[prompt_len:].tolist())))
+    def __init__(self, env: Environment, tokenizer: Tokenizer) -> None:
+        self.env = env
+        self.tokenizer = tokenizer
+        self.stop_ids = stop_token_ids(tokenizer)
+
+    def completion(self, ids: torch.Tensor, completion_mask: torch.Tensor) -> str:
+        return decode_completion(self.tokenizer, ids[completion_mask].tolist(), self.stop_ids)
+
+    def scores(self, ids: list[torch.Tensor], masks: list[torch.Tensor], items: list[TaskItem]) -> list[float]:
+        completions = [self.completion(i, m) for i, m in zip(ids, masks, strict=True)]
+        return self.env.score([item.example for item in items], completions)
 
     def inference(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        pairs = zip(inputs["packed_input_ids"], inputs["task_ids"], strict=True)
-        return {"rewards": [self.score(ids, item) for ids, item in pairs]}
+        return {"rewards": self.scores(inputs["packed_input_ids"], inputs["prompt_mask"], inputs["task_ids"])}

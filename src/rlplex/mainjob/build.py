@@ -7,13 +7,11 @@ per run), `conductor` (the driver that plays events and ends the job).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from rlplex.control.spec import JobSpec, parse_job
 from rlplex.mainjob.config import MainJobConfig
 
 
-def trainer_args(config: MainJobConfig, base_model: Path) -> list[str]:
+def trainer_args(config: MainJobConfig) -> list[str]:
     trainer = config.trainer
     return [
         "--output-dir", str(config.runs_dir.resolve()),
@@ -21,12 +19,12 @@ def trainer_args(config: MainJobConfig, base_model: Path) -> list[str]:
         "--max-lora-rank", str(trainer.max_lora_rank),
         "--micro-tokens", str(trainer.micro_batch_tokens),
         "--checkpoint-every", str(trainer.checkpoint_every),
-        "--base-from", str(base_model.resolve()),
+        "--model-json", config.model.resolved().model_dump_json(),
         "--threads", "1",
     ]  # fmt: skip
 
 
-def build_job_spec(config: MainJobConfig, base_model: Path, source: str = "<main job>") -> JobSpec:
+def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec:
     trainer = config.trainer
     world = trainer.world_size
     data = {
@@ -51,7 +49,7 @@ def build_job_spec(config: MainJobConfig, base_model: Path, source: str = "<main
                 "heartbeat_timeout_s": 10.0,
                 "config": {
                     "module": "rlplex.multirun.trainer",
-                    "args": trainer_args(config, base_model),
+                    "args": trainer_args(config),
                     # A trainer told to stop checkpoints every run ahead of its last checkpoint.
                     "stop_grace_s": 15.0,
                 },

@@ -2,18 +2,23 @@
 
 name = "multirun-demo"
 output_dir = "outputs/multirun-demo"
+[model]                             # the shared base model: a hub id or a save_pretrained folder
+name = "outputs/models/tiny-reverse"
 [trainer]
 world_size = 2
 max_runs = 4
 [[runs]]
 id = "run_fast"
-config = { task = "reverse", max_steps = 12, batch_size = 16, optim = { lr = 5e-3 } }
+config = { env = { name = "reverse" }, max_steps = 12, batch_size = 16, optim = { lr = 5e-3 } }
 [[later_runs]]                      # added by an event while the job runs
 id = "run_late"
 config = { ... }
 [[events]]
 when = { run = "run_fast", step = 3 }
 add_run = "run_late"
+
+A run's `model` table may leave out the model's fields: it gets the job's `[model]` (a run
+that names another model is rejected by the trainer, with the reason in its control folder).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlplex.config import StrictModel, load_config
+from rlplex.models.spec import ModelSpec
 from rlplex.multirun.orch_config import OrchestratorConfig, parse_orch_config
 from rlplex.multirun.rundir import is_valid_run_name
 
@@ -51,6 +57,14 @@ class RunEntry(StrictModel):
     def orch_config(self, source: str) -> OrchestratorConfig:
         return parse_orch_config(self.config, f"{source}: run {self.id!r}: config")
 
+    def with_model(self, model: ModelSpec) -> RunEntry:
+        """This entry with the job's model filled into every model field the run leaves out."""
+        table = self.config.get("model", {})
+        if not isinstance(table, dict):
+            return self  # the run's validation reports the bad table
+        filled = {**model.resolved().model_dump(exclude_none=True), **table}
+        return self.model_copy(update={"config": {**self.config, "model": filled}})
+
 
 class Trigger(StrictModel):
     run: str
@@ -75,12 +89,34 @@ class MainJobConfig(StrictModel):
     output_dir: Path
     backend: Literal["local", "ray"] = "local"
     ray_address: str | None = None
+    model: ModelSpec = Field(description="The shared base model every run trains an adapter of.")
     trainer: TrainerSettings = TrainerSettings()
     runs: list[RunEntry] = Field(min_length=1)
     later_runs: list[RunEntry] = Field(default_factory=list)
     events: list[Event] = Field(default_factory=list)
     refresh_s: float = Field(0.5, gt=0, description="live view refresh period")
     timeout_s: float = Field(1800.0, gt=0, description="the job is stopped and failed after this long")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _runs_name_the_job_model(cls, data: Any) -> Any:
+        """Fill each run's model fields from `[model]`, a local folder made absolute, so that
+        every process (whatever its working directory) names the same model."""
+        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+            return data
+        try:
+            model = ModelSpec.model_validate(data["model"]).resolved()
+        except ValueError:
+            return data  # reported by the field's own validation
+        data = {**data, "model": model.model_dump()}
+        for key in ("runs", "later_runs"):
+            entries = data.get(key)
+            if isinstance(entries, list):
+                data[key] = [
+                    RunEntry.model_validate(e).with_model(model) if isinstance(e, dict) and _entry_ok(e) else e
+                    for e in entries
+                ]
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> MainJobConfig:
@@ -107,6 +143,14 @@ class MainJobConfig(StrictModel):
         """Validate every run's orchestrator config now, before anything starts."""
         for entry in self.runs + self.later_runs:
             entry.orch_config(source)
+
+
+def _entry_ok(data: dict[str, Any]) -> bool:
+    try:
+        RunEntry.model_validate(data)
+    except ValueError:
+        return False
+    return True
 
 
 def load_main_job(path: str | Path) -> MainJobConfig:

@@ -20,46 +20,51 @@ from rlplex.mainjob.config import MainJobConfig
 from rlplex.mainjob.registry import REGISTRY_FILE, answer, pending_requests, read_registry, write_registry
 from rlplex.mainjob.report import write_report
 from rlplex.mainjob.view import collect, render
+from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir import write_file_atomic
 
+JOB_CONFIG_FILE = "main_job.json"
 
-def accept_requests(master: PrimeMaster, output_dir: Path) -> list[str]:
-    """Add the runs asked for since the last call; each request gets its answer file."""
+
+def accept_requests(master: PrimeMaster, output_dir: Path, model: ModelSpec) -> list[str]:
+    """Add the runs asked for since the last call (their model fields filled from the job's
+    `model`); each request gets its answer file."""
     added = []
     for request in pending_requests(output_dir):
         if isinstance(request, tuple):
             answer(request[0], False, request[1])
             continue
         registry = read_registry(output_dir)
+        entry = request.entry.with_model(model)
         try:
-            if request.entry.id in {entry.id for entry in registry}:
-                raise ConfigError(f"{request.path}: run {request.entry.id!r} is already in the job")
-            request.entry.orch_config(str(request.path))
+            if entry.id in {e.id for e in registry}:
+                raise ConfigError(f"{request.path}: run {entry.id!r} is already in the job")
+            entry.orch_config(str(request.path))
         except RlplexError as error:
             answer(request.path, False, str(error))
             continue
-        write_registry(output_dir, [*registry, request.entry])
+        write_registry(output_dir, [*registry, entry])
         master.scale_role("orchestrator", len(registry) + 1)
-        answer(request.path, True, f"{request.entry.id} added as orchestrator rank {len(registry)}")
-        added.append(request.entry.id)
+        answer(request.path, True, f"{entry.id} added as orchestrator rank {len(registry)}")
+        added.append(entry.id)
     return added
 
 
-def prepare_base_model(config: MainJobConfig) -> Path:
-    """Warm up the shared base model once, before any node needs it, and return the orch.toml
-    the trainer takes its base from (the first run's: every run must declare the same base)."""
-    from rlplex.multirun.base_model import base_model
-    from rlplex.multirun.orch_config import orch_config_to_toml
+def check_model(config: MainJobConfig) -> None:
+    """Load the job's tokenizer now: a model that cannot be found fails before any process starts."""
+    from rlplex.models.hf import load_tokenizer, resolve_device
 
-    first = config.runs[0].orch_config(source=str(config.output_dir))
-    config.runs_dir.mkdir(parents=True, exist_ok=True)
-    base_model(first, config.runs_dir)
-    reference = config.output_dir / "base_model.toml"
-    write_file_atomic(reference, orch_config_to_toml(first).encode())
-    return reference
+    resolve_device(config.model.device)
+    load_tokenizer(config.model)
 
 
-JOB_CONFIG_FILE = "main_job.json"
+def read_job_model(output_dir: Path) -> ModelSpec | None:
+    """The `[model]` of the main job in `output_dir`, or None when there is none to read."""
+    try:
+        data = json.loads((output_dir / JOB_CONFIG_FILE).read_text(encoding="utf-8"))
+        return ModelSpec.model_validate(data["model"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def run_main_job(config: MainJobConfig, console: Console, live: bool = True, source: str = "<main job>") -> JobState:
@@ -68,12 +73,12 @@ def run_main_job(config: MainJobConfig, console: Console, live: bool = True, sou
     if (output_dir / REGISTRY_FILE).exists():
         raise ConfigError(f"{output_dir}: already holds a main job; choose a new output_dir (or `rlplex resume`)")
     output_dir.mkdir(parents=True, exist_ok=True)
-    console.print(f"preparing the shared base model in {config.runs_dir} ...")
-    base = prepare_base_model(config)
+    console.print(f"checking the shared base model {config.model.name} ...")
+    check_model(config)
     write_registry(output_dir, list(config.runs))
     # `rlplex resume` reads the job back from here (JSON: the folder crosses a trust boundary).
     write_file_atomic(output_dir / JOB_CONFIG_FILE, config.model_dump_json(indent=2).encode())
-    master = PrimeMaster.create(build_job_spec(config, base, source))
+    master = PrimeMaster.create(build_job_spec(config, source))
     console.print(f"job {master.job_id}: starting; from another shell: rlplex status {output_dir}")
     return _drive(master, config, console, live, start=True)
 
@@ -104,7 +109,7 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
         with display or contextlib.nullcontext():
             next_view = 0.0
             while (state := master.monitor()) not in TERMINAL_JOB_STATES:
-                accept_requests(master, output_dir)
+                accept_requests(master, output_dir, config.model)
                 now = time.monotonic()
                 if now - started > config.timeout_s:
                     master.manager.fail(f"the job ran past its timeout_s of {config.timeout_s:g} s")

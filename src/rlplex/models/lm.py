@@ -1,52 +1,24 @@
-"""A tiny causal language model built from a config (random weights, no downloads), and
-the three things RL does with it: sample completions, score token log-probabilities, and a
-short supervised warm-up so that RL starts from a policy with some signal.
+"""What RL does with a causal language model: sample completions, score token
+log-probabilities, and a short supervised warm-up (used to build the tiny checkpoint).
 
-Prompts are left-padded so that every completion starts at the same column; position ids
-are derived from the attention mask, the same way in generation and in scoring, so the
-log-probabilities of a rollout and of its re-scoring agree.
+Any Hugging Face causal LM and tokenizer work here: prompts arrive as token ids (rendered by
+`rlplex.models.hf.encode_prompt`, chat template included), padding uses the tokenizer's pad
+id, and a completion ends at any of the model's stop ids. Prompts are left-padded so that
+every completion starts at the same column; position ids are derived from the attention
+mask, the same way in generation and in scoring, so the log-probabilities of a rollout and of
+its re-scoring agree. Tensors are made on the model's device.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from pydantic import Field
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from rlplex.config import StrictModel
-from rlplex.tasks import CharTokenizer, Task
-
-
-class TinyLMConfig(StrictModel):
-    hidden_size: int = Field(64, ge=8)
-    intermediate_size: int = Field(192, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
-    max_len: int = Field(32, ge=8)
-    seed: int = 0
-
-
-def build_tiny_lm(config: TinyLMConfig | None = None, tokenizer: CharTokenizer | None = None) -> LlamaForCausalLM:
-    config = config or TinyLMConfig()
-    tokenizer = tokenizer or CharTokenizer()
-    torch.manual_seed(config.seed)
-    llama = LlamaConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_heads,
-        num_key_value_heads=config.num_heads,
-        max_position_embeddings=config.max_len,
-        pad_token_id=tokenizer.pad_id,
-        bos_token_id=tokenizer.bos_id,
-        eos_token_id=tokenizer.eos_id,
-        tie_word_embeddings=True,
-    )
-    return LlamaForCausalLM(llama)
+from rlplex.models.hf import Tokenizer, decode_completion, encode_answer, encode_prompt, stop_token_ids
+from rlplex.tasks import Environment
 
 
 @dataclass
@@ -59,34 +31,60 @@ class Rollouts:
     logprobs_B_L: torch.Tensor  # float32, log-prob of each generated token under the sampling policy, 0 elsewhere
     completions: list[str]
 
+    def cpu(self) -> Rollouts:
+        return Rollouts(
+            self.tokens_B_L.cpu(),
+            self.attention_B_L.cpu(),
+            self.completion_mask_B_L.cpu(),
+            self.logprobs_B_L.cpu(),
+            self.completions,
+        )
+
 
 def _positions(attention_B_L: torch.Tensor) -> torch.Tensor:
     return (attention_B_L.cumsum(-1) - 1).clamp(min=0)
 
 
-def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def left_pad(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(ids) for ids in batch)
     tokens = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention = torch.zeros((len(batch), width), dtype=torch.long)
     for i, ids in enumerate(batch):
-        tokens[i, width - len(ids) :] = torch.tensor(ids)
+        tokens[i, width - len(ids) :] = torch.tensor(list(ids), dtype=torch.long)
         attention[i, width - len(ids) :] = 1
     return tokens, attention
+
+
+def pad_id_of(tokenizer: Tokenizer) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return int(pad)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
-    tokenizer: CharTokenizer,
-    prompts: list[str],
+    tokenizer: Tokenizer,
+    prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     temperature: float = 1.0,
     generator: torch.Generator | None = None,
+    stop_ids: Sequence[int] | None = None,
 ) -> Rollouts:
-    """Sample one completion per prompt with a KV cache; greedy when temperature is 0."""
-    tokens, attention = left_pad([tokenizer.encode(p) for p in prompts], tokenizer.pad_id)
+    """Sample one completion per prompt (token ids) with a KV cache; greedy when temperature is 0.
+
+    `generator` must live on the model's device (a CPU generator for a CPU model).
+    """
+    device = _device_of(model)
+    stops = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
+    pad_id = pad_id_of(tokenizer)
+    tokens, attention = (t.to(device) for t in left_pad(prompts, pad_id))
+    stop_B = torch.tensor(stops, device=device)
     n = len(prompts)
-    finished = torch.zeros(n, dtype=torch.bool)
+    finished = torch.zeros(n, dtype=torch.bool, device=device)
     new_tokens, new_logprobs, new_mask = [], [], []
     past = None
     step_input, step_attention = tokens, attention
@@ -105,11 +103,11 @@ def generate(
             choice = log_p.argmax(-1)
         else:
             choice = torch.multinomial(log_p.exp(), 1, generator=generator).squeeze(-1)
-        choice = torch.where(finished, torch.full_like(choice, tokenizer.pad_id), choice)
+        choice = torch.where(finished, torch.full_like(choice, pad_id), choice)
         new_mask.append(~finished)
         new_logprobs.append(torch.where(finished, 0.0, log_p.gather(-1, choice[:, None]).squeeze(-1)))
         new_tokens.append(choice)
-        finished = finished | (choice == tokenizer.eos_id)
+        finished = finished | torch.isin(choice, stop_B)
         step_input = choice[:, None]
         step_attention = torch.cat([step_attention, new_mask[-1][:, None].long()], dim=1)
         if bool(finished.all()):
@@ -120,7 +118,7 @@ def generate(
     full_attention = torch.cat([attention, mask.long()], dim=1)
     completion_mask = torch.cat([torch.zeros_like(tokens, dtype=torch.bool), mask], dim=1)
     logprobs = torch.cat([torch.zeros_like(tokens, dtype=torch.float32), torch.stack(new_logprobs, dim=1)], dim=1)
-    completions = [tokenizer.decode(row.tolist()) for row in gen]
+    completions = [decode_completion(tokenizer, row, stops) for row in gen.tolist()]
     return Rollouts(full_tokens, full_attention, completion_mask, logprobs, completions)
 
 
@@ -146,40 +144,52 @@ def token_logprobs(
 
 def supervised_warmup(
     model: torch.nn.Module,
-    tokenizer: CharTokenizer,
-    task: Task,
+    tokenizer: Tokenizer,
+    environments: Sequence[Environment],
     steps: int,
     batch_size: int = 64,
     lr: float = 3e-3,
     seed: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> list[float]:
-    """Teacher-forced training on correct answers; returns the loss per step."""
+    """Teacher-forced training on correct answers (each followed by the EOS token), the
+    environments taken in turn batch by batch; returns the loss per step."""
     rng = np.random.default_rng(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    eos = stop_token_ids(tokenizer, model)[0] if tokenizer.eos_token_id is None else int(tokenizer.eos_token_id)
+    device = _device_of(model)
     losses = []
     model.train()
-    for _ in range(steps):
-        problems = task.sample(batch_size, rng)
-        sequences = [
-            tokenizer.encode(p.prompt) + tokenizer.encode(p.answer, bos=False) + [tokenizer.eos_id] for p in problems
-        ]
-        tokens, attention = left_pad(sequences, tokenizer.pad_id)
+    for step in range(steps):
+        examples = environments[step % len(environments)].sample(batch_size, rng)
+        prompts = [encode_prompt(tokenizer, e) for e in examples]
+        answers = [[*encode_answer(tokenizer, e.answer), eos] for e in examples]
+        tokens, attention = left_pad([p + a for p, a in zip(prompts, answers, strict=True)], pad_id_of(tokenizer))
         answer_mask = torch.zeros_like(tokens, dtype=torch.bool)
-        for i, p in enumerate(problems):
-            answer_mask[i, tokens.shape[1] - len(p.answer) - 1 :] = True
+        for i, answer in enumerate(answers):
+            answer_mask[i, tokens.shape[1] - len(answer) :] = True
+        tokens, attention, answer_mask = tokens.to(device), attention.to(device), answer_mask.to(device)
         loss = -(token_logprobs(model, tokens, attention) * answer_mask).sum() / answer_mask.sum()
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         losses.append(float(loss.item()))
+        if on_step is not None:
+            on_step(step + 1, losses[-1])
     model.eval()
     return losses
 
 
 def mean_reward(
-    model: torch.nn.Module, tokenizer: CharTokenizer, task: Task, n: int, seed: int, temperature: float = 1.0
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    environment: Environment,
+    n: int,
+    seed: int,
+    temperature: float = 1.0,
 ) -> float:
-    problems = task.sample(n, np.random.default_rng(seed))
-    generator = torch.Generator().manual_seed(seed)
-    rollouts = generate(model, tokenizer, [p.prompt for p in problems], task.max_answer_len + 1, temperature, generator)
-    return float(np.mean([task.reward(p, c) for p, c in zip(problems, rollouts.completions, strict=True)]))
+    examples = environment.sample(n, np.random.default_rng(seed))
+    generator = torch.Generator(device=_device_of(model)).manual_seed(seed)
+    prompts = [encode_prompt(tokenizer, e) for e in examples]
+    rollouts = generate(model, tokenizer, prompts, environment.max_new_tokens, temperature, generator)
+    return float(np.mean(environment.score(examples, rollouts.completions)))

@@ -9,6 +9,7 @@ because a config that only works by coercion is a typo waiting to bite.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import tomllib
@@ -19,7 +20,9 @@ from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_v
 
 from rlplex.config import StrictModel, format_validation_error
 from rlplex.errors import RunConfigError
+from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir import RunDir
+from rlplex.tasks import EnvSpec
 
 MAX_ORCH_CONFIG_BYTES = 1_000_000
 
@@ -33,36 +36,12 @@ class LoraConfig(_Strict):
     alpha: float = Field(16.0, gt=0, description="LoRA alpha; the adapter output is scaled by alpha / rank.")
 
 
-class BaseModelConfig(_Strict):
-    """The shared frozen base: `rlplex.models.lm.TinyLMConfig` fields plus its supervised warm-up.
+class ModelConfig(ModelSpec):
+    """`[model]` of a run: the shared base model (`ModelSpec`: it must be the trainer's, or the
+    trainer rejects the run) plus the run's own LoRA adapter."""
 
-    Trainer and orchestrators build the same weights from these fields alone (see
-    `rlplex.multirun.base_model`). The architecture fields mirror `TinyLMConfig` so that this
-    module does not import transformers; a test keeps the two in step.
-    """
-
-    hidden_size: int = Field(64, ge=8)
-    intermediate_size: int = Field(192, ge=8)
-    num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1, validate_default=True)
-    max_len: int = Field(32, ge=8)
-    seed: int = Field(0, description="Seed of the base weights and of the warm-up data.")
-    warmup_steps: int = Field(120, ge=0, description="Supervised steps on the task, so RL starts with a signal.")
-    warmup_batch_size: int = Field(64, ge=1)
-    warmup_lr: float = Field(3e-3, gt=0)
-
-    @field_validator("num_heads")
-    @classmethod
-    def _heads_divide_hidden(cls, value: int, info: ValidationInfo) -> int:
-        hidden = info.data.get("hidden_size")
-        if isinstance(hidden, int) and hidden % value:
-            raise ValueError(f"hidden_size {hidden} is not a multiple of num_heads {value}")
-        return value
-
-
-class ModelConfig(_Strict):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
     lora: LoraConfig = LoraConfig()
-    base: BaseModelConfig = BaseModelConfig()
 
 
 class OptimConfig(_Strict):
@@ -74,7 +53,7 @@ class OptimConfig(_Strict):
 class OrchestratorConfig(_Strict):
     """What one run asks of the shared trainer. Unknown keys are errors."""
 
-    task: str = Field(min_length=1, description="Name of the verifiable task the run trains on.")
+    env: EnvSpec = Field(description="The environment: data plus reward, e.g. { name = \"reverse\" }.")
     seed: int = 0
     max_steps: int = Field(ge=1, description="The run's own schedule length (not the trainer's).")
     batch_size: int = Field(ge=1, description="Samples per step of this run (prompts x group_size).")
@@ -84,13 +63,13 @@ class OrchestratorConfig(_Strict):
         validate_default=True,
         description="Completions per prompt; advantages are normalised within a group. Divides batch_size.",
     )
-    max_new_tokens: int | None = Field(None, ge=1, description="Generation length; None = the task's answer + EOS.")
+    max_new_tokens: int | None = Field(None, ge=1, description="Generation length; None = the environment's.")
     temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature; 0 = greedy.")
     max_async_level: int = Field(1, ge=0, description="Steps the rollouts may lag the weights; 0 = synchronous.")
     rollout_workers: int = Field(
         1, ge=1, le=64, description="Processes that generate (actor_gen); 1 = in the orchestrator's own process."
     )
-    model: ModelConfig = ModelConfig()
+    model: ModelConfig
     optim: OptimConfig = OptimConfig()
 
     @field_validator("group_size")
@@ -149,7 +128,9 @@ def orch_config_to_toml(config: OrchestratorConfig) -> str:
         if isinstance(item, int | float):
             return repr(item)
         if isinstance(item, str):
-            return '"' + item.replace("\\", "\\\\").replace('"', '\\"') + '"'
+            return json.dumps(item)  # a JSON string is a TOML basic string, control characters escaped
+        if isinstance(item, list | tuple):
+            return "[" + ", ".join(value(v) for v in item) + "]"
         raise TypeError(f"cannot write {type(item).__name__} to TOML")
 
     def table(prefix: str, data: dict[str, Any], out: list[str]) -> None:

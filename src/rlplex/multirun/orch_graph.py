@@ -1,10 +1,10 @@
 """The orchestrator's RL step as a dataflow graph of model function calls (MFCs).
 
-    dataset (prompts, answers, rows, steps, sample_seeds, policy_steps)
+    dataset (prompts, prompt_ids, answers, rows, steps, sample_seeds, policy_steps)
         │
     actor_gen      actor   = shared base + the run's broadcast adapter policy_steps
         │  tokens, loss_mask, logprobs, completions
-    rew_inf        reward  = the task's verifiable reward, advantages normalised per group
+    rew_inf        reward  = the environment's reward, advantages normalised per group
         │  rewards, advantages
     rollout_write  trainer = hands the batch to the shared trainer: rollouts/step_N
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from rlplex.dataflow import MFCDef, MFCGraph, ModelInterfaceType, build_graph
 
-DATASET_KEYS = ("prompts", "answers", "rows", "steps", "sample_seeds", "policy_steps")
+DATASET_KEYS = ("prompts", "prompt_ids", "answers", "rows", "steps", "sample_seeds", "policy_steps")
 GENERATED_KEYS = ("tokens", "loss_mask", "logprobs", "completions")  # per datapoint, unpadded
 SCORED_KEYS = ("rewards", "advantages")
 
@@ -31,7 +31,7 @@ def orchestrator_mfcs(batch_size: int) -> list[MFCDef]:
             "actor_gen",
             "actor",
             ModelInterfaceType.GENERATE,
-            ("prompts", "rows", "sample_seeds", "policy_steps"),
+            ("prompt_ids", "rows", "sample_seeds", "policy_steps"),
             GENERATED_KEYS,
             batch_size,
         ),

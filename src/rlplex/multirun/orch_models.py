@@ -1,10 +1,11 @@
 """The models behind the orchestrator's MFCs (see `orch_graph`) and the dataset that feeds them.
 
-- `StepPrompts`: the dataset. `prepare(step, attempt, policy_step)` draws one step's prompts
-  with the generator seeded by (seed, step, attempt), exactly as the orchestrator always has.
+- `StepPrompts`: the dataset. `prepare(step, attempt, policy_step)` draws one step's examples
+  from the run's environment with the generator seeded by (seed, step, attempt) and renders
+  each prompt to token ids with the model's tokenizer (its chat template for chat examples).
 - `ActorModel` (`actor_gen`): the shared base plus the run's broadcast adapter; it loads
   `broadcast/step_k` when its datapoints ask for a policy step it does not hold.
-- `TaskRewardModel` (`rew_inf`): the task's verifiable reward and group-normalised advantages.
+- `EnvRewardModel` (`rew_inf`): the environment's reward and group-normalised advantages.
 - `RolloutHandoff` (`rollout_write`): pads the step back into one batch and, when it carries a
   learning signal, writes `rollouts/step_N` for the shared trainer (`rollout_io`).
 
@@ -27,13 +28,14 @@ import torch
 
 from rlplex.algos.grpo import group_advantages
 from rlplex.dataflow import MFCDef, MFCExecutionError
+from rlplex.models.hf import Tokenizer, encode_prompt, load_causal_lm, load_tokenizer, stop_token_ids
 from rlplex.models.lm import generate
 from rlplex.multirun.orch_config import OrchestratorConfig
 from rlplex.multirun.orch_graph import GENERATED_KEYS
 from rlplex.multirun.policy import AdapterPolicy
 from rlplex.multirun.rollout_io import RolloutBatch, write_rollouts
 from rlplex.multirun.rundir import RunDir
-from rlplex.tasks import CharTokenizer, Problem, Task, get_task
+from rlplex.tasks import Environment, Example, load_environment
 
 Inputs = dict[str, list[Any]]
 
@@ -61,19 +63,21 @@ def _row_order(mfc: MFCDef, rows: Sequence[int], group_size: int | None = None) 
 class StepPrompts:
     """The graph's dataset: the prepared step's datapoints, then nothing until the next prepare."""
 
-    def __init__(self, task: Task, config: OrchestratorConfig) -> None:
-        self.task, self.config = task, config
+    def __init__(self, env: Environment, tokenizer: Tokenizer, config: OrchestratorConfig) -> None:
+        self.env, self.tokenizer, self.config = env, tokenizer, config
         self._items: deque[dict[str, Any]] = deque()
 
     def prepare(self, step: int, attempt: int, policy_step: int) -> None:
         config = self.config
         rng = np.random.default_rng([config.seed, step, attempt])
-        problems = self.task.sample(config.batch_size // config.group_size, rng)
-        sample_seed = int(rng.integers(2**62))  # drawn after the problems: the same seed as ever
+        examples = self.env.sample(config.batch_size // config.group_size, rng)
+        sample_seed = int(rng.integers(2**62))  # drawn after the examples: the same seed as ever
+        prompt_ids = [encode_prompt(self.tokenizer, e) for e in examples]
         self._items = deque(
             {
-                "prompts": problems[row // config.group_size].prompt,
-                "answers": problems[row // config.group_size].answer,
+                "prompts": examples[row // config.group_size].prompt_text,
+                "prompt_ids": prompt_ids[row // config.group_size],
+                "answers": examples[row // config.group_size].answer,
                 "rows": row,
                 "steps": step,
                 "sample_seeds": sample_seed,
@@ -94,18 +98,19 @@ class StepPrompts:
 class ActorModel:
     """`actor_gen`: samples completions with the base model and the adapter the datapoints name."""
 
-    def __init__(self, policy: AdapterPolicy, run: RunDir, config: OrchestratorConfig, task: Task) -> None:
-        self.policy, self.run, self.config = policy, run, config
-        self.tokenizer = CharTokenizer()
-        self.max_new_tokens = config.max_new_tokens or task.max_answer_len + 1
+    def __init__(
+        self, policy: AdapterPolicy, tokenizer: Tokenizer, run: RunDir, config: OrchestratorConfig, env: Environment
+    ) -> None:
+        self.policy, self.tokenizer, self.run, self.config = policy, tokenizer, run, config
+        self.stop_ids = stop_token_ids(tokenizer, policy.model)
+        self.max_new_tokens = config.max_new_tokens or env.max_new_tokens
 
     @classmethod
     def for_run(cls, output_dir: str | Path, run_id: str, config: OrchestratorConfig) -> ActorModel:
         """Build the actor from the run's files alone (what a rollout worker process does)."""
-        from rlplex.multirun.base_model import base_model
-
-        policy = AdapterPolicy(base_model(config, Path(output_dir)), max_rank=config.model.lora.rank)
-        return cls(policy, RunDir(Path(output_dir), run_id), config, get_task(config.task))
+        policy = AdapterPolicy(load_causal_lm(config.model), max_rank=config.model.lora.rank)
+        tokenizer = load_tokenizer(config.model)
+        return cls(policy, tokenizer, RunDir(Path(output_dir), run_id), config, load_environment(config.env))
 
     def generate(self, mfc: MFCDef, inputs: Inputs) -> dict[str, list[Any]]:
         policy_step = int(_the_one(mfc, inputs, "policy_steps"))
@@ -115,10 +120,14 @@ class ActorModel:
         # The step's seed for the shard that starts at row 0 (all of it, in process); others
         # offset it so that shards on several workers do not draw the same samples.
         seed = int(_the_one(mfc, inputs, "sample_seeds")) + min(rows)
-        generator = torch.Generator().manual_seed(seed)
-        prompts: list[str] = inputs["prompts"]
+        device = next(self.policy.model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(seed)
+        prompts: list[list[int]] = inputs["prompt_ids"]
         with self.policy.active(len(prompts)) as model:
-            out = generate(model, self.tokenizer, prompts, self.max_new_tokens, self.config.temperature, generator)
+            out = generate(
+                model, self.tokenizer, prompts, self.max_new_tokens, self.config.temperature, generator, self.stop_ids
+            )
+        out = out.cpu()
         # One masked select and a split per tensor, not one indexing op per row and tensor.
         keep = out.attention_B_L.bool()
         lengths = keep.sum(dim=1).tolist()
@@ -130,21 +139,20 @@ class ActorModel:
         }
 
 
-class TaskRewardModel:
-    """`rew_inf`: the task's reward per completion, advantages normalised within each group."""
+class EnvRewardModel:
+    """`rew_inf`: the environment's reward per completion, advantages normalised within each group.
 
-    def __init__(self, task: Task, group_size: int) -> None:
-        self.task, self.group_size = task, group_size
+    Reward functions see `(prompt_text, completion, answer)`, so the datapoints carry the
+    prompt's text (not its chat messages) and the answer; a reward that fails scores 0."""
+
+    def __init__(self, env: Environment, group_size: int) -> None:
+        self.env, self.group_size = env, group_size
 
     def inference(self, mfc: MFCDef, inputs: Inputs) -> dict[str, list[Any]]:
         order = _row_order(mfc, inputs["rows"], self.group_size)
-        rewards = torch.tensor(
-            [
-                self.task.reward(Problem(inputs["prompts"][i], inputs["answers"][i]), inputs["completions"][i])
-                for i in order
-            ],
-            dtype=torch.float32,
-        )
+        examples = [Example(prompt=inputs["prompts"][i], answer=inputs["answers"][i]) for i in order]
+        scores = self.env.score(examples, [inputs["completions"][i] for i in order])
+        rewards = torch.tensor(scores, dtype=torch.float32)
         advantages = group_advantages(rewards, self.group_size).float()
         by_position: dict[str, list[Any]] = {"rewards": [None] * len(order), "advantages": [None] * len(order)}
         for rank, position in enumerate(order):
@@ -168,9 +176,9 @@ class Handoff:
 class RolloutHandoff:
     """`rollout_write`: one step's batch to `rollouts/step_N`, unless it has no learning signal."""
 
-    def __init__(self, run: RunDir) -> None:
+    def __init__(self, run: RunDir, pad_id: int) -> None:
         self.run = run
-        self.pad_id = CharTokenizer().pad_id
+        self.pad_id = pad_id
         self.last: Handoff | None = None
 
     def train_step(self, mfc: MFCDef, inputs: Inputs) -> dict[str, list[Any]]:

@@ -7,8 +7,9 @@ Loop, per step s in [first step without STABLE rollouts, max_steps)::
     evicted.txt? ─► RunEvictedError (exit 3)
     wait for a STABLE broadcast/step_k with k >= s - max_async_level (k: the latest one)
     one step of the dataflow (`orch_graph`), run by a FunctionExecutor over a SequenceBuffer:
-        dataset: batch_size/group_size prompts, group_size rows each, seeded by (seed, s, attempt)
-        actor_gen (base + adapter k) ─► rew_inf (task reward, group-normalised advantages)
+        dataset: batch_size/group_size examples of the run's environment, group_size rows each,
+                 seeded by (seed, s, attempt), prompts rendered with the model's tokenizer
+        actor_gen (base + adapter k) ─► rew_inf (environment reward, group-normalised advantages)
         ─► rollout_write: all advantages zero? nothing written : rollouts/step_s (policy_step = k)
     nothing written? retry (MAX_EMPTY_BATCH_ATTEMPTS, then self-evict)
     ─► progress.csv (+ TensorBoard): charts/* and each MFC's timings/<mfc>_{wait,run}_s
@@ -52,12 +53,12 @@ from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCExecutionErro
 from rlplex.errors import ConfigError, MultiRunError, RlplexError, RunConfigError, RunDirGoneError, WaitTimeoutError
 from rlplex.multirun.orch_config import OrchestratorConfig, create_run, read_orch_config
 from rlplex.multirun.orch_graph import orchestrator_graph
-from rlplex.multirun.orch_models import ActorModel, Handoff, RolloutHandoff, StepPrompts, TaskRewardModel
+from rlplex.multirun.orch_models import ActorModel, EnvRewardModel, Handoff, RolloutHandoff, StepPrompts
 from rlplex.multirun.peft_export import is_stable_adapter
 from rlplex.multirun.policy import AdapterPolicy
 from rlplex.multirun.rollout_io import rollouts_ready
 from rlplex.multirun.rundir import RunDir, parse_step, write_eviction
-from rlplex.tasks import Task, get_task
+from rlplex.tasks import Environment, load_environment
 
 log = logging.getLogger(__name__)
 
@@ -154,25 +155,27 @@ class StepDataflow:
     One event loop for the orchestrator's life: the buffer's events belong to it. Reward and
     hand-over run in-process (`LocalModelWorker`, a thread each); generation too when
     `rollout_workers` is 1, else on that many `ProcessModelWorker`s, each loading the base
-    model from the cache and the broadcast adapters from the run directory itself.
+    model with `from_pretrained` and the broadcast adapters from the run directory itself.
     """
 
-    def __init__(self, output_dir: Path, run: RunDir, config: OrchestratorConfig, task: Task) -> None:
-        from rlplex.multirun.base_model import base_model
+    def __init__(self, output_dir: Path, run: RunDir, config: OrchestratorConfig, env: Environment) -> None:
+        from rlplex.models.hf import load_causal_lm, load_tokenizer
+        from rlplex.models.lm import pad_id_of
 
-        self.dataset = StepPrompts(task, config)
-        self.handoff = RolloutHandoff(run)
+        tokenizer = load_tokenizer(config.model)
+        self.dataset = StepPrompts(env, tokenizer, config)
+        self.handoff = RolloutHandoff(run, pad_id_of(tokenizer))
         self.workers: dict[str, list[ModelWorker]] = {
-            "reward": [LocalModelWorker("reward", TaskRewardModel(task, config.group_size))],
+            "reward": [LocalModelWorker("reward", EnvRewardModel(env, config.group_size))],
             "trainer": [LocalModelWorker("trainer", self.handoff)],
             "actor": [],
         }
         self.loop = asyncio.new_event_loop()
         try:
-            base = base_model(config, output_dir)  # warmed up once here: the workers load the cache
             if config.rollout_workers == 1:
-                policy = AdapterPolicy(base, max_rank=config.model.lora.rank)
-                self.workers["actor"].append(LocalModelWorker("actor", ActorModel(policy, run, config, task)))
+                policy = AdapterPolicy(load_causal_lm(config.model), max_rank=config.model.lora.rank)
+                actor = ActorModel(policy, tokenizer, run, config, env)
+                self.workers["actor"].append(LocalModelWorker("actor", actor))
             else:
                 factory = partial(ActorModel.for_run, str(output_dir), run.run_id, config)
                 for index in range(config.rollout_workers):
@@ -224,7 +227,7 @@ def run_orchestrator(
     wait = wait or WaitOptions()
     output_dir = Path(output_dir)
     try:
-        task = get_task(config.task)
+        env = load_environment(config.env)
     except ConfigError as error:
         raise RunConfigError(f"orch config of {run_id}: {error}") from None
     run = open_run(output_dir, run_id, config)
@@ -235,7 +238,7 @@ def run_orchestrator(
     generated = 0
     if step < config.max_steps:
         run.ensure_dir()  # MetricsLogger makes missing parents: never let it recreate a deleted run
-        with StepDataflow(output_dir, run, config, task) as dataflow, MetricsLogger(run.root, tensorboard) as metrics:
+        with StepDataflow(output_dir, run, config, env) as dataflow, MetricsLogger(run.root, tensorboard) as metrics:
             empty = 0
             while step < config.max_steps:
                 check_evicted(run)

@@ -42,19 +42,18 @@ from pydantic import Field
 
 from rlplex.config import StrictModel
 from rlplex.errors import AdapterError, CheckpointError, MultiRunError, RunDirGoneError
-from rlplex.models.lm import token_logprobs
-from rlplex.multirun.base_model import base_model as build_shared_base
-from rlplex.multirun.base_model import base_model_key
+from rlplex.models.hf import load_causal_lm, load_tokenizer, resolve_device
+from rlplex.models.lm import pad_id_of, token_logprobs
+from rlplex.models.spec import ModelSpec
 from rlplex.multirun.checkpoint import RunProgress, save_checkpoint
-from rlplex.multirun.lora import DEFAULT_TARGET_MODULES, apply_multi_lora
+from rlplex.multirun.lora import apply_multi_lora
 from rlplex.multirun.manager import MultiRunManager, setup_multi_run_manager
-from rlplex.multirun.orch_config import BaseModelConfig, OrchestratorConfig
+from rlplex.multirun.orch_config import OrchestratorConfig
 from rlplex.multirun.packer import MicroBatch, Packer
 from rlplex.multirun.peft_export import is_stable_adapter, write_peft_adapter
 from rlplex.multirun.rollout_io import MalformedRolloutError, read_rollouts, rollouts_ready
 from rlplex.multirun.run_optim import CLIP_EPS, RunOptimizers, StepStats, clipped_pg_loss
 from rlplex.multirun.trainer_log import BackgroundWriter, ProgressLog, RunFinisher, final_outputs_missing
-from rlplex.tasks import CharTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +64,13 @@ class TrainerConfig(StrictModel):
     output_dir: Path
     max_runs: int = Field(ge=1)
     max_lora_rank: int = Field(8, ge=1)
-    target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
+    target_modules: tuple[str, ...] | None = Field(
+        None, description="Layers that get LoRA adapters (last name component); None = the model family's default."
+    )
     micro_tokens: int = Field(4096, ge=1, description="Row tokens per micro-batch (padded width x rows).")
     micro_batches: int = Field(4, ge=1, description="Micro-batches per rank per iteration.")
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint a run every N of its steps (and at its last).")
-    task: str = Field("reverse", min_length=1, description="The task the shared base model is warmed up on.")
-    base: BaseModelConfig = Field(BaseModelConfig(), description="The shared base model, as runs declare it.")
+    model: ModelSpec = Field(description="The shared frozen base model; every run must name the same one.")
     clip_eps: float = Field(CLIP_EPS, gt=0)
     poll_interval_s: float = Field(0.05, gt=0)
     finish_retry_s: float = Field(
@@ -103,9 +103,10 @@ class IterationResult:
 
 
 class MultiRunTrainer:
-    """The trainer of every rank. The shared frozen base is `base_model(task, base)` from the
-    run directory's cache (the orchestrators load the same file); runs that declare another
-    base are rejected with the reason. `base_model` may be passed in: it must hold those weights."""
+    """The trainer of every rank. The shared frozen base is `config.model`, loaded with
+    `from_pretrained` on its device (the orchestrators load the same checkpoint); runs that
+    name another model are rejected with the reason. `base_model` may be passed in: it must
+    hold those weights."""
 
     def __init__(self, config: TrainerConfig, base_model: torch.nn.Module | None = None) -> None:
         self.config = config
@@ -113,18 +114,22 @@ class MultiRunTrainer:
         self.rank = dist.get_rank() if distributed else 0
         self.world_size = dist.get_world_size() if distributed else 1
         self.manager: MultiRunManager = setup_multi_run_manager(config.output_dir, config.max_runs)
-        self.tokenizer = CharTokenizer()
-        self.base_config = self._reference_config()
-        self.base_key = base_model_key(self.base_config)
-        model = base_model if base_model is not None else build_shared_base(self.base_config, config.output_dir)
-        self.model = model.eval()
-        self.lora = apply_multi_lora(self.model, config.target_modules, rank=config.max_lora_rank, manager=self.manager)
+        self.tokenizer = load_tokenizer(config.model)
+        self.device = resolve_device(config.model.device)
+        model = base_model if base_model is not None else load_causal_lm(config.model, self.device)
+        self.model = model.to(self.device).eval()
+        # LoRA weights (and so Adam's state) stay float32 whatever the base's dtype.
+        self.lora = apply_multi_lora(
+            self.model, config.target_modules, rank=config.max_lora_rank, manager=self.manager, lora_dtype=torch.float32
+        )
         self.vocab_size = int(cast(Any, self.model).get_input_embeddings().num_embeddings)
         self.optim = RunOptimizers(self.manager)
+        # bf16 matmuls under autocast on a GPU whose base is bf16; LoRA weights stay float32.
+        self._autocast = self.device.type == "cuda" and next(self.model.parameters()).dtype == torch.bfloat16
         self.manager.register_creation_hook(self._on_create, name="rlplex.multirun.trainer.initial_broadcast")
         self.manager.register_forgotten_hook(self._on_forgotten, name="rlplex.multirun.trainer.forget")
         self.manager.register_config_validation_hook(self._same_base, name="rlplex.multirun.trainer.same_base")
-        self.packer = Packer(config.micro_tokens, config.micro_batches * self.world_size, self.tokenizer.pad_id)
+        self.packer = Packer(config.micro_tokens, config.micro_batches * self.world_size, pad_id_of(self.tokenizer))
         self.progress_log = ProgressLog()
         self._evicted: set[str] = set()
         self._checkpoint_due: dict[str, int] = {}
@@ -135,25 +140,13 @@ class MultiRunTrainer:
         self._rewards: dict[int, tuple[float, int]] = {}
 
     # ---- set-up ------------------------------------------------------------------------------
-    def _reference_config(self) -> OrchestratorConfig:
-        """A run config that declares the trainer's base model (task + model.base)."""
-        return OrchestratorConfig.model_validate(
-            {
-                "task": self.config.task,
-                "max_steps": 1,
-                "batch_size": 2,
-                "model": {"base": self.config.base.model_dump()},
-            }
-        )
-
     def _same_base(self, config: OrchestratorConfig) -> tuple[bool, str]:
-        """Config validation: a run must declare the base model this trainer trains on."""
-        key = base_model_key(config)
-        if key == self.base_key:
+        """Config validation: a run must name the base model this trainer trains."""
+        if config.model.identity() == self.config.model.identity():
             return True, ""
         return False, (
-            f"fields 'task' / 'model.base': the run's base model (task {config.task!r}, key {key}) is not this "
-            f"trainer's (task {self.config.task!r}, {self.config.base.model_dump()}, key {self.base_key})"
+            f"field 'model.name': the run's model {config.model.name!r} ({config.model.identity()}) is not "
+            f"this trainer's model {self.config.model.name!r} ({self.config.model.identity()})"
         )
 
     def request_stop(self) -> None:
@@ -302,9 +295,18 @@ class MultiRunTrainer:
             # Each run's rollouts were sampled (and their old log-probabilities taken) at its own
             # temperature; scoring them at 1 would skew every importance ratio of a run at T != 1.
             temperatures = torch.tensor([self.manager.config[idx].temperature for idx in micro.adapter_ids.tolist()])
-            logprobs = token_logprobs(self.model, micro.tokens, micro.attention, temperatures)
+            device = self.device
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self._autocast):
+                logprobs = token_logprobs(
+                    self.model, micro.tokens.to(device), micro.attention.to(device), temperatures.to(device)
+                )
         row_losses = clipped_pg_loss(
-            logprobs, micro.logprobs, micro.advantages, micro.loss_mask, micro.token_weight, self.config.clip_eps
+            logprobs,
+            micro.logprobs.to(device),
+            micro.advantages.to(device),
+            micro.loss_mask.to(device),
+            micro.token_weight.to(device),
+            self.config.clip_eps,
         )
         row_losses.sum().backward()
         self.optim.add_loss(row_losses, micro.adapter_ids)
@@ -333,11 +335,13 @@ class MultiRunTrainer:
         path = self.manager.run_dir(run_id).broadcast_step(step)
         state = self.manager.get_state_dict_for_run(idx)  # a copy: the next step cannot change it
         targets = {name.rsplit(".", 1)[-1] for name in self.manager.lora_modules}
+        base_name = self.config.model.resolved().name  # peft and vLLM load the adapter over this
+        fan_in_fan_out = self.lora.fan_in_fan_out  # GPT-2's Conv1D layers store their weight transposed
 
         def job() -> None:
             try:
                 write_peft_adapter(
-                    path, state, f"rlplex/tiny-lm-{self.base_key}", lora_cfg.rank, lora_cfg.alpha, targets
+                    path, state, base_name, lora_cfg.rank, lora_cfg.alpha, targets, fan_in_fan_out=fan_in_fan_out
                 )
             except AdapterError as error:
                 log.warning("run %s: broadcast step %d not written: %s", run_id, step, error)

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rlplex.multirun.orch_config import BaseModelConfig, read_orch_config
+from rlplex.config import validate_config
+from rlplex.models.spec import ModelSpec
 from rlplex.multirun.trainer import MultiRunTrainer, TrainerConfig
 
 log = logging.getLogger("rlplex.multirun.trainer")
@@ -42,10 +43,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-tokens", type=int, default=4096)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--checkpoint-every", type=int, default=1)
-    parser.add_argument("--task", default="reverse", help="task of the shared base model (runs must match)")
-    parser.add_argument("--base-from", type=Path, default=None, help="take task and model.base from this orch.toml")
-    parser.add_argument("--base-warmup-steps", type=int, default=None)
-    parser.add_argument("--base-seed", type=int, default=None)
+    parser.add_argument("--model", default=None, help="the shared base model: a hub id or local folder")
+    parser.add_argument(
+        "--model-json", default=None, help="the whole [model] table as JSON (ModelSpec); overrides --model"
+    )
     parser.add_argument("--steps", type=int, default=None, help="stop after N iterations that trained")
     parser.add_argument("--until-idle", type=float, default=None, help="stop after S seconds with nothing to train")
     parser.add_argument("--threads", type=int, default=None)
@@ -53,14 +54,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:
         torch.set_num_threads(args.threads)
-    task, base = args.task, BaseModelConfig()
-    if args.base_from is not None:
-        declared = read_orch_config(args.base_from)
-        task, base = declared.task, declared.model.base
-    overrides = {"warmup_steps": args.base_warmup_steps, "seed": args.base_seed}
-    base = BaseModelConfig.model_validate(
-        {**base.model_dump(), **{k: v for k, v in overrides.items() if v is not None}}
-    )
+    import json
+
+    if not (args.model or args.model_json):
+        parser.error("give the shared base model: --model NAME or --model-json JSON")
+    model_data = json.loads(args.model_json) if args.model_json else {"name": args.model}
+    model = validate_config(ModelSpec, model_data, source="--model-json")
     config = TrainerConfig(
         output_dir=args.output_dir,
         max_runs=args.max_runs,
@@ -68,8 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         micro_tokens=args.micro_tokens,
         micro_batches=args.micro_batches,
         checkpoint_every=args.checkpoint_every,
-        task=task,
-        base=base,
+        model=model,
     )
     owns_group = _init_distributed()
     try:

@@ -1,4 +1,4 @@
-"""GRPO on the tiny language model as a dataflow, synchronous or asynchronous (eta).
+"""GRPO on a causal language model as a dataflow, synchronous or asynchronous (eta).
 
 Rollout workers (threads here, each with its own copy of the model) generate groups of
 completions for a task and score them; the trainer runs the `actor_train` MFC through the
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from rlplex.algos.lm_interfaces import GRPOActor, TaskItem, TaskReward
+from rlplex.algos.lm_interfaces import EnvReward, GRPOActor, TaskItem
 from rlplex.config import StrictModel
 from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCDef, ModelInterfaceType, build_graph
 from rlplex.dataflow.stream import (
@@ -34,16 +34,17 @@ from rlplex.dataflow.stream import (
 )
 from rlplex.diagnostics import MetricsLogger, ProgressLine
 from rlplex.errors import RlplexError
-from rlplex.models.lm import TinyLMConfig, build_tiny_lm, generate, mean_reward, supervised_warmup
-from rlplex.tasks import CharTokenizer, get_task
+from rlplex.models.hf import Tokenizer, encode_prompt, load_causal_lm, load_tokenizer
+from rlplex.models.lm import generate, mean_reward
+from rlplex.models.spec import ModelSpec
+from rlplex.tasks import Environment, EnvSpec, load_environment
 
 TRAIN_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "rewards", "task_ids", "version_start")
 
 
 class GRPOLMConfig(StrictModel):
-    task: str = "reverse"
-    model: TinyLMConfig = TinyLMConfig()
-    warmup_steps: int = Field(120, ge=0, description="supervised steps before RL, so that RL starts with a signal")
+    model: ModelSpec = Field(description="The model to train (all its weights): a hub id or a local folder.")
+    env: EnvSpec = EnvSpec(name="reverse")
     batch_size: int = Field(128, ge=1, description="samples per train step")
     group_size: int = Field(8, ge=2, description="completions per prompt")
     eta: int = Field(1, ge=0, description="maximum policy versions between generation and training")
@@ -106,11 +107,10 @@ def train_grpo_lm(config: GRPOLMConfig, log_dir: str | Path | None = None, show_
             f"field 'batch_size': {config.batch_size} is not a multiple of group_size {config.group_size}"
         )
     torch.manual_seed(config.seed)
-    tokenizer, task = CharTokenizer(), get_task(config.task)
-    model = build_tiny_lm(config.model.model_copy(update={"seed": config.seed}), tokenizer)
-    supervised_warmup(model, tokenizer, task, config.warmup_steps, seed=config.seed)
-    actor = GRPOActor(model, tokenizer, task.max_answer_len + 1, lr=config.lr, epochs=config.epochs, seed=config.seed)
-    reward_model = TaskReward(task, tokenizer)
+    tokenizer, task = load_tokenizer(config.model), load_environment(config.env)
+    model = load_causal_lm(config.model).requires_grad_(True)
+    actor = GRPOActor(model, tokenizer, task.max_new_tokens, lr=config.lr, epochs=config.epochs, seed=config.seed)
+    reward_model = EnvReward(task, tokenizer)
     waits = WaitCounters()
     controller = StalenessController(config.batch_size, config.eta, waits)
     stream = StreamDataset(capacity=(config.eta + 1) * config.batch_size, waits=waits)
@@ -201,36 +201,36 @@ def _make_rollout_worker(
     index: int,
     config: GRPOLMConfig,
     model: torch.nn.Module,
-    tokenizer: CharTokenizer,
-    task: Any,
-    reward_model: TaskReward,
+    tokenizer: Tokenizer,
+    task: Environment,
+    reward_model: EnvReward,
     controller: StalenessController,
     stream: StreamDataset,
     weights: WeightBroadcaster,
     next_group: Any,
 ) -> RolloutWorker:
     local_model = copy.deepcopy(model).eval()
-    generator = torch.Generator().manual_seed(config.seed * 1000 + index)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(config.seed * 1000 + index)
 
     def rollout(group: int) -> list[dict[str, Any]]:
-        problem = task.sample(1, np.random.default_rng((config.seed, group)))[0]
-        prompts = [problem.prompt] * config.group_size
-        rollouts = generate(local_model, tokenizer, prompts, task.max_answer_len + 1, generator=generator)
-        samples = []
-        for row in range(config.group_size):
-            keep = rollouts.attention_B_L[row].bool()
-            ids = rollouts.tokens_B_L[row][keep]
-            item = TaskItem(problem, group)
-            samples.append(
-                {
-                    "packed_input_ids": ids,
-                    "packed_logprobs": rollouts.logprobs_B_L[row][keep],
-                    "prompt_mask": rollouts.completion_mask_B_L[row][keep],
-                    "task_ids": item,
-                    "rewards": reward_model.score(ids, item),
-                }
-            )
-        return samples
+        example = task.sample(1, np.random.default_rng((config.seed, group)))[0]
+        prompts = [encode_prompt(tokenizer, example)] * config.group_size
+        rollouts = generate(local_model, tokenizer, prompts, task.max_new_tokens, generator=generator).cpu()
+        keep = rollouts.attention_B_L.bool()
+        ids = [rollouts.tokens_B_L[row][keep[row]] for row in range(config.group_size)]
+        masks = [rollouts.completion_mask_B_L[row][keep[row]] for row in range(config.group_size)]
+        items = [TaskItem(example, group)] * config.group_size
+        rewards = reward_model.scores(ids, masks, items)
+        return [
+            {
+                "packed_input_ids": ids[row],
+                "packed_logprobs": rollouts.logprobs_B_L[row][keep[row]],
+                "prompt_mask": masks[row],
+                "task_ids": items[row],
+                "rewards": rewards[row],
+            }
+            for row in range(config.group_size)
+        ]
 
     return RolloutWorker(
         f"rollout{index}",

@@ -1,0 +1,59 @@
+"""`rlplex model ...`: build and inspect the language models rlplex trains.
+
+    rlplex model tiny OUT_DIR [--task reverse --task add ...]
+
+builds the tiny checkpoint (a Qwen2-architecture model with a BPE tokenizer trained on the
+spot, warmed up on the tasks) that tests and the demo use; a second call is instant.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rlplex.cli_mainjob import DEBUG_HELP, _guard
+
+
+def register(app: typer.Typer, console: Console) -> None:
+    model_app = typer.Typer(help="Build the language models rlplex trains.", no_args_is_help=True)
+    app.add_typer(model_app, name="model")
+
+    @model_app.command("tiny")
+    def tiny(
+        out_dir: Annotated[Path, typer.Argument(help="folder to write the checkpoint to (save_pretrained layout)")],
+        task: Annotated[list[str] | None, typer.Option(help="warm-up environment; repeat for several")] = None,
+        warmup_steps: Annotated[int | None, typer.Option(help="supervised warm-up steps")] = None,
+        seed: Annotated[int | None, typer.Option(help="seed of the weights, tokenizer and warm-up")] = None,
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Build the tiny checkpoint that tests and the demo train (cached by its settings)."""
+
+        def body() -> int:
+            from rlplex.config import validate_config
+            from rlplex.models.tiny import TinyModelConfig, build_tiny_model
+
+            settings = {"tasks": task, "warmup_steps": warmup_steps, "seed": seed}
+            config = validate_config(
+                TinyModelConfig, {k: v for k, v in settings.items() if v is not None}, source="command-line flags"
+            )
+            columns = (
+                TextColumn("warm-up"),
+                BarColumn(),
+                TextColumn("{task.completed}/{task.total} loss {task.fields[loss]}"),
+                TimeElapsedColumn(),
+            )
+            with Progress(*columns, console=console, transient=True) as progress:
+                bar = progress.add_task("warm-up", total=config.warmup_steps, loss="-")
+
+                def on_step(step: int, loss: float) -> None:
+                    progress.update(bar, completed=step, loss=f"{loss:.3f}")
+
+                path = build_tiny_model(out_dir, config, on_step)
+            console.print(f"tiny model ({', '.join(config.tasks)}; key {config.key()}): {path}", highlight=False)
+            return 0
+
+        _guard(console, debug, body)

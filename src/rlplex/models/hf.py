@@ -1,0 +1,154 @@
+"""Load the model a `ModelSpec` names, the Hugging Face way, on the device it asks for.
+
+- `load_tokenizer(spec)`: `AutoTokenizer.from_pretrained`, with a pad token (the EOS token
+  when the checkpoint has none: rlplex pads by hand and masks pads out, so any id will do).
+- `load_causal_lm(spec)`: `AutoModelForCausalLM.from_pretrained` in the spec's dtype, frozen,
+  in eval mode, on `resolve_device(spec.device)`.
+- A hub id is looked up in the local Hugging Face cache first (`local_files_only`), so a
+  cached model loads with the network off; only a cache miss goes to the hub, and a miss
+  that cannot be downloaded is a `ModelLoadError` naming the id, never a raw traceback.
+- `encode_prompt` renders an `Example` to token ids: chat messages through the tokenizer's
+  chat template (an error if it has none), raw text as is.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from rlplex.errors import DeviceError, ModelLoadError
+from rlplex.models.spec import ModelSpec
+from rlplex.tasks import Example
+
+Tokenizer = PreTrainedTokenizerBase
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "cpu":
+        return torch.device("cpu")
+    if device not in ("auto", "cuda"):
+        raise DeviceError(f"field 'device': {device!r} is not one of 'auto', 'cpu', 'cuda'")
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if device == "cuda":
+        raise DeviceError(
+            f"field 'device': 'cuda' was asked for, but this torch ({torch.__version__}) sees no CUDA device; "
+            "use device = \"cpu\" or \"auto\""
+        )
+    return torch.device("cpu")
+
+
+def resolve_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
+    if spec.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
+
+
+def _offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _from_pretrained(loader: Any, spec: ModelSpec, what: str, **kwargs: Any) -> Any:
+    kwargs |= {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    if spec.is_local:
+        try:
+            return loader.from_pretrained(spec.resolved().name, **kwargs)
+        except (OSError, ValueError) as error:
+            raise ModelLoadError(f"model {spec.name!r}: cannot load its {what} from the folder: {error}") from None
+    try:
+        return loader.from_pretrained(spec.name, local_files_only=True, **kwargs)
+    except (OSError, ValueError) as cached_error:
+        if _offline():
+            raise ModelLoadError(
+                f"model {spec.name!r} is not a local folder and its {what} is not in the Hugging Face cache "
+                f"(HF_HUB_OFFLINE is set, so nothing is downloaded): {cached_error}"
+            ) from None
+    try:
+        return loader.from_pretrained(spec.name, **kwargs)
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(
+            f"model {spec.name!r} is not a local folder, its {what} is not in the Hugging Face cache, "
+            f"and it could not be downloaded: {error}"
+        ) from None
+
+
+def load_tokenizer(spec: ModelSpec) -> Tokenizer:
+    tokenizer: Tokenizer = _from_pretrained(AutoTokenizer, spec, "tokenizer")
+    if tokenizer.pad_token_id is None:
+        if tokenizer.eos_token_id is None:
+            raise ModelLoadError(f"model {spec.name!r}: its tokenizer has neither a pad nor an EOS token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(spec: ModelSpec, device: torch.device | None = None) -> PreTrainedModel:
+    """The frozen base model in eval mode on `device` (default: the spec's)."""
+    from transformers.utils import logging as hf_logging
+
+    device = device or resolve_device(spec.device)
+    # Its per-load progress bar would fill every orchestrator's and rank's log; rlplex shows its own.
+    hf_logging.disable_progress_bar()
+    model: PreTrainedModel = _from_pretrained(
+        AutoModelForCausalLM, spec, "weights", dtype=resolve_dtype(spec, device)
+    )
+    moved: PreTrainedModel = model.to(device)  # type: ignore[arg-type]  # transformers' stubs miss this overload
+    return moved.eval().requires_grad_(False)
+
+
+def stop_token_ids(tokenizer: Tokenizer, model: torch.nn.Module | None = None) -> list[int]:
+    """Ids that end a completion: the tokenizer's EOS and the model's generation EOS ids."""
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    generation = getattr(model, "generation_config", None)
+    eos = getattr(generation, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, Sequence):
+        ids.update(int(i) for i in eos)
+    if not ids:
+        raise ModelLoadError("the tokenizer and model name no EOS token: completions could never end")
+    return sorted(ids)
+
+
+def encode_prompt(tokenizer: Tokenizer, example: Example) -> list[int]:
+    if example.messages is not None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ModelLoadError(
+                "the environment gives chat messages, but the model's tokenizer has no chat template"
+            )
+        rendered: Any = tokenizer.apply_chat_template(
+            list(example.messages), add_generation_prompt=True, tokenize=True
+        )
+        # transformers 5 returns a BatchEncoding; older releases a plain list of ids.
+        ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer.encode(example.prompt or "", add_special_tokens=True)]
+
+
+def encode_answer(tokenizer: Tokenizer, answer: str) -> list[int]:
+    return [int(i) for i in tokenizer.encode(answer, add_special_tokens=False)]
+
+
+def decode_completion(tokenizer: Tokenizer, ids: Sequence[int], stop_ids: Sequence[int]) -> str:
+    """The text of a completion up to its first stop token; special tokens dropped."""
+    stops = set(stop_ids)
+    end = next((i for i, token in enumerate(ids) if token in stops), len(ids))
+    return str(tokenizer.decode(list(ids[:end]), skip_special_tokens=True))
+
+
+__all__ = [
+    "Tokenizer",
+    "decode_completion",
+    "encode_answer",
+    "encode_prompt",
+    "load_causal_lm",
+    "load_tokenizer",
+    "resolve_device",
+    "resolve_dtype",
+    "stop_token_ids",
+]

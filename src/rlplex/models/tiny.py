@@ -1,0 +1,192 @@
+"""The small model that tests and the demo train: a real Hugging Face checkpoint built here.
+
+`build_tiny_model(out_dir, TinyModelConfig(...))` writes, with nothing downloaded:
+
+- a byte-level BPE tokenizer trained on the spot with `tokenizers` on text of every built-in
+  environment (`tokenizer.json`, special tokens ``<|endoftext|>`` (pad), ``<|im_start|>``,
+  ``<|im_end|>`` (EOS) and a ChatML chat template, as Qwen2 checkpoints have);
+- a Qwen2-architecture model from a config, after a short supervised warm-up on the chosen
+  environments so that RL starts from a policy with some signal;
+- `save_pretrained` (safetensors) and ``rlplex_tiny.json`` (the settings and their key).
+
+Letters and digits are split into single characters before BPE (as Llama and Qwen split
+digits): the toy tasks are character puzzles, and a 2-layer model learns them in a minute
+only when each character is one token. Merges still form on everything else.
+
+The folder is cached by its settings: a second call with the same settings returns at once;
+a folder built with other settings is refused rather than replaced under a job that may be
+reading it. Two processes asking at once serialise on a lock file beside the folder; the
+model is built in a hidden sibling and renamed into place, so a reader never sees half of it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import Field, field_validator
+
+from rlplex.config import StrictModel
+from rlplex.errors import ConfigError
+from rlplex.tasks import Environment, Example, load_environment
+
+SETTINGS_FILE = "rlplex_tiny.json"
+_FORMAT_VERSION = 1  # bump when the same settings would build a different model
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+_TOKENIZER_ENVS = ("reverse", "sort_digits", "add", "arithmetic")
+
+
+class TinyModelConfig(StrictModel):
+    tasks: tuple[str, ...] = Field(("reverse",), min_length=1, description="Environments of the warm-up.")
+    vocab_size: int = Field(320, ge=260, le=65536, description="BPE vocabulary: 256 bytes, 3 specials, merges.")
+    hidden_size: int = Field(64, ge=8)
+    intermediate_size: int = Field(192, ge=8)
+    num_layers: int = Field(2, ge=1)
+    num_heads: int = Field(4, ge=1)
+    max_len: int = Field(128, ge=16, description="Longest prompt + completion, in tokens.")
+    seed: int = 0
+    warmup_steps: int = Field(120, ge=0, description="Supervised steps, so RL starts with a signal.")
+    warmup_batch_size: int = Field(64, ge=1)
+    warmup_lr: float = Field(3e-3, gt=0)
+
+    @field_validator("num_heads")
+    @classmethod
+    def _heads_divide_hidden(cls, value: int, info: object) -> int:
+        hidden = getattr(info, "data", {}).get("hidden_size")
+        if isinstance(hidden, int) and hidden % value:
+            raise ValueError(f"hidden_size {hidden} is not a multiple of num_heads {value}")
+        return value
+
+    def key(self) -> str:
+        payload = {"format": _FORMAT_VERSION, **self.model_dump(mode="json")}
+        return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _render(example: Example) -> str:
+    if example.messages is None:
+        return f"{example.prompt}{example.answer}{IM_END}"
+    turns = "".join(f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n" for m in example.messages)
+    return f"{turns}{IM_START}assistant\n{example.answer}{IM_END}\n"
+
+
+def train_tokenizer(vocab_size: int, seed: int = 0, texts_per_env: int = 400) -> object:
+    """A byte-level BPE `PreTrainedTokenizerFast` trained on the built-in environments' text."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    rng = np.random.default_rng(seed)
+    corpus = [_render(e) for name in _TOKENIZER_ENVS for e in load_environment(name).sample(texts_per_env, rng)]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(r"[A-Za-z0-9]"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[PAD, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=IM_END, pad_token=PAD)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def _build(out: Path, config: TinyModelConfig, on_step: Callable[[int, float], None] | None) -> None:
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    from rlplex.models.lm import supervised_warmup
+
+    environments: list[Environment] = [load_environment(name) for name in config.tasks]
+    tokenizer = train_tokenizer(config.vocab_size, config.seed)
+    vocab = len(tokenizer)  # type: ignore[arg-type]
+    pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id  # type: ignore[attr-defined]
+    torch.manual_seed(config.seed)
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=vocab,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=config.num_layers,
+            num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_heads,
+            max_position_embeddings=config.max_len,
+            pad_token_id=pad_id,
+            bos_token_id=None,
+            eos_token_id=eos_id,
+            tie_word_embeddings=True,
+        )
+    )
+    model.generation_config = GenerationConfig(eos_token_id=eos_id, pad_token_id=pad_id)
+    if config.warmup_steps:
+        supervised_warmup(
+            model,
+            tokenizer,  # type: ignore[arg-type]
+            environments,
+            steps=config.warmup_steps,
+            batch_size=config.warmup_batch_size,
+            lr=config.warmup_lr,
+            seed=config.seed,
+            on_step=on_step,
+        )
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
+    settings = {"key": config.key(), "settings": config.model_dump(mode="json")}
+    (out / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
+
+
+def read_tiny_settings(out_dir: Path) -> dict[str, object] | None:
+    path = Path(out_dir) / SETTINGS_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def build_tiny_model(
+    out_dir: str | Path,
+    config: TinyModelConfig | None = None,
+    on_step: Callable[[int, float], None] | None = None,
+) -> Path:
+    """Build (or find, cached) the tiny checkpoint in `out_dir`; returns its absolute path."""
+    config = config or TinyModelConfig()
+    out = Path(out_dir).expanduser().resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        existing = read_tiny_settings(out)
+        if existing is not None and existing.get("key") == config.key():
+            return out
+        if out.exists() and any(out.iterdir()):
+            what = "a tiny model built with other settings" if existing else "something that is not a tiny model"
+            raise ConfigError(f"{out}: holds {what}; build into another folder (or delete this one)")
+        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        try:
+            _build(tmp, config, on_step)
+            if out.exists():
+                out.rmdir()  # empty (checked above)
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+__all__ = ["CHAT_TEMPLATE", "TinyModelConfig", "build_tiny_model", "read_tiny_settings", "train_tokenizer"]
