@@ -30,6 +30,7 @@ BENCHMARKS = [
     "multirun_learning",
     "orchestrator_rollouts",
     "multilora",
+    "model_loading",
     "control_plane",
     "datachannel",
 ]

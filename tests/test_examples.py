@@ -106,11 +106,13 @@ LOADERS: dict[str, tuple[str, Callable[[Path], Any]]] = {  # file: (kind for the
     "elastic_job.toml": ("job", _load_job),
     "multirun_demo.toml": ("main", load_main_job),  # rlplex run (checks every run's orchestrator config too)
     "multirun_orch.toml": ("orch", read_orch_config),  # rlplex runs add --config, or an orchestrator's orch.toml
+    "models/qwen2.5-0.5b.toml": ("main", load_main_job),  # a real model on a GPU box
 }
 
 
 def test_every_example_config_has_a_loader() -> None:
-    assert sorted(p.name for p in EXAMPLES.glob("*.toml")) == sorted(LOADERS), "add the new example to LOADERS"
+    found = sorted(str(p.relative_to(EXAMPLES)) for p in EXAMPLES.rglob("*.toml"))
+    assert found == sorted(LOADERS), "add the new example to LOADERS"
 
 
 @pytest.mark.parametrize("name", sorted(LOADERS))
@@ -122,6 +124,25 @@ def test_example_config_loads(name: str) -> None:
     for other in set(FILE_KINDS) - {kind}:  # ... and given to the wrong command, it names the right one
         with pytest.raises(ConfigError, match=f"this is {FILE_KINDS[kind][1]}"):
             check_file_kind(path, other)
+
+
+def test_the_real_model_example_validates_without_downloading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rlplex.errors import ModelLoadError
+    from rlplex.mainjob.driver import check_model
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "empty-hf-home"))
+    config = load_main_job(EXAMPLES / "models" / "qwen2.5-0.5b.toml")
+    assert config.model.name == "Qwen/Qwen2.5-0.5B-Instruct"
+    runs = [entry.orch_config("example") for entry in config.runs]
+    assert {run.model.name for run in runs} == {"Qwen/Qwen2.5-0.5B-Instruct"} and len(runs) == 3
+    assert {run.env.name for run in runs} == {"arithmetic"}
+    assert max(run.model.lora.rank for run in runs) <= config.trainer.max_lora_rank
+    # Before any process starts, `rlplex run` checks the model; offline and uncached, it says so.
+    with pytest.raises(ModelLoadError, match=r"'Qwen/Qwen2\.5-0\.5B-Instruct'.*not in the Hugging Face cache"):
+        check_model(config)
 
 
 def test_every_example_script_is_run_by_a_test() -> None:

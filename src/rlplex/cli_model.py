@@ -53,7 +53,8 @@ def register(app: typer.Typer, console: Console) -> None:
                     progress.update(bar, completed=step, loss=f"{loss:.3f}")
 
                 path = build_tiny_model(out_dir, config, on_step)
-            console.print(f"tiny model ({', '.join(config.tasks)}; key {config.key()}): {path}", highlight=False)
+            names = ", ".join(t if isinstance(t, str) else t.name for t in config.tasks)
+            console.print(f"tiny model ({names}; key {config.key()}): {path}", highlight=False)
             return 0
 
         _guard(console, debug, body)

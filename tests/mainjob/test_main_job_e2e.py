@@ -29,7 +29,7 @@ reason = "evicted on purpose by the test"
 def test_main_job_runs_end_to_end_with_an_added_and_an_evicted_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
-    runs = {"run_a": run_config(1, 3), "run_b": run_config(2, 6, "optim = { lr = 3e-3 }")}
+    runs = {"run_a": run_config(1, 3), "run_b": run_config(2, 30, "optim = { lr = 3e-3 }")}
     path.write_text(tiny_job("mj-e2e", out, runs, {"run_c": run_config(3, 2)}, rest=EVENTS))
     try:
         state = run_main_job(load_main_job(path), Console(file=open(tmp_path / "console.txt", "w")), live=False)
@@ -39,7 +39,7 @@ def test_main_job_runs_end_to_end_with_an_added_and_an_evicted_run(tmp_path: Pat
         assert runs["run_a"].state == runs["run_c"].state == "finished"
         assert runs["run_a"].trained_steps == 3 and runs["run_c"].trained_steps == 2
         assert runs["run_b"].state == "evicted" and runs["run_b"].reason == "evicted on purpose by the test"
-        assert runs["run_b"].trained_steps < 6  # the others carried on without it
+        assert runs["run_b"].trained_steps < 30  # the others carried on without it
         report = (out / "report.md").read_text()
         for section in ("## Runs", "## Learning curves", "## Nodes and restarts", "## Evictions", "tokens/s"):
             assert section in report, section

@@ -35,7 +35,7 @@ from pydantic import Field, field_validator
 
 from rlplex.config import StrictModel
 from rlplex.errors import ConfigError
-from rlplex.tasks import Environment, Example, load_environment
+from rlplex.tasks import Environment, EnvSpec, Example, load_environment
 
 SETTINGS_FILE = "rlplex_tiny.json"
 _FORMAT_VERSION = 1  # bump when the same settings would build a different model
@@ -48,7 +48,9 @@ _TOKENIZER_ENVS = ("reverse", "sort_digits", "add", "arithmetic")
 
 
 class TinyModelConfig(StrictModel):
-    tasks: tuple[str, ...] = Field(("reverse",), min_length=1, description="Environments of the warm-up.")
+    tasks: tuple[str | EnvSpec, ...] = Field(
+        ("reverse",), min_length=1, description="Environments of the warm-up: names, or specs with settings."
+    )
     vocab_size: int = Field(320, ge=260, le=65536, description="BPE vocabulary: 256 bytes, 3 specials, merges.")
     hidden_size: int = Field(64, ge=8)
     intermediate_size: int = Field(192, ge=8)
@@ -144,6 +146,9 @@ def _build(out: Path, config: TinyModelConfig, on_step: Callable[[int, float], N
             seed=config.seed,
             on_step=on_step,
         )
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # its "Writing model shards" bar would interleave with rlplex's own
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
     settings = {"key": config.key(), "settings": config.model_dump(mode="json")}

@@ -7,6 +7,7 @@ Every reward is a `RewardFn`: `(prompt_text, completion, answer) -> float`. A co
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import cast
 
 from rlplex.errors import ConfigError
@@ -37,6 +38,8 @@ def math_answer(prompt: str, completion: str, answer: str) -> float:
 
     # math-verify's default timeouts use SIGALRM, which only works in the main thread; rewards run in
     # worker threads, so they are off and a caller that needs a bound puts it around the whole call.
+    # Its warning that they are off would land in every orchestrator's log: it is said here instead.
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
     gold = parse(answer, parsing_timeout=None) or parse(f"${answer}$", parsing_timeout=None)
     if not gold:
         # Else every completion would score 0 and the run would learn nothing without saying why.
