@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml requirements.txt requirements-dev.txt
 # Hugging Face checkpoint (built once, then cached). Each `make demo` starts the job afresh
 # (the job refuses a folder that already holds one).
 demo: $(STAMP)
-	$(VENV)/bin/rlplex model tiny outputs/models/tiny-reverse --task reverse
+	$(VENV)/bin/rlplex model tiny outputs/models/tiny-reverse --task reverse --warmup-steps 75
 	rm -rf outputs/multirun-demo
 	$(VENV)/bin/rlplex run examples/multirun_demo.toml
 

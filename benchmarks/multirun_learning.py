@@ -11,8 +11,12 @@ mean task reward of that step's rollouts (the orchestrator's `progress.csv`).
 
 Settings, and why (reverse task, 2 CPU cores): the base is rlplex's tiny Hugging Face checkpoint
 (`rlplex model tiny`, a Qwen2 model with a BPE tokenizer trained on the spot) warmed up for
-`--warmup-steps` supervised steps, so that its sampled reward starts below the 0.7 goal while
-LoRA RL still has a signal to sharpen. 200 steps of 128 samples (16 prompts x 8) per run. Temperature stays 1:
+`--warmup-steps` supervised steps (default 75), so that its sampled reward starts below the
+0.7 goal while LoRA RL still has a signal to sharpen: sampled (temperature 1) / greedy reward on
+512 problems was 0.15 / 0.41 after 40 steps, 0.42 / 0.66 after 60, 0.57 / 0.75 after 70,
+0.69 / 0.82 after 80 and 0.85 / 0.94 after 120 (`rlplex model tiny`'s default). From 60 and 70
+warm-up steps the well-configured runs rose by about 0.1 in 200 steps but ended at 0.53 and 0.68.
+200 steps of 128 samples (16 prompts x 8) per run. Temperature stays 1:
 the trainer scores tokens with untempered log-probabilities, so a run sampling at another
 temperature trains on wrong importance ratios (at 1.5 the reward collapsed).
 Runs: run_a (lr 3e-3, rank 8) and run_b (lr 5e-3, rank 4) are the well-configured runs;
@@ -79,7 +83,7 @@ class Budget:
     steps: int = 200
     batch_size: int = 128
     group_size: int = 8
-    warmup_steps: int = 80
+    warmup_steps: int = 75
     temperature: float = 1.0
     max_async_level: int = 0
     timeout_s: float = 1800.0  # per group of processes

@@ -14,7 +14,8 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,29 @@ def start_trainer(out: Path, log: Path, model: str, max_runs: int = 2) -> subpro
         )
 
 
+@contextmanager
+def trainer_and_orchestrators(
+    tmp_path: Path, out: Path, model: str, max_runs: int = 2
+) -> Iterator[tuple[subprocess.Popen[bytes], Path, Orchestrators]]:
+    """A trainer process and an orchestrator starter; both are cleaned up, also on failure."""
+    log = tmp_path / "trainer.log"
+    trainer = start_trainer(out, log, model, max_runs)
+    orchestrators = Orchestrators(tmp_path)
+    try:
+        yield trainer, log, orchestrators
+    finally:
+        orchestrators.close()
+        if trainer.poll() is None:
+            trainer.kill()
+        trainer.wait()
+
+
+def stop_trainer(out: Path, trainer: subprocess.Popen[bytes], log: Path) -> None:
+    """What the conductor does at the end: the stop file, then a clean exit."""
+    (out / STOP_FILE).write_text("test done\n")
+    assert trainer.wait(timeout=TIMEOUT_S) == 0, log.read_text()
+
+
 def mtime(path: Path) -> int:
     return path.stat().st_mtime_ns
 
@@ -61,11 +85,8 @@ def mtime(path: Path) -> int:
 def test_evicted_finished_and_added_runs_share_one_trainer_with_two_slots(tmp_path: Path, base_cache: Path) -> None:
     out = new_output(tmp_path, base_cache)
     runs = {name: RunDir(out, name) for name in CONFIGS}
-    trainer_log = tmp_path / "trainer.log"
-    orchestrators = Orchestrators(tmp_path)
     procs: dict[str, Orchestrator] = {}
     allowed_exit: dict[str, int] = {}  # 0 (done) unless said otherwise
-    trainer = start_trainer(out, trainer_log, str(base_cache))
 
     def wait(condition: Callable[[], bool], what: str) -> None:
         deadline = time.monotonic() + TIMEOUT_S
@@ -82,7 +103,7 @@ def test_evicted_finished_and_added_runs_share_one_trainer_with_two_slots(tmp_pa
                 raise AssertionError(f"timed out after {TIMEOUT_S} s waiting for {what}:\n{trainer_log.read_text()}")
             time.sleep(0.02)  # the polling interval of a condition wait
 
-    try:
+    with trainer_and_orchestrators(tmp_path, out, str(base_cache)) as (trainer, trainer_log, orchestrators):
         for name in ("run_a", "run_b"):
             procs[name] = orchestrators.start(out, name, CONFIGS[name], name)
         wait(lambda: all(is_stable_adapter(runs[n].broadcast_step(1)) for n in ("run_a", "run_b")), "a step of each")
@@ -104,13 +125,7 @@ def test_evicted_finished_and_added_runs_share_one_trainer_with_two_slots(tmp_pa
         assert procs["run_b"].wait_exit() == 0, procs["run_b"].stderr()
         assert procs["run_c"].wait_exit() == 0, procs["run_c"].stderr()
         wait(runs["run_c"].is_finished, "run_c to be marked finished")
-        (out / STOP_FILE).write_text("test done\n")
-        assert trainer.wait(timeout=TIMEOUT_S) == 0, trainer_log.read_text()
-    finally:
-        orchestrators.close()
-        if trainer.poll() is None:
-            trainer.kill()
-        trainer.wait()
+        stop_trainer(out, trainer, trainer_log)
 
     log = trainer_log.read_text()
     assert "Traceback" not in log, log
@@ -179,10 +194,7 @@ def test_an_independent_llama_trains_a_user_chat_dataset_end_to_end(
     out = tmp_path / "out"
     out.mkdir()
     run = RunDir(out, "run_llama")
-    trainer_log = tmp_path / "trainer.log"
-    trainer = start_trainer(out, trainer_log, llama, max_runs=1)
-    orchestrators = Orchestrators(tmp_path)
-    try:
+    with trainer_and_orchestrators(tmp_path, out, llama, max_runs=1) as (trainer, trainer_log, orchestrators):
         orch = orchestrators.start(out, "run_llama", config, "run_llama")
         assert orch.wait_exit() == 0, orch.stderr() + trainer_log.read_text()
         deadline = time.monotonic() + TIMEOUT_S
@@ -190,13 +202,7 @@ def test_an_independent_llama_trains_a_user_chat_dataset_end_to_end(
             assert trainer.poll() is None, trainer_log.read_text()
             assert time.monotonic() < deadline, "run_llama was not marked finished"
             time.sleep(0.02)  # the polling interval of a condition wait
-        (out / STOP_FILE).write_text("test done\n")
-        assert trainer.wait(timeout=TIMEOUT_S) == 0, trainer_log.read_text()
-    finally:
-        orchestrators.close()
-        if trainer.poll() is None:
-            trainer.kill()
-        trainer.wait()
+        stop_trainer(out, trainer, trainer_log)
     assert [int(r["step"]) for r in read_progress_csv(run)] == [1, 2, 3]
     broadcast = run.broadcast_step(3)
     assert json.loads((broadcast / "adapter_config.json").read_text())["base_model_name_or_path"] == llama
