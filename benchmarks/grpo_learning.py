@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--task", default="reverse")
     parser.add_argument("--target", type=float, default=0.8)
-    parser.add_argument("--warmup-steps", type=int, default=120, help="supervised warm-up of the tiny checkpoint")
+    parser.add_argument("--warmup-steps", type=int, default=75, help="supervised warm-up of the tiny checkpoint")
     args = parser.parse_args()
     torch.set_num_threads(1)
     steps = 30 if args.quick else 400
