@@ -129,6 +129,11 @@ def test_a_hub_id_not_in_the_cache_is_a_clear_error_offline(monkeypatch: pytest.
         load_tokenizer(ModelSpec(name="nobody-here/no-such-model"))
 
 
+def test_a_folder_that_does_not_exist_is_named_as_such(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match=r"no such folder.*rlplex model tiny"):
+        load_tokenizer(ModelSpec(name=str(tmp_path / "missing" / "model")))
+
+
 def test_specs_name_the_same_local_model_whatever_the_spelling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "m").mkdir()
     monkeypatch.chdir(tmp_path)

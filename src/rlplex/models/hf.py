@@ -52,8 +52,18 @@ def _offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+def _looks_like_a_path(name: str) -> bool:
+    # Hub ids are "name" or "org/name"; anything else can only be meant as a folder.
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1
+
+
 def _from_pretrained(loader: Any, spec: ModelSpec, what: str, **kwargs: Any) -> Any:
     kwargs |= {"revision": spec.revision, "trust_remote_code": spec.trust_remote_code}
+    if not spec.is_local and _looks_like_a_path(spec.name):
+        raise ModelLoadError(
+            f"model {spec.name!r}: no such folder (a local model is a save_pretrained folder; "
+            f"`rlplex model tiny {spec.name}` builds rlplex's tiny one there)"
+        )
     if spec.is_local:
         try:
             return loader.from_pretrained(spec.resolved().name, **kwargs)
