@@ -26,16 +26,17 @@ def tiny_job(
     backend: str = "local",
     max_runs: int = 4,
     rest: str = "",
+    model: Path | None = None,
 ) -> str:
     """A main-job TOML of two trainer ranks; `runs`/`later_runs` map run ids to `run_config()`s,
-    `rest` is appended as is (events)."""
+    `rest` is appended as is (events); the model is the small tiny checkpoint unless `model`."""
     lines = [
         f'name = "{name}"',
         f'output_dir = "{output_dir}"',
         f'backend = "{backend}"',
         "timeout_s = 400",
         "[model]",
-        f'name = "{small_tiny_model()}"',
+        f'name = "{model or small_tiny_model()}"',
         "[trainer]",
         "world_size = 2",
         f"max_runs = {max_runs}",

@@ -3,9 +3,11 @@ ranks over gloo, orchestrators, conductor); a run added and a run evicted by the
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import psutil
+import pytest
 from mainjob_helpers import run_config, tiny_job
 from rich.console import Console
 
@@ -46,6 +48,45 @@ def test_main_job_runs_end_to_end_with_an_added_and_an_evicted_run(tmp_path: Pat
         for png in ("rewards.png", "run_a.png", "run_c.png"):
             assert (out / "plots" / png).stat().st_size > 1000
         assert list((out / "tb" / "run_a").glob("events.out.tfevents.*"))
+    finally:
+        _gone, alive = psutil.wait_procs(job_processes(out), timeout=10.0)
+        for process in alive:
+            process.kill()
+    assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+
+
+def test_main_job_trains_an_independent_llama_on_a_user_chat_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rlplex run`'s whole path (elastic trainer ranks, orchestrator nodes, conductor) on a second
+    checkpoint: another architecture, tokenizer and chat template, with a user's JSONL of chat
+    messages and a reward named by dotted path (the nodes inherit the master's sys.path)."""
+    from lm_models import random_llama
+
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "user_rewards_mainjob.py").write_text(
+        "def varied(prompt: str, completion: str, answer: str) -> float:\n"
+        "    return len(set(completion)) / (1 + len(completion))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "user"))
+    data = tmp_path / "chats.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"count to {n}"}], "answer": str(n)} for n in range(10)]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    env = (
+        f'env = {{ name = "jsonl", path = "{data}", messages_field = "messages", '
+        'reward = "user_rewards_mainjob:varied", max_new_tokens = 5 }'
+    )
+    out = tmp_path / "out"
+    path = tmp_path / "job.toml"
+    config = f"{{ {env}, seed = 1, max_steps = 3, batch_size = 8, group_size = 4 }}"
+    path.write_text(tiny_job("mj-llama", out, {"run_llama": config}, model=random_llama()))
+    try:
+        state = run_main_job(load_main_job(path), Console(file=open(tmp_path / "console.txt", "w")), live=False)
+        assert state == JobState.STOPPED, (out / "report.md").read_text()
+        (run,) = collect(out).runs
+        assert (run.run_id, run.state, run.trained_steps) == ("run_llama", "finished", 3)
+        adapter = json.loads((out / "runs" / "run_llama" / "broadcast" / "step_3" / "adapter_config.json").read_text())
+        assert adapter["base_model_name_or_path"] == str(random_llama())
     finally:
         _gone, alive = psutil.wait_procs(job_processes(out), timeout=10.0)
         for process in alive:
