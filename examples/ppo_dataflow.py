@@ -50,7 +50,8 @@ MFCS = ("actor_gen", "ref_inf", "rew_inf", "actor_train")
 def padded_logprobs(model: torch.nn.Module, sequences: list[torch.Tensor], pad_id: int) -> torch.Tensor:
     """log p(token_t | tokens_<t) of every sequence, left-padded to one matrix."""
     tokens, attention = left_pad([s.tolist() for s in sequences], pad_id)
-    return token_logprobs(model, tokens, attention)
+    device = next(model.parameters()).device
+    return token_logprobs(model, tokens.to(device), attention.to(device)).cpu()
 
 
 class ReferenceModel:
@@ -89,6 +90,10 @@ class PPOActor(GRPOActor):
             old[row, width - len(seq) :] = inputs["packed_logprobs"][row]
             ref[row, width - len(seq) :] = inputs["packed_ref_logprobs"][row]
             mask[row, width - len(seq) :] = inputs["prompt_mask"][row]
+        device = next(self.model.parameters()).device
+        tokens, attention, old, ref, mask, advantages = (
+            t.to(device) for t in (tokens, attention, old, ref, mask, advantages)
+        )
         n_tokens = mask.sum().clamp(min=1)
         self.model.train()
         kl_before = float("nan")

@@ -79,6 +79,8 @@ class GRPOActor:
         for row, (logp, m) in enumerate(zip(inputs["packed_logprobs"], inputs["prompt_mask"], strict=True)):
             old[row, width - len(logp) :] = logp
             mask[row, width - len(m) :] = m
+        device = next(self.model.parameters()).device
+        tokens, attention, old, mask, advantages = (t.to(device) for t in (tokens, attention, old, mask, advantages))
         self.model.train()
         stats: dict[str, float] = {}
         for _ in range(self.epochs):
