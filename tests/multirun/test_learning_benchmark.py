@@ -1,14 +1,26 @@
-"""Smoke test of `benchmarks.multirun_learning`: the real trainer and orchestrator processes,
-shared and alone, with a budget far too small to learn; the outputs must be written and sane."""
+"""Smoke tests of `benchmarks.multirun_learning`: the real trainer and orchestrator processes,
+shared and alone, with a budget far too small to learn; the outputs must be written and sane.
+And its command line: no flags is the reverse benchmark as it was, a preset or JSON settings
+reach the environment and the base checkpoint."""
 
 from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from benchmarks.multirun_learning import Budget, RunSpec, run_benchmark
+from benchmarks.multirun_learning import (
+    ARITHMETIC,
+    DEFAULT_SPECS,
+    Budget,
+    RunSpec,
+    configure,
+    model_settings,
+    orch_config,
+    run_benchmark,
+)
 
 STEPS = 3
 
@@ -36,3 +48,47 @@ def test_learning_benchmark_writes_json_and_png_with_numeric_rewards(
             assert math.isfinite(run[side]["first"]) and math.isfinite(run[side]["final"])
         assert run["gap_shared_vs_alone"]["max_abs"] >= run["gap_shared_vs_alone"]["mean_abs"] >= 0.0
         assert isinstance(run["within_noise"], bool)
+
+
+def test_command_line_without_a_preset_is_the_reverse_benchmark_as_before() -> None:
+    setup = configure([])
+    assert setup.budget == Budget() and setup.specs == DEFAULT_SPECS
+    assert setup.options["target"] == 0.7 and setup.options["seed_check"]
+    # The settings the cached checkpoint is keyed by: a bare task name, as before --env-json.
+    assert model_settings(setup.budget) == {"tasks": ("reverse",), "warmup_steps": 80}
+    assert orch_config(DEFAULT_SPECS[0], setup.budget, 0).env.name == "reverse"
+
+
+def test_command_line_preset_env_and_model_settings() -> None:
+    assert configure(["--preset", "arithmetic"]).budget == ARITHMETIC.budget
+    overridden = configure(["--preset", "arithmetic", "--steps", "5", "--warmup-steps", "7"]).budget
+    assert (overridden.env, overridden.steps, overridden.warmup_steps) == (ARITHMETIC.budget.env, 5, 7)
+    assert configure(["--preset", "arithmetic", "--task", "reverse"]).budget.env_spec() == {"name": "reverse"}
+    env = {"name": "arithmetic", "max_operand": 5}
+    budget = configure(["--env-json", json.dumps(env), "--model-json", '{"hidden_size": 32, "warmup_steps": 9}']).budget
+    assert budget.task == "arithmetic" and budget.env_spec() == env
+    assert model_settings(budget) == {"tasks": (env,), "warmup_steps": 9, "hidden_size": 32}
+    config = orch_config(DEFAULT_SPECS[0], budget, 0)
+    assert config.env.name == "arithmetic" and config.env.model_extra == {"max_operand": 5}
+    with pytest.raises(SystemExit):
+        configure(["--env-json", '{"max_operand": 5}'])  # no name
+
+
+def test_arithmetic_preset_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The preset's environment and checkpoint through the real processes, a few steps of 8 samples.
+
+    The checkpoint is the preset's own (built once, about 40 s, then cached): a less warmed-up one
+    answers nothing right, and an orchestrator whose batches carry no learning signal gives up."""
+    monkeypatch.chdir(tmp_path)
+    budget = replace(ARITHMETIC.budget, steps=STEPS, batch_size=8, group_size=4, timeout_s=120)
+    figures = run_benchmark(
+        tmp_path / "work", ARITHMETIC.specs[:1], budget, seed_check=False, window=2, name="mrlearn_arith_smoke"
+    )
+    data = json.loads(Path(figures["json"]).read_text())
+    assert data["budget"]["env"] == ARITHMETIC.budget.env
+    assert data["base_model"]["tasks"] == [ARITHMETIC.budget.env]
+    written = (tmp_path / "work" / "shared" / "configs" / "run_a.toml").read_text()
+    assert 'name = "arithmetic"' in written and "max_operand = 7" in written
+    run = data["runs"][0]
+    assert all(len(run[side]["rewards"]) == STEPS for side in ("shared", "alone"))
+    assert math.isfinite(run["shared"]["rise"]) and isinstance(data["goal_all_well_configured_rise"], bool)
