@@ -55,7 +55,7 @@ def test_command_line_without_a_preset_is_the_reverse_benchmark_as_before() -> N
     assert setup.budget == Budget() and setup.specs == DEFAULT_SPECS
     assert setup.options["target"] == 0.7 and setup.options["seed_check"]
     # The settings the cached checkpoint is keyed by: a bare task name, as before --env-json.
-    assert model_settings(setup.budget) == {"tasks": ("reverse",), "warmup_steps": 80}
+    assert model_settings(setup.budget) == {"tasks": ("reverse",), "warmup_steps": 75}
     assert orch_config(DEFAULT_SPECS[0], setup.budget, 0).env.name == "reverse"
 
 
