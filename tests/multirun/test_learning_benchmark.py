@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from benchmarks import multirun_learning
 from benchmarks.multirun_learning import (
     ARITHMETIC,
     DEFAULT_SPECS,
@@ -50,6 +51,13 @@ def test_learning_benchmark_writes_json_and_png_with_numeric_rewards(
         assert isinstance(run["within_noise"], bool)
 
 
+@pytest.fixture
+def no_checkpoint(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`orch_config` without building the base checkpoint: these tests look at settings only."""
+    monkeypatch.setattr(multirun_learning, "base_model", lambda budget: "tiny-model")
+
+
+@pytest.mark.usefixtures("no_checkpoint")
 def test_command_line_without_a_preset_is_the_reverse_benchmark_as_before() -> None:
     setup = configure([])
     assert setup.budget == Budget() and setup.specs == DEFAULT_SPECS
@@ -59,6 +67,7 @@ def test_command_line_without_a_preset_is_the_reverse_benchmark_as_before() -> N
     assert orch_config(DEFAULT_SPECS[0], setup.budget, 0).env.name == "reverse"
 
 
+@pytest.mark.usefixtures("no_checkpoint")
 def test_command_line_preset_env_and_model_settings() -> None:
     assert configure(["--preset", "arithmetic"]).budget == ARITHMETIC.budget
     overridden = configure(["--preset", "arithmetic", "--steps", "5", "--warmup-steps", "7"]).budget
