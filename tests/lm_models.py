@@ -14,12 +14,10 @@ the processes they start share one copy.
 
 from __future__ import annotations
 
-import fcntl
-import os
 import shutil
 from pathlib import Path
 
-from rlplex.models.tiny import TinyModelConfig, build_tiny_model
+from rlplex.models.tiny import TinyModelConfig, build_folder, build_tiny_model, locked_folder
 
 CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "rlplex-models"
 LLAMA_CHAT_TEMPLATE = (
@@ -95,13 +93,8 @@ def _build_random_llama(out: Path) -> None:
 
 def random_llama() -> Path:
     out = CACHE / "random-llama-v1"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with locked_folder(out):
         if not (out / "config.json").is_file():
-            tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            _build_random_llama(tmp)
             shutil.rmtree(out, ignore_errors=True)
-            os.replace(tmp, out)
+            build_folder(out, _build_random_llama)
     return out

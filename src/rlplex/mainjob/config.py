@@ -112,10 +112,7 @@ class MainJobConfig(StrictModel):
         for key in ("runs", "later_runs"):
             entries = data.get(key)
             if isinstance(entries, list):
-                data[key] = [
-                    RunEntry.model_validate(e).with_model(model) if isinstance(e, dict) and _entry_ok(e) else e
-                    for e in entries
-                ]
+                data[key] = [_with_model(e, model) for e in entries]
         return data
 
     @model_validator(mode="after")
@@ -145,12 +142,12 @@ class MainJobConfig(StrictModel):
             entry.orch_config(source)
 
 
-def _entry_ok(data: dict[str, Any]) -> bool:
+def _with_model(entry: Any, model: ModelSpec) -> Any:
+    """A run entry with the job's model filled in; one that is not valid is left for its own error."""
     try:
-        RunEntry.model_validate(data)
+        return RunEntry.model_validate(entry).with_model(model)
     except ValueError:
-        return False
-    return True
+        return entry
 
 
 def load_main_job(path: str | Path) -> MainJobConfig:

@@ -26,7 +26,8 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -164,6 +165,30 @@ def read_tiny_settings(out_dir: Path) -> dict[str, object] | None:
     return data if isinstance(data, dict) else None
 
 
+@contextmanager
+def locked_folder(out: Path) -> Iterator[None]:
+    """Hold an exclusive lock beside `out` (released when the file closes, also if this process dies)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def build_folder(out: Path, build: Callable[[Path], None]) -> None:
+    """Run `build` into a hidden sibling and rename it to `out` (absent or empty): a reader never
+    sees half a model. Call it under `locked_folder(out)`."""
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        build(tmp)
+        if out.exists():
+            out.rmdir()
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def build_tiny_model(
     out_dir: str | Path,
     config: TinyModelConfig | None = None,
@@ -172,26 +197,23 @@ def build_tiny_model(
     """Build (or find, cached) the tiny checkpoint in `out_dir`; returns its absolute path."""
     config = config or TinyModelConfig()
     out = Path(out_dir).expanduser().resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+    with locked_folder(out):
         existing = read_tiny_settings(out)
         if existing is not None and existing.get("key") == config.key():
             return out
         if out.exists() and any(out.iterdir()):
             what = "a tiny model built with other settings" if existing else "something that is not a tiny model"
             raise ConfigError(f"{out}: holds {what}; build into another folder (or delete this one)")
-        tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-        try:
-            _build(tmp, config, on_step)
-            if out.exists():
-                out.rmdir()  # empty (checked above)
-            os.replace(tmp, out)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        build_folder(out, lambda tmp: _build(tmp, config, on_step))
     return out
 
 
-__all__ = ["CHAT_TEMPLATE", "TinyModelConfig", "build_tiny_model", "read_tiny_settings", "train_tokenizer"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "TinyModelConfig",
+    "build_folder",
+    "build_tiny_model",
+    "locked_folder",
+    "read_tiny_settings",
+    "train_tokenizer",
+]

@@ -40,7 +40,16 @@ class AddSettings(StrictModel):
     max_operand: int = Field(49, ge=0)
 
 
-class ReverseEnv:
+class _PositionalScore:
+    """The toy tasks' reward: the fraction of answer characters right (`positional_match`)."""
+
+    name: str
+
+    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
+        return safe_scores(positional_match, examples, completions, self.name)
+
+
+class ReverseEnv(_PositionalScore):
     name = "reverse"
 
     def __init__(self, settings: ReverseSettings | None = None) -> None:
@@ -55,11 +64,8 @@ class ReverseEnv:
             examples.append(Example(prompt=f"r:{word}>", answer=word[::-1]))
         return examples
 
-    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
-        return safe_scores(positional_match, examples, completions, self.name)
 
-
-class SortDigitsEnv:
+class SortDigitsEnv(_PositionalScore):
     name = "sort_digits"
 
     def __init__(self, settings: SortDigitsSettings | None = None) -> None:
@@ -74,11 +80,8 @@ class SortDigitsEnv:
             examples.append(Example(prompt=f"s:{digits}>", answer="".join(sorted(digits))))
         return examples
 
-    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
-        return safe_scores(positional_match, examples, completions, self.name)
 
-
-class AddEnv:
+class AddEnv(_PositionalScore):
     name = "add"
 
     def __init__(self, settings: AddSettings | None = None) -> None:
@@ -89,6 +92,3 @@ class AddEnv:
         a = rng.integers(0, self.settings.max_operand + 1, size=n)
         b = rng.integers(0, self.settings.max_operand + 1, size=n)
         return [Example(prompt=f"{x}+{y}=", answer=str(x + y)) for x, y in zip(a.tolist(), b.tolist(), strict=True)]
-
-    def score(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
-        return safe_scores(positional_match, examples, completions, self.name)
