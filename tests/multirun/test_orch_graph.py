@@ -144,7 +144,7 @@ def test_one_worker_writes_exactly_what_generate_gives(
     # The layout the orchestrator wrote before its step was a dataflow: one generate call.
     ordered = sorted(items, key=lambda item: item["rows"])
     generator = torch.Generator().manual_seed(ordered[0]["sample_seeds"])
-    with actor.policy.active(BATCH) as model:
+    with actor.engine.policy.active(BATCH) as model:  # type: ignore[attr-defined]  # the HFEngine
         prompts = [i["prompt_ids"] for i in ordered]
         direct = generate(model, actor.tokenizer, prompts, actor.max_new_tokens, 1.0, generator)
     assert torch.equal(batch.tokens, direct.tokens_B_L)

@@ -2,10 +2,13 @@
 
 Roles: `trainer` (ElasticWorkers, one per rank, each running `rlplex.multirun.trainer` as
 under torchrun), `elastic` (the ElasticMaster of their rendezvous), `orchestrator` (one node
-per run), `conductor` (the driver that plays events and ends the job).
+per run), `conductor` (the driver that plays events and ends the job), and with
+`[inference] engine = "vllm"`, `inference` (one node running the job's vLLM servers).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from rlplex.control.spec import JobSpec, parse_job
 from rlplex.mainjob.config import MainJobConfig
@@ -27,7 +30,7 @@ def trainer_args(config: MainJobConfig) -> list[str]:
 def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec:
     trainer = config.trainer
     world = trainer.world_size
-    data = {
+    data: dict[str, Any] = {
         "name": config.name,
         "output_dir": str(config.output_dir.resolve()),
         "backend": config.backend,
@@ -76,4 +79,16 @@ def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec
             },
         },
     }
+    if config.inference.engine == "vllm":
+        data["roles"]["inference"] = {
+            "entrypoint": "rlplex.mainjob.inference_node:InferenceNode",
+            "resources": {"cpu": 0.05},
+            "restart": {"scope": "worker", "max_restarts": config.inference.max_restarts},
+            "heartbeat_timeout_s": 10.0,
+            "config": {
+                "inference": config.inference.model_dump(mode="json"),
+                "model": config.model.resolved().model_dump(mode="json"),
+            },
+        }
+        data["max_restarts"] += config.inference.max_restarts
     return parse_job(data, source)

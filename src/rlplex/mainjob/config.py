@@ -17,8 +17,14 @@ config = { ... }
 when = { run = "run_fast", step = 3 }
 add_run = "run_late"
 
+[inference]                         # optional; engine = "hf" (in-process) when left out
+engine = "vllm"                     # one vLLM server for every run's adapter
+max_loras = 4
+
 A run's `model` table may leave out the model's fields: it gets the job's `[model]` (a run
 that names another model is rejected by the trainer, with the reason in its control folder).
+Likewise each run's `inference` table gets the job's engine settings, pointed at the job's
+`inference/` folder, where the inference role publishes its servers and the job's API key lives.
 """
 
 from __future__ import annotations
@@ -29,9 +35,12 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlplex.config import StrictModel, load_config
+from rlplex.inference.config import InferenceConfig
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.orch_config import OrchestratorConfig, parse_orch_config
 from rlplex.multirun.rundir import is_valid_run_name
+
+INFERENCE_DIR = "inference"
 
 
 class TrainerSettings(StrictModel):
@@ -57,13 +66,19 @@ class RunEntry(StrictModel):
     def orch_config(self, source: str) -> OrchestratorConfig:
         return parse_orch_config(self.config, f"{source}: run {self.id!r}: config")
 
-    def with_model(self, model: ModelSpec) -> RunEntry:
-        """This entry with the job's model filled into every model field the run leaves out."""
-        table = self.config.get("model", {})
-        if not isinstance(table, dict):
-            return self  # the run's validation reports the bad table
-        filled = {**model.resolved().model_dump(exclude_none=True), **table}
-        return self.model_copy(update={"config": {**self.config, "model": filled}})
+    def with_model(
+        self, model: ModelSpec, inference: InferenceConfig | None = None, endpoint_dir: Path | None = None
+    ) -> RunEntry:
+        """This entry with the job's model (and engine settings) filled into every field the run leaves out."""
+        config = dict(self.config)
+        table = config.get("model", {})
+        if isinstance(table, dict):  # else the run's validation reports the bad table
+            config["model"] = {**model.resolved().model_dump(exclude_none=True), **table}
+        engine = config.get("inference", {})
+        if inference is not None and endpoint_dir is not None and isinstance(engine, dict):
+            settings = inference.engine_settings(str(endpoint_dir.resolve()))
+            config["inference"] = {**settings.model_dump(exclude_none=True), **engine}
+        return self.model_copy(update={"config": config})
 
 
 class Trigger(StrictModel):
@@ -91,6 +106,7 @@ class MainJobConfig(StrictModel):
     ray_address: str | None = None
     model: ModelSpec = Field(description="The shared base model every run trains an adapter of.")
     trainer: TrainerSettings = TrainerSettings()
+    inference: InferenceConfig = Field(InferenceConfig(), description="The rollout engine: 'hf' or 'vllm' servers.")
     runs: list[RunEntry] = Field(min_length=1)
     later_runs: list[RunEntry] = Field(default_factory=list)
     events: list[Event] = Field(default_factory=list)
@@ -106,13 +122,15 @@ class MainJobConfig(StrictModel):
             return data
         try:
             model = ModelSpec.model_validate(data["model"]).resolved()
+            inference = InferenceConfig.model_validate(data.get("inference", {}))
         except ValueError:
-            return data  # reported by the field's own validation
+            return data  # reported by the fields' own validation
         data = {**data, "model": model.model_dump()}
+        endpoint_dir = Path(str(data.get("output_dir", "."))) / INFERENCE_DIR
         for key in ("runs", "later_runs"):
             entries = data.get(key)
             if isinstance(entries, list):
-                data[key] = [_with_model(e, model) for e in entries]
+                data[key] = [_with_model(e, model, inference, endpoint_dir) for e in entries]
         return data
 
     @model_validator(mode="after")
@@ -129,7 +147,17 @@ class MainJobConfig(StrictModel):
                 raise ValueError(f"events[{number}].add_run: {event.add_run!r} is not in later_runs")
             if event.evict_run is not None and event.evict_run not in ids:
                 raise ValueError(f"events[{number}].evict_run: no run {event.evict_run!r}")
+        if self.inference.engine == "vllm" and self.inference.max_lora_rank < self.trainer.max_lora_rank:
+            raise ValueError(
+                f"inference.max_lora_rank: {self.inference.max_lora_rank} is below trainer.max_lora_rank "
+                f"{self.trainer.max_lora_rank}: the servers would refuse the trainer's adapters"
+            )
         return self
+
+    @property
+    def endpoint_dir(self) -> Path:
+        """Where the inference role publishes its servers, beside the job's API key."""
+        return self.output_dir / INFERENCE_DIR
 
     @property
     def runs_dir(self) -> Path:
@@ -142,10 +170,10 @@ class MainJobConfig(StrictModel):
             entry.orch_config(source)
 
 
-def _with_model(entry: Any, model: ModelSpec) -> Any:
+def _with_model(entry: Any, model: ModelSpec, inference: InferenceConfig, endpoint_dir: Path) -> Any:
     """A run entry with the job's model filled in; one that is not valid is left for its own error."""
     try:
-        return RunEntry.model_validate(entry).with_model(model)
+        return RunEntry.model_validate(entry).with_model(model, inference, endpoint_dir)
     except ValueError:
         return entry
 

@@ -15,6 +15,8 @@ from rlplex.config import validate_config
 from rlplex.control.master import PrimeMaster
 from rlplex.control.states import TERMINAL_JOB_STATES, JobState
 from rlplex.errors import ConfigError, RlplexError
+from rlplex.inference.config import InferenceConfig
+from rlplex.inference.vllm_server import ensure_api_key, require_vllm
 from rlplex.mainjob.build import build_job_spec
 from rlplex.mainjob.config import MainJobConfig
 from rlplex.mainjob.registry import REGISTRY_FILE, answer, pending_requests, read_registry, write_registry
@@ -26,16 +28,22 @@ from rlplex.multirun.rundir import write_file_atomic
 JOB_CONFIG_FILE = "main_job.json"
 
 
-def accept_requests(master: PrimeMaster, output_dir: Path, model: ModelSpec) -> list[str]:
-    """Add the runs asked for since the last call (their model fields filled from the job's
-    `model`); each request gets its answer file."""
+def accept_requests(
+    master: PrimeMaster,
+    output_dir: Path,
+    model: ModelSpec,
+    inference: InferenceConfig | None = None,
+    endpoint_dir: Path | None = None,
+) -> list[str]:
+    """Add the runs asked for since the last call (their model and engine fields filled from the
+    job's); each request gets its answer file."""
     added = []
     for request in pending_requests(output_dir):
         if isinstance(request, tuple):
             answer(request[0], False, request[1])
             continue
         registry = read_registry(output_dir)
-        entry = request.entry.with_model(model)
+        entry = request.entry.with_model(model, inference, endpoint_dir)
         try:
             if entry.id in {e.id for e in registry}:
                 raise ConfigError(f"{request.path}: run {entry.id!r} is already in the job")
@@ -56,6 +64,8 @@ def check_model(config: MainJobConfig) -> None:
 
     resolve_device(config.model.device)
     load_tokenizer(config.model)
+    if config.inference.engine == "vllm":
+        require_vllm(config.model)
 
 
 def read_job_model(output_dir: Path) -> ModelSpec | None:
@@ -75,6 +85,8 @@ def run_main_job(config: MainJobConfig, console: Console, live: bool = True, sou
     output_dir.mkdir(parents=True, exist_ok=True)
     console.print(f"checking the shared base model {config.model.name} ...")
     check_model(config)
+    if config.inference.engine == "vllm":
+        ensure_api_key(config.endpoint_dir)  # before any process starts: servers and clients read it
     write_registry(output_dir, list(config.runs))
     # `rlplex resume` reads the job back from here (JSON: the folder crosses a trust boundary).
     write_file_atomic(output_dir / JOB_CONFIG_FILE, config.model_dump_json(indent=2).encode())
@@ -109,7 +121,7 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
         with display or contextlib.nullcontext():
             next_view = 0.0
             while (state := master.monitor()) not in TERMINAL_JOB_STATES:
-                accept_requests(master, output_dir, config.model)
+                accept_requests(master, output_dir, config.model, config.inference, config.endpoint_dir)
                 now = time.monotonic()
                 if now - started > config.timeout_s:
                     master.manager.fail(f"the job ran past its timeout_s of {config.timeout_s:g} s")

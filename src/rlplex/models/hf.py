@@ -125,6 +125,20 @@ def stop_token_ids(tokenizer: Tokenizer, model: torch.nn.Module | None = None) -
     return sorted(ids)
 
 
+def model_stop_ids(spec: ModelSpec, tokenizer: Tokenizer) -> list[int]:
+    """`stop_token_ids` without loading the weights: the generation config is read on its own
+    (a server generates; the client still needs the ids that end a completion)."""
+    from transformers import GenerationConfig
+
+    try:
+        generation = _from_pretrained(GenerationConfig, spec, "generation config")
+    except ModelLoadError:
+        generation = None  # a checkpoint without generation_config.json: the tokenizer's EOS
+    holder = torch.nn.Module()
+    holder.generation_config = generation  # the attribute stop_token_ids reads
+    return stop_token_ids(tokenizer, holder)
+
+
 def encode_prompt(tokenizer: Tokenizer, example: Example) -> list[int]:
     if example.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
@@ -158,6 +172,7 @@ __all__ = [
     "encode_prompt",
     "load_causal_lm",
     "load_tokenizer",
+    "model_stop_ids",
     "resolve_device",
     "resolve_dtype",
     "stop_token_ids",

@@ -56,7 +56,7 @@ class TinyModelConfig(StrictModel):
     hidden_size: int = Field(64, ge=8)
     intermediate_size: int = Field(192, ge=8)
     num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(4, ge=1)
+    num_heads: int = Field(2, ge=1, description="Attention heads; head size 32 is one vLLM's CPU kernels take.")
     max_len: int = Field(128, ge=16, description="Longest prompt + completion, in tokens.")
     seed: int = 0
     warmup_steps: int = Field(120, ge=0, description="Supervised steps, so RL starts with a signal.")

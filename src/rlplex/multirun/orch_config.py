@@ -16,10 +16,11 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rlplex.config import StrictModel, format_validation_error
 from rlplex.errors import RunConfigError
+from rlplex.inference.config import EngineSettings
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir import RunDir
 from rlplex.tasks import EnvSpec
@@ -53,7 +54,7 @@ class OptimConfig(_Strict):
 class OrchestratorConfig(_Strict):
     """What one run asks of the shared trainer. Unknown keys are errors."""
 
-    env: EnvSpec = Field(description="The environment: data plus reward, e.g. { name = \"reverse\" }.")
+    env: EnvSpec = Field(description='The environment: data plus reward, e.g. { name = "reverse" }.')
     seed: int = 0
     max_steps: int = Field(ge=1, description="The run's own schedule length (not the trainer's).")
     batch_size: int = Field(ge=1, description="Samples per step of this run (prompts x group_size).")
@@ -71,6 +72,22 @@ class OrchestratorConfig(_Strict):
     )
     model: ModelConfig
     optim: OptimConfig = OptimConfig()
+    inference: EngineSettings = Field(
+        EngineSettings(), description="How rollouts are generated: in process (hf) or on the job's vLLM servers."
+    )
+
+    @model_validator(mode="after")
+    def _engine_is_reachable(self) -> OrchestratorConfig:
+        if self.inference.engine == "vllm":
+            if self.inference.endpoint_dir is None:
+                raise ValueError(
+                    "inference.endpoint_dir: engine 'vllm' needs the folder of the job's inference servers"
+                )
+            if self.rollout_workers != 1:
+                raise ValueError(
+                    f"rollout_workers: {self.rollout_workers} with engine 'vllm' (the server batches; use 1)"
+                )
+        return self
 
     @field_validator("group_size")
     @classmethod

@@ -3,8 +3,9 @@
 - `StepPrompts`: the dataset. `prepare(step, attempt, policy_step)` draws one step's examples
   from the run's environment with the generator seeded by (seed, step, attempt) and renders
   each prompt to token ids with the model's tokenizer (its chat template for chat examples).
-- `ActorModel` (`actor_gen`): the shared base plus the run's broadcast adapter; it loads
-  `broadcast/step_k` when its datapoints ask for a policy step it does not hold.
+- `ActorModel` (`actor_gen`): samples through an `InferenceEngine` (the job's vLLM servers or
+  in-process transformers) with the run's broadcast adapter; it loads `broadcast/step_k` into
+  the engine when its datapoints ask for a policy step it does not hold.
 - `EnvRewardModel` (`rew_inf`): the environment's reward and group-normalised advantages.
 - `RolloutHandoff` (`rollout_write`): pads the step back into one batch and, when it carries a
   learning signal, writes `rollouts/step_N` for the shared trainer (`rollout_io`).
@@ -28,13 +29,20 @@ import torch
 
 from rlplex.algos.grpo import group_advantages
 from rlplex.dataflow import MFCDef, MFCExecutionError
-from rlplex.models.hf import Tokenizer, encode_prompt, load_causal_lm, load_tokenizer, stop_token_ids
-from rlplex.models.lm import generate
+from rlplex.errors import AdapterError, AdapterRefusedError
+from rlplex.inference.engine import InferenceEngine, SamplingParams
+from rlplex.models.hf import (
+    Tokenizer,
+    decode_completion,
+    encode_prompt,
+    load_causal_lm,
+    load_tokenizer,
+    stop_token_ids,
+)
 from rlplex.multirun.orch_config import OrchestratorConfig
 from rlplex.multirun.orch_graph import GENERATED_KEYS
-from rlplex.multirun.policy import AdapterPolicy
 from rlplex.multirun.rollout_io import RolloutBatch, write_rollouts
-from rlplex.multirun.rundir import RunDir
+from rlplex.multirun.rundir import RunDir, write_eviction
 from rlplex.tasks import Environment, Example, load_environment
 
 Inputs = dict[str, list[Any]]
@@ -96,47 +104,81 @@ class StepPrompts:
 
 
 class ActorModel:
-    """`actor_gen`: samples completions with the base model and the adapter the datapoints name."""
+    """`actor_gen`: samples completions from the engine with the adapter the datapoints name.
+
+    The run's adapter is served under the run's id; `broadcast/step_k` is loaded (a new version
+    under the same name) the first time datapoints ask for policy step k. A load the engine
+    refuses is tried `adapter_load_retries` more times, then the run is evicted with the reason.
+    """
 
     def __init__(
-        self, policy: AdapterPolicy, tokenizer: Tokenizer, run: RunDir, config: OrchestratorConfig, env: Environment
+        self,
+        engine: InferenceEngine,
+        tokenizer: Tokenizer,
+        run: RunDir,
+        config: OrchestratorConfig,
+        env: Environment,
+        stop_ids: Sequence[int],
     ) -> None:
-        self.policy, self.tokenizer, self.run, self.config = policy, tokenizer, run, config
-        self.stop_ids = stop_token_ids(tokenizer, policy.model)
+        self.engine, self.tokenizer, self.run, self.config = engine, tokenizer, run, config
+        self.stop_ids = tuple(stop_ids)
         self.max_new_tokens = config.max_new_tokens or env.max_new_tokens
+        self.loaded_step: int | None = None
+        self.adapter_loads: list[tuple[int, float]] = []  # (policy step, seconds), for the metrics
 
     @classmethod
     def for_run(cls, output_dir: str | Path, run_id: str, config: OrchestratorConfig) -> ActorModel:
         """Build the actor from the run's files alone (what a rollout worker process does)."""
-        policy = AdapterPolicy(load_causal_lm(config.model), max_rank=config.model.lora.rank)
+        from rlplex.multirun.hf_engine import HFEngine
+
         tokenizer = load_tokenizer(config.model)
-        return cls(policy, tokenizer, RunDir(Path(output_dir), run_id), config, load_environment(config.env))
+        model = load_causal_lm(config.model)
+        engine = HFEngine(model, tokenizer, max_rank=config.model.lora.rank)
+        env = load_environment(config.env)
+        return cls(engine, tokenizer, RunDir(Path(output_dir), run_id), config, env, stop_token_ids(tokenizer, model))
+
+    def _load(self, policy_step: int) -> None:
+        path = self.run.broadcast_step(policy_step)
+        tries = self.config.inference.adapter_load_retries + 1
+        for attempt in range(tries):
+            try:
+                seconds = self.engine.load_adapter(self.run.run_id, path)
+            except (AdapterRefusedError, AdapterError) as error:
+                if attempt + 1 < tries:
+                    time.sleep(0.5 * 2**attempt)
+                    continue
+                write_eviction(self.run, f"the inference engine refused adapter {path} ({tries} tries): {error}")
+                raise
+            self.loaded_step = policy_step
+            self.adapter_loads.append((policy_step, seconds))
+            return
 
     def generate(self, mfc: MFCDef, inputs: Inputs) -> dict[str, list[Any]]:
         policy_step = int(_the_one(mfc, inputs, "policy_steps"))
-        if policy_step != self.policy.loaded_step:
-            self.policy.load(self.run.broadcast_step(policy_step), policy_step)
+        if policy_step != self.loaded_step:
+            self._load(policy_step)
         rows: list[int] = inputs["rows"]
         # The step's seed for the shard that starts at row 0 (all of it, in process); others
         # offset it so that shards on several workers do not draw the same samples.
         seed = int(_the_one(mfc, inputs, "sample_seeds")) + min(rows)
-        device = next(self.policy.model.parameters()).device
-        generator = torch.Generator(device=device).manual_seed(seed)
         prompts: list[list[int]] = inputs["prompt_ids"]
-        with self.policy.active(len(prompts)) as model:
-            out = generate(
-                model, self.tokenizer, prompts, self.max_new_tokens, self.config.temperature, generator, self.stop_ids
-            )
-        out = out.cpu()
-        # One masked select and a split per tensor, not one indexing op per row and tensor.
-        keep = out.attention_B_L.bool()
-        lengths = keep.sum(dim=1).tolist()
-        return {
-            "tokens": list(out.tokens_B_L[keep].split(lengths)),
-            "loss_mask": list(out.completion_mask_B_L[keep].split(lengths)),
-            "logprobs": list(out.logprobs_B_L.float()[keep].split(lengths)),
-            "completions": list(out.completions),
-        }
+        params = SamplingParams(self.max_new_tokens, self.config.temperature, self.stop_ids, seed)
+        completions = self.engine.generate(self.run.run_id, prompts, params)
+        out: dict[str, list[Any]] = {"tokens": [], "loss_mask": [], "logprobs": [], "completions": []}
+        for prompt, completion in zip(prompts, completions, strict=True):
+            generated = len(completion.token_ids)
+            out["tokens"].append(torch.tensor([*prompt, *completion.token_ids], dtype=torch.int64))
+            out["loss_mask"].append(torch.arange(len(prompt) + generated) >= len(prompt))
+            out["logprobs"].append(torch.tensor([0.0] * len(prompt) + completion.logprobs, dtype=torch.float32))
+            out["completions"].append(decode_completion(self.tokenizer, completion.token_ids, self.stop_ids))
+        return out
+
+    def close(self) -> None:
+        """The run's adapter leaves the engine (a finished or evicted run holds no server slot)."""
+        try:
+            self.engine.unload_adapter(self.run.run_id)
+        finally:
+            self.engine.close()
 
 
 class EnvRewardModel:

@@ -27,8 +27,10 @@ Choices:
   same policy is the same step.
 - Resume: a restarted orchestrator continues at the first step whose rollouts are not STABLE;
   a STABLE step is never generated again (a half-written one is overwritten).
-- Generation runs in the orchestrator's process by default; `rollout_workers = N` (N > 1) runs
-  actor_gen on N worker processes, each taking every N-th row of the step (its own seed).
+- Generation goes through an `InferenceEngine`: with `inference.engine = "vllm"` the orchestrator
+  is a client of the job's vLLM servers (its adapter loaded there under the run's id, unloaded
+  when the orchestrator ends); with "hf" (the default) transformers generates in this process,
+  or on `rollout_workers = N` (N > 1) worker processes, each taking every N-th row of the step.
 - Finish: after writing the last rollouts the orchestrator waits until the trainer has
   consumed them (`broadcast/step_{max_steps}` is STABLE) and exits 0, so "the orchestrator
   exited 0" means "the run is done" and eviction during the last step is still reported.
@@ -51,11 +53,11 @@ from pathlib import Path
 
 from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCExecutionError, ModelWorker, ProcessModelWorker
 from rlplex.errors import ConfigError, MultiRunError, RlplexError, RunConfigError, RunDirGoneError, WaitTimeoutError
+from rlplex.models.hf import Tokenizer
 from rlplex.multirun.orch_config import OrchestratorConfig, create_run, read_orch_config
 from rlplex.multirun.orch_graph import orchestrator_graph
 from rlplex.multirun.orch_models import ActorModel, EnvRewardModel, Handoff, RolloutHandoff, StepPrompts
 from rlplex.multirun.peft_export import is_stable_adapter
-from rlplex.multirun.policy import AdapterPolicy
 from rlplex.multirun.rollout_io import rollouts_ready
 from rlplex.multirun.rundir import RunDir, parse_step, write_eviction
 from rlplex.tasks import Environment, load_environment
@@ -159,7 +161,7 @@ class StepDataflow:
     """
 
     def __init__(self, output_dir: Path, run: RunDir, config: OrchestratorConfig, env: Environment) -> None:
-        from rlplex.models.hf import load_causal_lm, load_tokenizer
+        from rlplex.models.hf import load_tokenizer
         from rlplex.models.lm import pad_id_of
 
         tokenizer = load_tokenizer(config.model)
@@ -170,12 +172,12 @@ class StepDataflow:
             "trainer": [LocalModelWorker("trainer", self.handoff)],
             "actor": [],
         }
+        self.actor: ActorModel | None = None
         self.loop = asyncio.new_event_loop()
         try:
             if config.rollout_workers == 1:
-                policy = AdapterPolicy(load_causal_lm(config.model), max_rank=config.model.lora.rank)
-                actor = ActorModel(policy, tokenizer, run, config, env)
-                self.workers["actor"].append(LocalModelWorker("actor", actor))
+                self.actor = _in_process_actor(output_dir, run, config, env, tokenizer)
+                self.workers["actor"].append(LocalModelWorker("actor", self.actor))
             else:
                 factory = partial(ActorModel.for_run, str(output_dir), run.run_id, config)
                 for index in range(config.rollout_workers):
@@ -190,6 +192,10 @@ class StepDataflow:
         except BaseException:
             self.close()
             raise
+
+    def adapter_load_s(self) -> float | None:
+        """Seconds the latest adapter load took in this process (None: none yet, or on workers)."""
+        return self.actor.adapter_loads[-1][1] if self.actor is not None and self.actor.adapter_loads else None
 
     def run_step(self, step: int, attempt: int, policy_step: int) -> tuple[Handoff, dict[str, float]]:
         """Generate, score and hand over one step; the timings are the executor's, per MFC."""
@@ -207,11 +213,26 @@ class StepDataflow:
         self.close()
 
     def close(self) -> None:
+        if self.actor is not None:
+            self.actor.close()
         for group in self.workers.values():
             for worker in group:
                 worker.close()  # type: ignore[attr-defined]  # both worker kinds have close()
         self.loop.run_until_complete(self.loop.shutdown_default_executor())
         self.loop.close()
+
+
+def _in_process_actor(
+    output_dir: Path, run: RunDir, config: OrchestratorConfig, env: Environment, tokenizer: Tokenizer
+) -> ActorModel:
+    """The actor of `rollout_workers = 1`: a client of the job's vLLM servers, or transformers here."""
+    if config.inference.engine == "vllm":
+        from rlplex.inference.client import VLLMClient
+        from rlplex.models.hf import model_stop_ids
+
+        engine = VLLMClient.for_settings(config.inference)
+        return ActorModel(engine, tokenizer, run, config, env, model_stop_ids(config.model, tokenizer))
+    return ActorModel.for_run(output_dir, run.run_id, config)
 
 
 def run_orchestrator(
@@ -243,7 +264,11 @@ def run_orchestrator(
             while step < config.max_steps:
                 check_evicted(run)
                 policy_step = wait_for_broadcast(run, step - config.max_async_level, f"step {step}", wait)
-                result, timings = dataflow.run_step(step, empty, policy_step)
+                try:
+                    result, timings = dataflow.run_step(step, empty, policy_step)
+                except Exception:
+                    check_evicted(run)  # an adapter the engine refused evicts the run: say that, not the trace
+                    raise
                 if not result.written:
                     empty += 1
                     _say(f"{run_id}: step {step} attempt {empty}: no learning signal (all advantages zero)")
@@ -267,6 +292,8 @@ def run_orchestrator(
                     "charts/generated_tokens": float(result.generated_tokens),
                     **timings,
                 }
+                if (load_s := dataflow.adapter_load_s()) is not None:
+                    stats["charts/adapter_load_s"] = load_s
                 metrics.log(step, stats)
                 _say(
                     f"{run_id}: step {step} written ({step + 1}/{config.max_steps}) reward {result.reward_mean:.3f} "

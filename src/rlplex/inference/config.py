@@ -1,0 +1,61 @@
+"""Settings of the inference engine: what an orchestrator needs to reach it (`EngineSettings`),
+and what a main job needs to run the vLLM servers (`InferenceConfig`, its `[inference]` table).
+
+    [inference]
+    engine = "vllm"          # or "hf": each orchestrator generates in its own process
+    replicas = 1
+    max_loras = 4            # adapters resident in a server at once; more are swapped in and out
+    max_lora_rank = 16
+    extra_args = ["--enforce-eager"]
+
+No torch here: the control plane and the config loaders import it.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from rlplex.config import StrictModel
+
+Engine = Literal["hf", "vllm"]
+
+
+class EngineSettings(StrictModel):
+    """How an orchestrator generates: in process (`hf`) or as a client of the job's vLLM servers."""
+
+    engine: Engine = Field("hf", description="'hf': in-process transformers generation; 'vllm': the job's server")
+    endpoint_dir: str | None = Field(
+        None, description="folder holding endpoint.json and api_key (the main job fills it in); required for vllm"
+    )
+    request_timeout_s: float = Field(120.0, gt=0, description="one completion request, before it is retried")
+    max_retries: int = Field(3, ge=0, description="retries of a failed request, with exponential backoff")
+    max_concurrency: int = Field(64, ge=1, description="requests in flight at once, per orchestrator")
+    reconnect_timeout_s: float = Field(
+        600.0, gt=0, description="how long to wait for a restarted server before the orchestrator fails"
+    )
+    adapter_load_retries: int = Field(2, ge=0, description="retries of a refused adapter load; then the run is evicted")
+
+
+class InferenceConfig(EngineSettings):
+    """`[inference]` of a main job: the client settings above plus the servers the job runs."""
+
+    replicas: int = Field(1, ge=1, le=8, description="vLLM servers; requests and adapters go to all of them")
+    max_loras: int = Field(4, ge=1, description="adapters resident in one server at once (vLLM --max-loras)")
+    max_lora_rank: int = Field(16, ge=1, description="largest adapter rank a server accepts (vLLM --max-lora-rank)")
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM's share of GPU memory (GPU builds)")
+    cpu_kv_cache_gb: int = Field(1, ge=1, description="KV cache of a CPU build, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    max_model_len: int | None = Field(None, ge=16, description="longest prompt + completion; None = the model's")
+    host: str = Field("127.0.0.1", description="the servers bind here; loopback unless the job file says otherwise")
+    port: int = Field(0, ge=0, le=65535, description="first replica's port (the next ones count up); 0 = any free port")
+    extra_args: list[str] = Field(default_factory=list, description="more vLLM server arguments, passed as they are")
+    startup_timeout_s: float = Field(600.0, gt=0, description="from start to a healthy /health")
+    health_interval_s: float = Field(2.0, gt=0, description="seconds between health checks")
+    hang_timeout_s: float = Field(60.0, gt=0, description="a server whose /health fails this long is restarted")
+    max_restarts: int = Field(3, ge=0, description="restarts of the inference role before the job fails")
+
+    def engine_settings(self, endpoint_dir: str) -> EngineSettings:
+        """What each run's orchestrator gets: the client fields, pointed at the job's endpoint folder."""
+        fields = {name: getattr(self, name) for name in EngineSettings.model_fields}
+        return EngineSettings.model_validate({**fields, "endpoint_dir": endpoint_dir})

