@@ -51,6 +51,7 @@ class VLLMClient:
         self._wanted: dict[str, Path] = {}  # adapters this client serves: loaded again after a restart
         self._loaded: dict[str, tuple[int, Path]] = {}  # name -> (server incarnation, folder) now loaded
         self.reconnects = 0
+        self.last_load_s = 0.0
 
     @classmethod
     def for_settings(cls, settings: EngineSettings) -> VLLMClient:
@@ -61,10 +62,11 @@ class VLLMClient:
 
     # -- InferenceEngine ----------------------------------------------------------------------
     def load_adapter(self, name: str, path: Path) -> float:
+        """Load into every replica; the seconds returned are the load calls' (not a wait for a server)."""
         self._wanted[name] = Path(path)
-        started = time.perf_counter()
+        self.last_load_s = 0.0
         self._run(self._with_reconnect(lambda endpoint: self._ensure_adapter(name, endpoint)))
-        return time.perf_counter() - started
+        return self.last_load_s
 
     def unload_adapter(self, name: str) -> None:
         self._wanted.pop(name, None)
@@ -158,7 +160,9 @@ class VLLMClient:
         if self._loaded.get(name) == (endpoint.incarnation, path):
             return
         body = {"lora_name": name, "lora_path": str(path), "load_inplace": True}
+        started = time.perf_counter()
         await self._post_all(endpoint, "load_lora_adapter", body)
+        self.last_load_s = time.perf_counter() - started
         self._loaded[name] = (endpoint.incarnation, path)
 
     async def _post_all(self, endpoint: Endpoint, route: str, body: dict[str, Any], missing_ok: bool = False) -> None:

@@ -226,12 +226,13 @@ class VLLMServer:
         except (OSError, urllib.error.URLError):
             return False
 
-    def log_tail(self, lines: int = 15) -> str:
+    def log_tail(self, lines: int = 6) -> str:
+        """The log's last lines that say something (not the route table, not access lines)."""
         try:
             text = self.log_path.read_text(encoding="utf-8", errors="replace")
         except OSError:
             return "(no log)"
-        kept = [line for line in text.splitlines() if "Route:" not in line]
+        kept = [line for line in text.splitlines() if "Route:" not in line and not line.startswith("INFO:     ")]
         return "\n".join(kept[-lines:])
 
     def wait_ready(self, timeout_s: float, should_stop: Callable[[], bool] = lambda: False) -> float:

@@ -41,6 +41,7 @@ from rlplex.multirun.orch_config import OrchestratorConfig, parse_orch_config
 from rlplex.multirun.rundir import is_valid_run_name
 
 INFERENCE_DIR = "inference"
+JOB_CONFIG_FILE = "main_job.json"  # the job as JSON, written at creation (`rlplex resume` and the view read it)
 
 
 class TrainerSettings(StrictModel):

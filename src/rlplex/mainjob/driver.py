@@ -18,14 +18,12 @@ from rlplex.errors import ConfigError, RlplexError
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.vllm_server import ensure_api_key, require_vllm
 from rlplex.mainjob.build import build_job_spec
-from rlplex.mainjob.config import MainJobConfig
+from rlplex.mainjob.config import JOB_CONFIG_FILE, MainJobConfig
 from rlplex.mainjob.registry import REGISTRY_FILE, answer, pending_requests, read_registry, write_registry
 from rlplex.mainjob.report import write_report
 from rlplex.mainjob.view import collect, render
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir import write_file_atomic
-
-JOB_CONFIG_FILE = "main_job.json"
 
 
 def accept_requests(

@@ -71,10 +71,29 @@ def write_report(output_dir: Path, fallback_wall_time_s: float) -> Path:
                                  xlabel="step", ylabel="mean reward")  # fmt: skip
             lines.append(f"![{run.run_id}](plots/{run.run_id}.png)")
             write_tensorboard(run, output_dir / "tb" / run.run_id)
+    lines += _inference_section(view)
     lines += _nodes_section(view, output_dir)
     path = output_dir / REPORT_FILE
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _inference_section(view: JobView) -> list[str]:
+    if view.inference is None:
+        return []
+    lines = ["", "## Inference", "", f"Engine: **{view.inference.engine}**"]
+    if view.inference.engine == "vllm":
+        lines.append(f"Servers: {view.inference.replicas} replica(s), one for every run's adapter")
+    header = ("run", "rollout tokens/s (mean)", "adapter loads", "load p50 (ms)", "load max (ms)")
+    lines += ["", _row(header), _row(("---",) * len(header))]
+    for run in view.runs:
+        loads = sorted(run.adapter_loads_s)
+        tokens = [row for row in run.rollout_tokens_per_s if math.isfinite(row)]
+        mean = sum(tokens) / len(tokens) if tokens else None
+        p50 = 1000 * loads[len(loads) // 2] if loads else None
+        worst = 1000 * loads[-1] if loads else None
+        lines.append(_row((run.run_id, _num(mean, ".0f"), str(len(loads)), _num(p50, ".1f"), _num(worst, ".1f"))))
+    return lines
 
 
 def _nodes_section(view: JobView, output_dir: Path) -> list[str]:

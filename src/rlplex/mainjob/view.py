@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from rich.table import Table
 
 from rlplex.control.elastic import rendezvous_summaries
 from rlplex.control.store import NodeRecord, SqliteStateStore
-from rlplex.mainjob.config import RunEntry
+from rlplex.mainjob.config import INFERENCE_DIR, JOB_CONFIG_FILE, RunEntry
 from rlplex.mainjob.registry import read_registry
 from rlplex.multirun.rundir import RunDir, stable_steps
 
@@ -32,6 +33,7 @@ REWARD_WINDOW = 10
 # The trainer's throughput is measured over the newest stretch of its progress logs.
 THROUGHPUT_WINDOW_S = 30.0
 TOKENS_COLUMNS = ("tokens_per_s", "charts/tokens_per_s")
+ADAPTER_LOAD_COLUMN = "charts/adapter_load_s"
 
 
 @dataclass
@@ -46,6 +48,8 @@ class RunView:
     trained_tokens: int = 0
     curve: list[tuple[float, float]] = field(default_factory=list)
     trainer_rows: list[dict[str, float]] = field(default_factory=list)
+    adapter_loads_s: list[float] = field(default_factory=list)  # each step's adapter load, when one was loaded
+    rollout_tokens_per_s: list[float] = field(default_factory=list)  # each written step's generation rate
 
     def _window_mean(self, newest: bool) -> float | None:
         rewards = [reward for _, reward in self.curve]
@@ -72,6 +76,45 @@ class RunView:
 
 
 @dataclass
+class InferenceView:
+    """The job's rollout engine: which one, its servers, and what the runs measured of it."""
+
+    engine: str  # "hf" or "vllm"
+    replicas: int
+    urls: list[str]
+    incarnation: int | None  # of the servers now up (None: none up)
+
+    def describe(self, runs: list[RunView]) -> str:
+        active = [run.tokens_per_s for run in runs if run.state == "running" and run.tokens_per_s is not None]
+        loads = sorted(s for run in runs for s in run.adapter_loads_s)
+        text = f"inference: {self.engine}"
+        if self.engine == "vllm":
+            up = f"up at {', '.join(self.urls)} (incarnation {self.incarnation})" if self.urls else "not up"
+            text += f", {self.replicas} replica(s) {up}"
+        text += f"; rollout tokens/s of running runs: {sum(active):.0f}" if active else ""
+        if loads:
+            p50, p99 = loads[len(loads) // 2], loads[min(len(loads) - 1, int(0.99 * len(loads)))]
+            text += f"; adapter loads: {len(loads)}, p50 {1000 * p50:.0f} ms, p99 {1000 * p99:.0f} ms"
+        return text
+
+
+def read_inference(output_dir: Path) -> InferenceView | None:
+    """The engine of the job in `output_dir` (its main_job.json) and its endpoint, if any."""
+    try:
+        job = json.loads((output_dir / JOB_CONFIG_FILE).read_text(encoding="utf-8"))
+        settings = job.get("inference") or {}
+        view = InferenceView(str(settings.get("engine", "hf")), int(settings.get("replicas", 1)), [], None)
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    try:
+        endpoint = json.loads((output_dir / INFERENCE_DIR / "endpoint.json").read_text(encoding="utf-8"))
+        view.urls, view.incarnation = [str(u) for u in endpoint["urls"]], int(endpoint["incarnation"])
+    except (OSError, ValueError, TypeError, KeyError):
+        pass
+    return view
+
+
+@dataclass
 class JobView:
     output_dir: Path
     job_state: str
@@ -81,6 +124,7 @@ class JobView:
     read_at: float
     rendezvous: list[str] = field(default_factory=list)  # the trainer's elastic restarts
     created_at: float | None = None  # when the job was created (wall clock), across master restarts
+    inference: InferenceView | None = None
 
     @property
     def trained_tokens(self) -> int:
@@ -153,6 +197,8 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
         view.trained_tokens = int(view.trainer_rows[-1].get("total_tokens", 0))
     if rows:
         view.tokens_per_s = _pick(rows[-1], TOKENS_COLUMNS)
+        view.adapter_loads_s = [row[ADAPTER_LOAD_COLUMN] for row in rows if ADAPTER_LOAD_COLUMN in row]
+        view.rollout_tokens_per_s = [rate for row in rows if (rate := _pick(row, TOKENS_COLUMNS)) is not None]
     if run.is_evicted():
         view.state, view.reason = "evicted", run.eviction_reason() or ""
     elif run.config_error.exists():
@@ -179,7 +225,8 @@ def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
             store.close()
     runs = [run_view(runs_dir, entry) for entry in read_registry(output_dir)]
     rendezvous = rendezvous_summaries(output_dir)
-    return JobView(output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created)
+    inference = read_inference(output_dir)
+    return JobView(output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created, inference)
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -208,6 +255,8 @@ def render(view: JobView) -> Group:
         progress = ", ".join(f"{k}={v:g}" for k, v in list(node.progress.items())[:4]) or "-"
         nodes.add_row(node.role, str(node.rank), node.state, str(node.restarts), age, progress)
     parts: list[Table | str] = [runs, nodes, *view.rendezvous]
+    if view.inference is not None:
+        parts.append(view.inference.describe(view.runs))
     if view.job_cause:
         parts.append(f"cause: {view.job_cause}")
     return Group(*parts)

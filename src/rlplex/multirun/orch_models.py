@@ -124,7 +124,7 @@ class ActorModel:
         self.stop_ids = tuple(stop_ids)
         self.max_new_tokens = config.max_new_tokens or env.max_new_tokens
         self.loaded_step: int | None = None
-        self.adapter_loads: list[tuple[int, float]] = []  # (policy step, seconds), for the metrics
+        self.unreported_load_s: float | None = None  # the newest load's seconds, until the metrics take it
 
     @classmethod
     def for_run(cls, output_dir: str | Path, run_id: str, config: OrchestratorConfig) -> ActorModel:
@@ -150,7 +150,7 @@ class ActorModel:
                 write_eviction(self.run, f"the inference engine refused adapter {path} ({tries} tries): {error}")
                 raise
             self.loaded_step = policy_step
-            self.adapter_loads.append((policy_step, seconds))
+            self.unreported_load_s = seconds
             return
 
     def generate(self, mfc: MFCDef, inputs: Inputs) -> dict[str, list[Any]]:

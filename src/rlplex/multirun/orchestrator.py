@@ -193,9 +193,12 @@ class StepDataflow:
             self.close()
             raise
 
-    def adapter_load_s(self) -> float | None:
-        """Seconds the latest adapter load took in this process (None: none yet, or on workers)."""
-        return self.actor.adapter_loads[-1][1] if self.actor is not None and self.actor.adapter_loads else None
+    def take_adapter_load_s(self) -> float | None:
+        """Seconds of the adapter load the last step made in this process (None: it made none)."""
+        if self.actor is None:
+            return None
+        seconds, self.actor.unreported_load_s = self.actor.unreported_load_s, None
+        return seconds
 
     def run_step(self, step: int, attempt: int, policy_step: int) -> tuple[Handoff, dict[str, float]]:
         """Generate, score and hand over one step; the timings are the executor's, per MFC."""
@@ -292,7 +295,7 @@ def run_orchestrator(
                     "charts/generated_tokens": float(result.generated_tokens),
                     **timings,
                 }
-                if (load_s := dataflow.adapter_load_s()) is not None:
+                if (load_s := dataflow.take_adapter_load_s()) is not None:
                     stats["charts/adapter_load_s"] = load_s
                 metrics.log(step, stats)
                 _say(
