@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml requirements.txt requirements-dev.txt requirements-vllm
 # Hugging Face checkpoint (built once, then cached). Each `make demo` starts the job afresh
 # (the job refuses a folder that already holds one).
 demo: $(STAMP)
-	$(VENV)/bin/rlplex model tiny outputs/models/tiny-reverse --task reverse --warmup-steps 75
+	$(VENV)/bin/rlplex model tiny outputs/models/tiny-reverse --task reverse --warmup-steps 110 --replace
 	rm -rf outputs/multirun-demo
 	$(VENV)/bin/rlplex run examples/multirun_demo.toml
 

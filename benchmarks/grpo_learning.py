@@ -1,7 +1,10 @@
 """GRPO on a toy task with the tiny language model: synchronous (eta = 0) and asynchronous
 (eta = 1, 4) through the same dataflow path.
 
-    python -m benchmarks.grpo_learning [--quick] [--task reverse]
+    python -m benchmarks.grpo_learning [--quick] [--task reverse] [--engine vllm]
+
+`--engine vllm`: the rollouts run on a vLLM(-CPU) server the runner starts, and the policy is
+a LoRA adapter (rank `--lora-rank`) hot-loaded into it after every step (lr `--lr`).
 
 Goal (issue 4): mean reward rises from its warm-up value to >= 0.8 in every mode, on 2 CPU
 cores, within 15 minutes each. Reports wall time to the target, async speed-up over sync,
@@ -25,8 +28,12 @@ def main() -> None:
     parser.add_argument("--task", default="reverse")
     parser.add_argument("--target", type=float, default=0.8)
     parser.add_argument("--warmup-steps", type=int, default=75, help="supervised warm-up of the tiny checkpoint")
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="where rollouts are generated")
+    parser.add_argument("--lora-rank", type=int, default=8, help="with --engine vllm: the trained adapter's rank")
+    parser.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3; 5e-3 with vllm)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    name = "grpo_learning" if args.engine == "hf" else "grpo_learning_vllm"
     steps = 30 if args.quick else 400
     runs, rows, curves = [], [], {}
     for eta in (0, 1, 4):
@@ -37,6 +44,9 @@ def main() -> None:
             steps=steps,
             eval_every=10,
             target_reward=args.target,
+            inference={"engine": args.engine, "max_model_len": 128},
+            lora_rank=args.lora_rank,
+            lr=args.lr or (5e-3 if args.engine == "vllm" else 1e-3),
         )
         result = train_grpo_lm(config)
         curves[f"eta={eta}"] = ([s for s, _, _ in result.curve], [r for _, r, _ in result.curve])
@@ -58,7 +68,7 @@ def main() -> None:
         run["speedup_over_sync"] = (sync_time / reached) if (sync_time and reached) else None
     png = plot_learning_curves(
         curves,
-        RESULTS / "grpo_learning.png",
+        RESULTS / f"{name}.png",
         title=f"GRPO on '{args.task}'",
         xlabel="train steps",
         ylabel="eval reward",
@@ -66,8 +76,8 @@ def main() -> None:
     )
     columns = ("eta", "warm-up reward", "final reward", "steps", "wall s", "s to target", "max staleness")
     report(
-        "grpo_learning",
-        f"GRPO {args.task}: sync vs async",
+        name,
+        f"GRPO {args.task} ({args.engine}): sync vs async",
         columns,
         rows,
         {"runs": runs, "target": args.target, "curves_png": str(png)},

@@ -36,7 +36,7 @@ SMALL = {
     "hidden_size": 32,
     "intermediate_size": 64,
     "num_layers": 1,
-    "num_heads": 1,  # head size 32: vLLM's CPU attention has no kernel for 16
+    "num_heads": 2,
     "warmup_steps": 20,
     "warmup_batch_size": 32,
     "warmup_lr": 1e-2,

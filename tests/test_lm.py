@@ -81,7 +81,7 @@ def test_tiny_checkpoint_is_a_warmed_up_hugging_face_model() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(path)
-    assert type(model).__name__ == "Qwen2ForCausalLM"
+    assert type(model).__name__ == "Qwen3ForCausalLM"
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     # The warm-up gave the policy a signal on its task (an untrained model scores about 0.1).

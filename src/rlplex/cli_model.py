@@ -28,6 +28,9 @@ def register(app: typer.Typer, console: Console) -> None:
         task: Annotated[list[str] | None, typer.Option(help="warm-up environment; repeat for several")] = None,
         warmup_steps: Annotated[int | None, typer.Option(help="supervised warm-up steps")] = None,
         seed: Annotated[int | None, typer.Option(help="seed of the weights, tokenizer and warm-up")] = None,
+        replace: Annotated[
+            bool, typer.Option(help="rebuild a tiny model of other settings found in OUT_DIR (an older rlplex's)")
+        ] = False,
         debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
     ) -> None:
         """Build the tiny checkpoint that tests and the demo train (cached by its settings)."""
@@ -52,7 +55,7 @@ def register(app: typer.Typer, console: Console) -> None:
                 def on_step(step: int, loss: float) -> None:
                     progress.update(bar, completed=step, loss=f"{loss:.3f}")
 
-                path = build_tiny_model(out_dir, config, on_step)
+                path = build_tiny_model(out_dir, config, on_step, replace=replace)
             names = ", ".join(t if isinstance(t, str) else t.name for t in config.tasks)
             console.print(f"tiny model ({names}; key {config.key()}): {path}", highlight=False)
             return 0

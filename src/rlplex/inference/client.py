@@ -94,6 +94,7 @@ class VLLMClient:
         if self._loop.is_closed():
             return
         self._run(self._close_clients())
+        self._run(_cancel_pending())  # requests a hung server never answered
         self._loop.close()
 
     # -- internals -------------------------------------------------------------------------------
@@ -222,6 +223,13 @@ class VLLMClient:
                 f"{url}: completion request refused: HTTP {error.status_code}: {error.message}"
             ) from None
         return _completion_of(url, response)
+
+
+async def _cancel_pending() -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _completion_of(url: str, response: Any) -> Completion:

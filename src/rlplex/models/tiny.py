@@ -5,7 +5,7 @@
 - a byte-level BPE tokenizer trained on the spot with `tokenizers` on text of every built-in
   environment (`tokenizer.json`, special tokens ``<|endoftext|>`` (pad), ``<|im_start|>``,
   ``<|im_end|>`` (EOS) and a ChatML chat template, as Qwen2 checkpoints have);
-- a Qwen2-architecture model from a config, after a short supervised warm-up on the chosen
+- a Qwen3-architecture model from a config (heads of 32), after a short supervised warm-up on the chosen
   environments so that RL starts from a policy with some signal;
 - `save_pretrained` (safetensors) and ``rlplex_tiny.json`` (the settings and their key).
 
@@ -32,14 +32,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from rlplex.config import StrictModel
 from rlplex.errors import ConfigError
 from rlplex.tasks import Environment, EnvSpec, Example, load_environment
 
 SETTINGS_FILE = "rlplex_tiny.json"
-_FORMAT_VERSION = 1  # bump when the same settings would build a different model
+_FORMAT_VERSION = 2  # bump when the same settings would build a different model
 PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -56,20 +56,13 @@ class TinyModelConfig(StrictModel):
     hidden_size: int = Field(64, ge=8)
     intermediate_size: int = Field(192, ge=8)
     num_layers: int = Field(2, ge=1)
-    num_heads: int = Field(2, ge=1, description="Attention heads; head size 32 is one vLLM's CPU kernels take.")
+    num_heads: int = Field(4, ge=1)
+    head_dim: int = Field(32, ge=8, description="Size of an attention head; vLLM's CPU kernels take 32 and up.")
     max_len: int = Field(128, ge=16, description="Longest prompt + completion, in tokens.")
     seed: int = 0
     warmup_steps: int = Field(120, ge=0, description="Supervised steps, so RL starts with a signal.")
     warmup_batch_size: int = Field(64, ge=1)
     warmup_lr: float = Field(3e-3, gt=0)
-
-    @field_validator("num_heads")
-    @classmethod
-    def _heads_divide_hidden(cls, value: int, info: object) -> int:
-        hidden = getattr(info, "data", {}).get("hidden_size")
-        if isinstance(hidden, int) and hidden % value:
-            raise ValueError(f"hidden_size {hidden} is not a multiple of num_heads {value}")
-        return value
 
     def key(self) -> str:
         payload = {"format": _FORMAT_VERSION, **self.model_dump(mode="json")}
@@ -111,7 +104,7 @@ def train_tokenizer(vocab_size: int, seed: int = 0, texts_per_env: int = 400) ->
 
 
 def _build(out: Path, config: TinyModelConfig, on_step: Callable[[int, float], None] | None) -> None:
-    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
 
     from rlplex.models.lm import supervised_warmup
 
@@ -120,14 +113,17 @@ def _build(out: Path, config: TinyModelConfig, on_step: Callable[[int, float], N
     vocab = len(tokenizer)  # type: ignore[arg-type]
     pad_id, eos_id = tokenizer.pad_token_id, tokenizer.eos_token_id  # type: ignore[attr-defined]
     torch.manual_seed(config.seed)
-    model = Qwen2ForCausalLM(
-        Qwen2Config(
+    # Qwen3: the Qwen family whose head size is its own setting (in transformers and vLLM alike), so
+    # heads of 32 (what vLLM's CPU attention takes) fit a hidden size of 64.
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
             vocab_size=vocab,
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
             num_hidden_layers=config.num_layers,
             num_attention_heads=config.num_heads,
             num_key_value_heads=config.num_heads,
+            head_dim=config.head_dim,
             max_position_embeddings=config.max_len,
             pad_token_id=pad_id,
             bos_token_id=None,
@@ -193,17 +189,23 @@ def build_tiny_model(
     out_dir: str | Path,
     config: TinyModelConfig | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    replace: bool = False,
 ) -> Path:
-    """Build (or find, cached) the tiny checkpoint in `out_dir`; returns its absolute path."""
+    """Build (or find, cached) the tiny checkpoint in `out_dir`; returns its absolute path.
+
+    `replace`: a tiny model of other settings there (an older rlplex's, say) is rebuilt; a
+    folder that is not a tiny model is never touched."""
     config = config or TinyModelConfig()
     out = Path(out_dir).expanduser().resolve()
     with locked_folder(out):
         existing = read_tiny_settings(out)
         if existing is not None and existing.get("key") == config.key():
             return out
-        if out.exists() and any(out.iterdir()):
+        if existing is not None and replace:
+            shutil.rmtree(out)
+        elif out.exists() and any(out.iterdir()):
             what = "a tiny model built with other settings" if existing else "something that is not a tiny model"
-            raise ConfigError(f"{out}: holds {what}; build into another folder (or delete this one)")
+            raise ConfigError(f"{out}: holds {what}; build into another folder (or delete this one, or --replace)")
         build_folder(out, lambda tmp: _build(tmp, config, on_step))
     return out
 

@@ -1,9 +1,14 @@
 """GRPO on a causal language model as a dataflow, synchronous or asynchronous (eta).
 
-Rollout workers (threads here, each with its own copy of the model) generate groups of
-completions for a task and score them; the trainer runs the `actor_train` MFC through the
-`FunctionExecutor` on trajectories from the `StreamDataset`, then publishes its weights with
-the new policy version. eta bounds staleness; eta = 0 is synchronous RL on the same path.
+Rollout workers (threads here) generate groups of completions for a task and score them; the
+trainer runs the `actor_train` MFC through the `FunctionExecutor` on trajectories from the
+`StreamDataset`, then publishes the new policy version. eta bounds staleness; eta = 0 is
+synchronous RL on the same path. Two engines generate:
+- `inference.engine = "hf"` (default): each worker holds a copy of the model (all of its weights
+  trained) and samples with transformers; a version is a state dict;
+- `inference.engine = "vllm"`: the policy is a LoRA adapter (`lora_rank`) of the frozen model,
+  served by a vLLM server this runner starts; a version is a PEFT folder each worker loads into
+  the server under its own name (see `rlplex.runners.grpo_vllm`).
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ from __future__ import annotations
 import asyncio
 import copy
 import itertools
+import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,9 +40,11 @@ from rlplex.dataflow.stream import (
 )
 from rlplex.diagnostics import MetricsLogger, ProgressLine
 from rlplex.errors import RlplexError
+from rlplex.inference.config import InferenceConfig
 from rlplex.models.hf import Tokenizer, encode_prompt, load_causal_lm, load_tokenizer
 from rlplex.models.lm import generate, mean_reward
 from rlplex.models.spec import ModelSpec
+from rlplex.runners.grpo_vllm import ServedLoRAPolicy, served_rollout_worker
 from rlplex.tasks import Environment, EnvSpec, load_environment
 
 TRAIN_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "rewards", "task_ids", "version_start")
@@ -56,6 +64,8 @@ class GRPOLMConfig(StrictModel):
     eval_samples: int = Field(256, ge=1)
     target_reward: float | None = None
     seed: int = 0
+    inference: InferenceConfig = Field(InferenceConfig(), description="'hf': in-process; 'vllm': a server")
+    lora_rank: int = Field(8, ge=1, description="with engine 'vllm': rank of the trained LoRA adapter")
 
 
 @dataclass
@@ -83,15 +93,20 @@ class _TrainInterface:
     """The trainer's side of `actor_train`: checks staleness, steps, publishes weights."""
 
     def __init__(
-        self, actor: GRPOActor, tracker: _StalenessTracker, weights: WeightBroadcaster, controller: StalenessController
+        self,
+        actor: GRPOActor,
+        tracker: _StalenessTracker,
+        weights: WeightBroadcaster,
+        controller: StalenessController,
+        snapshot: Callable[[int], dict[str, Any]],
     ) -> None:
         self.actor, self.tracker, self.weights, self.controller = actor, tracker, weights, controller
+        self.snapshot = snapshot
 
     def train_step(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
         self.tracker.observe(inputs["version_start"])
         out = self.actor.train_step(mfc, inputs)
-        state = {k: v.detach().clone() for k, v in self.actor.model.state_dict().items()}
-        self.weights.publish(self.actor.version, state)
+        self.weights.publish(self.actor.version, self.snapshot(self.actor.version))
         self.controller.set_version(self.actor.version)
         return out
 
@@ -108,7 +123,12 @@ def train_grpo_lm(config: GRPOLMConfig, log_dir: str | Path | None = None, show_
         )
     torch.manual_seed(config.seed)
     tokenizer, task = load_tokenizer(config.model), load_environment(config.env)
-    model = load_causal_lm(config.model).requires_grad_(True)
+    model: torch.nn.Module = load_causal_lm(config.model).requires_grad_(True)
+    served: ServedLoRAPolicy | None = None
+    if config.inference.engine == "vllm":
+        work_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="rlplex-grpo-vllm-"))
+        served = ServedLoRAPolicy(config.model, model, config.inference, config.lora_rank, work_dir)
+        model = served.module
     actor = GRPOActor(model, tokenizer, task.max_new_tokens, lr=config.lr, epochs=config.epochs, seed=config.seed)
     reward_model = EnvReward(task, tokenizer)
     waits = WaitCounters()
@@ -123,17 +143,36 @@ def train_grpo_lm(config: GRPOLMConfig, log_dir: str | Path | None = None, show_
         with counter_lock:
             return next(counter)
 
-    workers = [
-        _make_rollout_worker(i, config, model, tokenizer, task, reward_model, controller, stream, weights, next_group)
-        for i in range(config.rollout_workers)
-    ]
+    if served is None:
+        workers = [
+            _make_rollout_worker(i, config, model, tokenizer, task, reward_model, controller, stream, weights,
+                                 next_group)
+            for i in range(config.rollout_workers)
+        ]  # fmt: skip
+    else:
+        try:
+            served.start()
+            served.export(0)
+            workers = [
+                served_rollout_worker(i, config.seed, config.group_size, served, tokenizer, task, reward_model,
+                                      controller, stream, weights, next_group)
+                for i in range(config.rollout_workers)
+            ]  # fmt: skip
+        except BaseException:
+            served.close()
+            raise
+
+    def snapshot(version: int) -> dict[str, Any]:
+        if served is not None:
+            return {"adapter_dir": str(served.export(version))}
+        return {k: v.detach().clone() for k, v in actor.model.state_dict().items()}
 
     def trajectories() -> Iterator[dict[str, Any]]:
         while True:
             trajectory = stream.get(timeout=600)
             yield {**trajectory.data, "version_start": trajectory.version_start}
 
-    train_worker = LocalModelWorker("trainer", _TrainInterface(actor, tracker, weights, controller))
+    train_worker = LocalModelWorker("trainer", _TrainInterface(actor, tracker, weights, controller, snapshot))
     executor = FunctionExecutor(
         _train_graph(config.batch_size),
         {"actor": [train_worker]},
@@ -187,6 +226,8 @@ def train_grpo_lm(config: GRPOLMConfig, log_dir: str | Path | None = None, show_
             worker.join(timeout=30)
         train_worker.close()
         loop.close()
+        if served is not None:
+            served.close()
         progress.close()
         if logger is not None:
             logger.close()

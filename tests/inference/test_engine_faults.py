@@ -1,0 +1,166 @@
+"""Faults around the inference engine: a server that errors or hangs, adapters the server
+refuses (the run is evicted with the reason; another run on the same server carries on), and
+the settings that must fail at load time rather than mid-run."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+from vllm_helpers import Served, make_adapter
+
+from rlplex.errors import ConfigError, InferenceUnavailableError, RunConfigError
+from rlplex.inference.client import VLLMClient
+from rlplex.inference.config import EngineSettings, InferenceConfig
+from rlplex.inference.engine import SamplingParams
+from rlplex.inference.vllm_server import (
+    API_KEY_FILE,
+    Endpoint,
+    VLLMServer,
+    check_model_for_vllm,
+    ensure_api_key,
+    write_endpoint,
+)
+from rlplex.models.spec import ModelSpec
+from rlplex.multirun.orch_config import OrchestratorConfig, parse_orch_config
+from rlplex.multirun.orchestrator import RunEvictedError, WaitOptions, run_orchestrator
+from rlplex.multirun.peft_export import STABLE_MARKER
+from rlplex.multirun.rollout_io import rollouts_ready
+from rlplex.multirun.rundir import RunDir
+
+
+@contextmanager
+def misbehaving_server(mode: str) -> Iterator[tuple[str, list[str]]]:
+    """A local HTTP server that loads adapters but answers completions with HTTP 500 or never."""
+    seen: list[str] = []
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_POST(self) -> None:
+            seen.append(self.path)
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            if self.path.endswith("load_lora_adapter"):
+                self._answer(200, b"ok")
+            elif mode == "error":
+                self._answer(500, json.dumps({"error": {"message": "engine died"}}).encode())
+            else:
+                release.wait(30)  # hang until the test ends
+
+        def _answer(self, code: int, body: bytes) -> None:
+            self.send_response(code)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", seen
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("mode", ["error", "hang"])
+def test_a_server_that_errors_or_hangs_ends_in_a_clear_failure_after_bounded_retries(
+    mode: str, tmp_path: Path
+) -> None:
+    with misbehaving_server(mode) as (url, seen):
+        settings = EngineSettings(engine="vllm", request_timeout_s=0.5, max_retries=1, reconnect_timeout_s=2.0)
+        client = VLLMClient(Endpoint((url,), 0), "key", settings)
+        try:
+            client.load_adapter("run_x", tmp_path)
+            started = time.monotonic()
+            with pytest.raises(InferenceUnavailableError, match="no inference server answered") as error:
+                client.generate("run_x", [[1, 2, 3]], SamplingParams(4, 1.0, (), 0))
+            elapsed = time.monotonic() - started
+        finally:
+            client.close()
+    assert url in str(error.value)
+    assert elapsed < 30, elapsed  # bounded: the reconnect deadline plus the retries' backoff
+    completions = [path for path in seen if path.endswith("/completions")]
+    assert 2 <= len(completions) <= 20, completions  # retried, but not forever
+
+
+def _stable_adapter(model: Path, folder: Path, seed: int) -> Path:
+    make_adapter(model, folder, seed=seed, zero=True)  # the trainer's first broadcast: B = 0
+    (folder / STABLE_MARKER).write_text("")
+    return folder
+
+
+def _run_config(served: Served, endpoint_dir: Path, seed: int) -> OrchestratorConfig:
+    data = {
+        "env": {"name": "reverse"},
+        "seed": seed,
+        "max_steps": 1,
+        "batch_size": 8,
+        "group_size": 4,
+        "model": {"name": str(served.model_dir), "lora": {"rank": 4, "alpha": 8.0}},
+        "inference": {"engine": "vllm", "endpoint_dir": str(endpoint_dir), "adapter_load_retries": 1},
+    }
+    return parse_orch_config(data, "test")
+
+
+def test_a_refused_adapter_evicts_its_run_and_another_run_carries_on(served: Served, tmp_path: Path) -> None:
+    endpoint_dir = tmp_path / "inference"
+    endpoint_dir.mkdir()
+    (endpoint_dir / API_KEY_FILE).write_text(served.api_key)
+    write_endpoint(endpoint_dir, served.endpoint)
+    runs = tmp_path / "runs"
+    bad, good = RunDir(runs, "run_bad"), RunDir(runs, "run_good")
+    corrupt = _stable_adapter(served.model_dir, bad.broadcast_step(0), seed=1)
+    (corrupt / "adapter_model.safetensors").write_bytes(b"not safetensors at all")
+    for step in (0, 1):  # step 1 stands for the trainer's answer to the one step
+        _stable_adapter(served.model_dir, good.broadcast_step(step), seed=2)
+    wait = WaitOptions(timeout_s=60.0)
+    with pytest.raises(RunEvictedError, match="refused adapter"):
+        run_orchestrator(runs, "run_bad", _run_config(served, endpoint_dir, 1), wait, tensorboard=False)
+    reason = bad.eviction_reason() or ""
+    assert "refused adapter" in reason and "2 tries" in reason and str(corrupt) in reason
+    assert run_orchestrator(runs, "run_good", _run_config(served, endpoint_dir, 2), wait, tensorboard=False) == 1
+    assert rollouts_ready(good, 0) and not good.is_evicted()
+
+
+def test_settings_that_cannot_work_fail_when_loaded(tmp_path: Path) -> None:
+    base = {"env": {"name": "reverse"}, "max_steps": 1, "batch_size": 8, "model": {"name": "m"}}
+    with pytest.raises(RunConfigError, match="endpoint_dir"):
+        parse_orch_config(base | {"inference": {"engine": "vllm"}}, "orch.toml")
+    with pytest.raises(RunConfigError, match="rollout_workers"):
+        parse_orch_config(
+            base | {"rollout_workers": 2, "inference": {"engine": "vllm", "endpoint_dir": "/x"}}, "orch.toml"
+        )
+    with pytest.raises(RunConfigError, match="inference.engine"):
+        parse_orch_config(base | {"inference": {"engine": "sglang"}}, "orch.toml")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 64, "num_attention_heads": 4}))
+    with pytest.raises(ConfigError, match=r"config.json: head size 16"):
+        check_model_for_vllm(ModelSpec(name=str(model)), "cpu")
+    check_model_for_vllm(ModelSpec(name=str(model)), "gpu")  # CUDA kernels take other sizes
+
+
+def test_the_server_gets_the_key_in_its_environment_never_on_its_command_line(tmp_path: Path) -> None:
+    key = ensure_api_key(tmp_path / "inference")
+    assert ensure_api_key(tmp_path / "inference") == key  # made once
+    assert (tmp_path / "inference" / API_KEY_FILE).stat().st_mode & 0o077 == 0  # owner only
+    config = InferenceConfig(engine="vllm", max_loras=3, extra_args=["--enforce-eager"])
+    server = VLLMServer(ModelSpec(name=str(tmp_path)), config, key, 8123, tmp_path / "log")
+    command = server.command()
+    assert key not in " ".join(command) and server.environment()["VLLM_API_KEY"] == key
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+    assert command[command.index("--max-loras") + 1] == "3" and command[-1] == "--enforce-eager"
+    assert command[command.index("--dtype") + 1] == "float32"  # "auto" on the CPU build: what the trainer uses
+    shutil.rmtree(tmp_path / "inference")
