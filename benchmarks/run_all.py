@@ -33,6 +33,8 @@ BENCHMARKS = [
     "model_loading",
     "control_plane",
     "datachannel",
+    "inference_rollouts",
+    "adapter_freshness",
 ]
 
 

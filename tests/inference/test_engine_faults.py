@@ -142,7 +142,7 @@ def test_settings_that_cannot_work_fail_when_loaded(tmp_path: Path) -> None:
         parse_orch_config(
             base | {"rollout_workers": 2, "inference": {"engine": "vllm", "endpoint_dir": "/x"}}, "orch.toml"
         )
-    with pytest.raises(RunConfigError, match="inference.engine"):
+    with pytest.raises(RunConfigError, match=r"inference\.engine"):
         parse_orch_config(base | {"inference": {"engine": "sglang"}}, "orch.toml")
     model = tmp_path / "model"
     model.mkdir()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lm_models import small_tiny_model
 from vllm_helpers import server_config
 
+from lm_models import small_tiny_model
 from rlplex.diagnostics.metrics import read_metrics_csv
 from rlplex.models.spec import ModelSpec
 from rlplex.runners.grpo_lm import GRPOLMConfig, train_grpo_lm

@@ -211,7 +211,11 @@ class VLLMClient:
                 temperature=params.temperature,
                 logprobs=0,
                 seed=seed,
-                extra_body={"return_token_ids": True, "stop_token_ids": list(params.stop_ids)},
+                extra_body={
+                    "return_token_ids": True,
+                    "stop_token_ids": [] if params.ignore_eos else list(params.stop_ids),
+                    "ignore_eos": params.ignore_eos,
+                },
             )
         except openai.NotFoundError:
             self._loaded.pop(adapter, None)  # the server forgot it (restarted): load it again, redo

@@ -21,6 +21,7 @@ class SamplingParams:
     temperature: float  # 0 = greedy
     stop_ids: tuple[int, ...]
     seed: int  # prompt i of a call is sampled with seed + i (per request on a server)
+    ignore_eos: bool = False  # generate all max_tokens (benchmarks: the same work on every engine)
 
 
 @dataclass(frozen=True)

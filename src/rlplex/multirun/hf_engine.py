@@ -41,16 +41,16 @@ class HFEngine:
             raise InferenceError(f"adapter {adapter!r} is not loaded (this engine holds {self.adapter!r})")
         device = next(self.policy.model.parameters()).device
         generator = torch.Generator(device=device).manual_seed(params.seed)
+        stops = [] if params.ignore_eos else list(params.stop_ids)
         with self.policy.active(len(prompts)) as model:
             out = generate(
-                model, self.tokenizer, prompts, params.max_tokens, params.temperature, generator, list(params.stop_ids)
+                model, self.tokenizer, prompts, params.max_tokens, params.temperature, generator, stops
             ).cpu()
         # One masked select and a split per tensor, not one indexing op per row and tensor.
         mask = out.completion_mask_B_L
         lengths = mask.sum(dim=1).tolist()
         tokens = out.tokens_B_L[mask].split(lengths)
         logprobs = out.logprobs_B_L.float()[mask].split(lengths)
-        stops = set(params.stop_ids)
         return [
             Completion(ids.tolist(), lp.tolist(), "stop" if len(ids) and int(ids[-1]) in stops else "length")
             for ids, lp in zip(tokens, logprobs, strict=True)
