@@ -85,10 +85,11 @@ class Endpoint:
 
 
 def write_endpoint(endpoint_dir: Path, endpoint: Endpoint) -> None:
-    from rlplex.multirun.rundir import write_file_atomic
-
+    """Written whole or not at all (a sibling renamed over it): clients never read half a file."""
     data = {"urls": list(endpoint.urls), "incarnation": endpoint.incarnation, "written": time.time()}
-    write_file_atomic(endpoint_dir / ENDPOINT_FILE, json.dumps(data).encode())
+    tmp = endpoint_dir / f".{ENDPOINT_FILE}.{os.getpid()}"
+    tmp.write_text(json.dumps(data), encoding="utf-8")
+    os.replace(tmp, endpoint_dir / ENDPOINT_FILE)
 
 
 def read_endpoint(endpoint_dir: Path) -> Endpoint | None:
