@@ -95,6 +95,16 @@ def test_a_server_that_errors_or_hangs_ends_in_a_clear_failure_after_bounded_ret
     assert 2 <= len(completions) <= 20, completions  # retried, but not forever
 
 
+def test_groups_of_equal_prompts_travel_as_one_prompt_with_n_samples() -> None:
+    from rlplex.inference.client import _requests_of
+
+    prompts = [[1, 2]] * 4 + [[3]] * 4 + [[4]] * 4 + [[5]] * 2
+    requests = _requests_of(prompts, per_request=2)
+    assert requests == [(0, [[1, 2], [3]], 4), (8, [[4]], 4), (12, [[5]], 2)]
+    rows = [row for first, chunk, n in requests for row in range(first, first + len(chunk) * n)]
+    assert rows == list(range(len(prompts)))  # answers concatenate back in row order
+
+
 def _stable_adapter(model: Path, folder: Path, seed: int) -> Path:
     make_adapter(model, folder, seed=seed, zero=True)  # the trainer's first broadcast: B = 0
     (folder / STABLE_MARKER).write_text("")

@@ -2,7 +2,9 @@
 
 Completions go through the `openai` package's async client (many requests in flight, bounded by
 `max_concurrency`; each request's timeout and retries with backoff are the client's), prompts as
-token ids, each request asking for the sampled tokens' ids and log-probabilities. Adapters are
+token ids, each request asking for the sampled tokens' ids and log-probabilities. A request
+carries up to `prompts_per_request` prompts, a group of equal prompts as one prompt with `n`
+samples: per-request overhead, not the model, dominates small models' rollouts. Adapters are
 loaded with vLLM's `/v1/load_lora_adapter` (`load_inplace`: a new version under the same name)
 into every replica.
 
@@ -28,6 +30,7 @@ from typing import Any
 import httpx
 import openai
 
+from rlplex.aio import close_loop
 from rlplex.errors import AdapterRefusedError, InferenceError, InferenceUnavailableError
 from rlplex.inference.config import EngineSettings
 from rlplex.inference.engine import Completion, SamplingParams
@@ -94,8 +97,7 @@ class VLLMClient:
         if self._loop.is_closed():
             return
         self._run(self._close_clients())
-        self._run(_cancel_pending())  # requests a hung server never answered
-        self._loop.close()
+        close_loop(self._loop)
 
     # -- internals -------------------------------------------------------------------------------
     def _run(self, coroutine: Any) -> Any:
@@ -187,26 +189,32 @@ class VLLMClient:
     async def _complete_all(
         self, endpoint: Endpoint, adapter: str, prompts: Sequence[Sequence[int]], params: SamplingParams
     ) -> list[Completion]:
+        """One request per chunk of up to `prompts_per_request` prompts; a run of identical
+        prompts (a GRPO group) is one prompt with `n` samples, so the server sees each prompt
+        once and prefills it once. Requests are spread over the replicas and run concurrently."""
         limit = asyncio.Semaphore(self.settings.max_concurrency)
-        urls = endpoint.urls
+        requests = _requests_of(prompts, self.settings.prompts_per_request)
 
-        async def one(index: int, prompt: Sequence[int]) -> Completion:
+        async def one(number: int, first_row: int, chunk: list[list[int]], n: int) -> list[Completion]:
             async with limit:
-                return await self._complete(urls[index % len(urls)], adapter, prompt, params, params.seed + index)
+                url = endpoint.urls[number % len(endpoint.urls)]
+                return await self._complete(url, adapter, chunk, n, params, params.seed + first_row)
 
-        results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)), return_exceptions=True)
+        calls = [one(number, *request) for number, request in enumerate(requests)]
+        results = await asyncio.gather(*calls, return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
-        return [r for r in results if isinstance(r, Completion)]
+        return [completion for result in results if isinstance(result, list) for completion in result]
 
     async def _complete(
-        self, url: str, adapter: str, prompt: Sequence[int], params: SamplingParams, seed: int
-    ) -> Completion:
+        self, url: str, adapter: str, prompts: list[list[int]], n: int, params: SamplingParams, seed: int
+    ) -> list[Completion]:
         try:
             response = await self._client(url).completions.create(
                 model=adapter,
-                prompt=[int(t) for t in prompt],
+                prompt=prompts,
+                n=n,
                 max_tokens=params.max_tokens,
                 temperature=params.temperature,
                 logprobs=0,
@@ -226,22 +234,41 @@ class VLLMClient:
             raise InferenceError(
                 f"{url}: completion request refused: HTTP {error.status_code}: {error.message}"
             ) from None
-        return _completion_of(url, response)
+        return _completions_of(url, response, len(prompts) * n)
 
 
-async def _cancel_pending() -> None:
-    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+def _requests_of(prompts: Sequence[Sequence[int]], per_request: int) -> list[tuple[int, list[list[int]], int]]:
+    """(first row, prompts, n) per request: consecutive equal prompts become one prompt with n
+    samples; chunks hold runs of one length, in row order, so the answers concatenate back."""
+    runs: list[tuple[int, list[int], int]] = []  # (first row, prompt, count)
+    for row, prompt in enumerate(prompts):
+        ids = [int(t) for t in prompt]
+        if runs and runs[-1][1] == ids:
+            first, _, count = runs[-1]
+            runs[-1] = (first, ids, count + 1)
+        else:
+            runs.append((row, ids, 1))
+    requests: list[tuple[int, list[list[int]], int]] = []
+    for first, ids, count in runs:
+        last = requests[-1] if requests else None
+        if last is not None and last[2] == count and len(last[1]) < per_request:
+            last[1].append(ids)
+        else:
+            requests.append((first, [ids], count))
+    return requests
 
 
-def _completion_of(url: str, response: Any) -> Completion:
+def _completions_of(url: str, response: Any, expected: int) -> list[Completion]:
+    """The choices in request order (prompt-major, then sample): vLLM numbers them so."""
     try:
-        choice = response.choices[0]
-        extra = choice.model_extra or {}
-        token_ids = [int(t) for t in extra["token_ids"]]
-        logprobs = [float(p) for p in choice.logprobs.token_logprobs]
-        return Completion(token_ids, logprobs, str(choice.finish_reason))
+        choices = sorted(response.choices, key=lambda choice: int(choice.index))
+        completions = []
+        for choice in choices:
+            token_ids = [int(t) for t in (choice.model_extra or {})["token_ids"]]
+            logprobs = [float(p) for p in choice.logprobs.token_logprobs]
+            completions.append(Completion(token_ids, logprobs, str(choice.finish_reason)))
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as error:
         raise InferenceError(f"{url}: malformed completion response ({type(error).__name__}: {error})") from None
+    if len(completions) != expected:
+        raise InferenceError(f"{url}: {len(completions)} completions in the response, {expected} asked for")
+    return completions

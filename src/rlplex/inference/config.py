@@ -32,6 +32,9 @@ class EngineSettings(StrictModel):
     request_timeout_s: float = Field(120.0, gt=0, description="one completion request, before it is retried")
     max_retries: int = Field(3, ge=0, description="retries of a failed request, with exponential backoff")
     max_concurrency: int = Field(64, ge=1, description="requests in flight at once, per orchestrator")
+    prompts_per_request: int = Field(
+        8, ge=1, description="distinct prompts sent in one request (a group of equal prompts is one, with n samples)"
+    )
     reconnect_timeout_s: float = Field(
         600.0, gt=0, description="how long to wait for a restarted server before the orchestrator fails"
     )

@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+from rlplex.aio import close_loop
 from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCExecutionError, ModelWorker, ProcessModelWorker
 from rlplex.errors import ConfigError, MultiRunError, RlplexError, RunConfigError, RunDirGoneError, WaitTimeoutError
 from rlplex.models.hf import Tokenizer
@@ -221,8 +222,7 @@ class StepDataflow:
         for group in self.workers.values():
             for worker in group:
                 worker.close()  # type: ignore[attr-defined]  # both worker kinds have close()
-        self.loop.run_until_complete(self.loop.shutdown_default_executor())
-        self.loop.close()
+        close_loop(self.loop)
 
 
 def _in_process_actor(
