@@ -195,6 +195,7 @@ class VLLMServer:
             VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",
             VLLM_NO_USAGE_STATS="1",
             VLLM_CPU_KVCACHE_SPACE=str(self.config.cpu_kv_cache_gb),
+            PYTHONUNBUFFERED="1",  # the log is current when a failure quotes its tail
         )
         if self.model.is_local:
             env["HF_HUB_OFFLINE"] = "1"  # a local folder needs no hub; never reach the network at run time
