@@ -113,3 +113,20 @@ class EnvReward:
 
     def inference(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
         return {"rewards": self.scores(inputs["packed_input_ids"], inputs["prompt_mask"], inputs["task_ids"])}
+
+
+def group_samples(
+    reward_model: EnvReward,
+    example: Example,
+    group: int,
+    ids: list[torch.Tensor],
+    logprobs: list[torch.Tensor],
+    masks: list[torch.Tensor],
+) -> list[dict[str, Any]]:
+    """One sampled group as the stream's samples: each row scored, tagged with its task and group."""
+    items = [TaskItem(example, group)] * len(ids)
+    rewards = reward_model.scores(ids, masks, items)
+    return [
+        {"packed_input_ids": i, "packed_logprobs": lp, "prompt_mask": m, "task_ids": item, "rewards": r}
+        for i, lp, m, item, r in zip(ids, logprobs, masks, items, rewards, strict=True)
+    ]

@@ -259,7 +259,9 @@ class VLLMServer:
         return time.monotonic() - started
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """SIGTERM to the process group, SIGKILL after `grace_s`; the engine core goes with it."""
+        """SIGTERM to the process group, SIGKILL after `grace_s`. The group, not the process tree
+        (`kill_tree`): when the API server was killed its engine core is an orphan, outside any
+        tree, yet still in the group."""
         process = self.process
         if process is None:
             return

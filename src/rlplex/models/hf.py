@@ -111,18 +111,7 @@ def load_causal_lm(spec: ModelSpec, device: torch.device | None = None) -> PreTr
 
 def stop_token_ids(tokenizer: Tokenizer, model: torch.nn.Module | None = None) -> list[int]:
     """Ids that end a completion: the tokenizer's EOS and the model's generation EOS ids."""
-    ids: set[int] = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    generation = getattr(model, "generation_config", None)
-    eos = getattr(generation, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, Sequence):
-        ids.update(int(i) for i in eos)
-    if not ids:
-        raise ModelLoadError("the tokenizer and model name no EOS token: completions could never end")
-    return sorted(ids)
+    return _stop_ids(tokenizer, getattr(model, "generation_config", None))
 
 
 def model_stop_ids(spec: ModelSpec, tokenizer: Tokenizer) -> list[int]:
@@ -134,9 +123,21 @@ def model_stop_ids(spec: ModelSpec, tokenizer: Tokenizer) -> list[int]:
         generation = _from_pretrained(GenerationConfig, spec, "generation config")
     except ModelLoadError:
         generation = None  # a checkpoint without generation_config.json: the tokenizer's EOS
-    holder = torch.nn.Module()
-    holder.generation_config = generation  # the attribute stop_token_ids reads
-    return stop_token_ids(tokenizer, holder)
+    return _stop_ids(tokenizer, generation)
+
+
+def _stop_ids(tokenizer: Tokenizer, generation: Any) -> list[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    eos = getattr(generation, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, Sequence):
+        ids.update(int(i) for i in eos)
+    if not ids:
+        raise ModelLoadError("the tokenizer and model name no EOS token: completions could never end")
+    return sorted(ids)
 
 
 def encode_prompt(tokenizer: Tokenizer, example: Example) -> list[int]:

@@ -127,11 +127,13 @@ class ActorModel:
         self.unreported_load_s: float | None = None  # the newest load's seconds, until the metrics take it
 
     @classmethod
-    def for_run(cls, output_dir: str | Path, run_id: str, config: OrchestratorConfig) -> ActorModel:
-        """Build the actor from the run's files alone (what a rollout worker process does)."""
+    def for_run(
+        cls, output_dir: str | Path, run_id: str, config: OrchestratorConfig, tokenizer: Tokenizer | None = None
+    ) -> ActorModel:
+        """Build the in-process (hf) actor from the run's files (what a rollout worker process does)."""
         from rlplex.multirun.hf_engine import HFEngine
 
-        tokenizer = load_tokenizer(config.model)
+        tokenizer = tokenizer or load_tokenizer(config.model)
         model = load_causal_lm(config.model)
         engine = HFEngine(model, tokenizer, max_rank=config.model.lora.rank)
         env = load_environment(config.env)

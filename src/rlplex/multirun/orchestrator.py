@@ -235,7 +235,7 @@ def _in_process_actor(
 
         engine = VLLMClient.for_settings(config.inference)
         return ActorModel(engine, tokenizer, run, config, env, model_stop_ids(config.model, tokenizer))
-    return ActorModel.for_run(output_dir, run.run_id, config)
+    return ActorModel.for_run(output_dir, run.run_id, config, tokenizer)
 
 
 def run_orchestrator(

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from rlplex.algos.lm_interfaces import EnvReward, GRPOActor, TaskItem
+from rlplex.algos.lm_interfaces import EnvReward, GRPOActor, group_samples
 from rlplex.config import StrictModel
 from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCDef, ModelInterfaceType, build_graph
 from rlplex.dataflow.stream import (
@@ -258,20 +258,11 @@ def _make_rollout_worker(
         prompts = [encode_prompt(tokenizer, example)] * config.group_size
         rollouts = generate(local_model, tokenizer, prompts, task.max_new_tokens, generator=generator).cpu()
         keep = rollouts.attention_B_L.bool()
-        ids = [rollouts.tokens_B_L[row][keep[row]] for row in range(config.group_size)]
-        masks = [rollouts.completion_mask_B_L[row][keep[row]] for row in range(config.group_size)]
-        items = [TaskItem(example, group)] * config.group_size
-        rewards = reward_model.scores(ids, masks, items)
-        return [
-            {
-                "packed_input_ids": ids[row],
-                "packed_logprobs": rollouts.logprobs_B_L[row][keep[row]],
-                "prompt_mask": masks[row],
-                "task_ids": items[row],
-                "rewards": rewards[row],
-            }
-            for row in range(config.group_size)
-        ]
+        rows = range(config.group_size)
+        ids = [rollouts.tokens_B_L[row][keep[row]] for row in rows]
+        masks = [rollouts.completion_mask_B_L[row][keep[row]] for row in rows]
+        logprobs = [rollouts.logprobs_B_L[row][keep[row]] for row in rows]
+        return group_samples(reward_model, example, group, ids, logprobs, masks)
 
     return RolloutWorker(
         f"rollout{index}",

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rlplex.algos.lm_interfaces import EnvReward, TaskItem
+from rlplex.algos.lm_interfaces import EnvReward, group_samples
 from rlplex.dataflow.stream import RolloutWorker, StalenessController, StreamDataset, WeightBroadcaster
 from rlplex.inference.client import VLLMClient
 from rlplex.inference.config import InferenceConfig
@@ -116,12 +116,7 @@ def served_rollout_worker(
         ids = [torch.tensor([*prompt, *c.token_ids], dtype=torch.int64) for c in completions]
         masks = [torch.arange(len(i)) >= len(prompt) for i in ids]
         logprobs = [torch.tensor([0.0] * len(prompt) + c.logprobs, dtype=torch.float32) for c in completions]
-        items = [TaskItem(example, group)] * group_size
-        rewards = reward_model.scores(ids, masks, items)
-        return [
-            {"packed_input_ids": i, "packed_logprobs": lp, "prompt_mask": m, "task_ids": item, "rewards": r}
-            for i, lp, m, item, r in zip(ids, logprobs, masks, items, rewards, strict=True)
-        ]
+        return group_samples(reward_model, example, group, ids, logprobs, masks)
 
     def load(state: dict[str, Any]) -> None:
         client.load_adapter(name, Path(state["adapter_dir"]))
