@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rlplex.errors import ConfigError
+from rlplex.safe_files import read_regular_file
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -49,10 +50,14 @@ def validate_config(model: type[M], data: dict[str, Any], source: str = "<config
         raise ConfigError(format_validation_error(source, error)) from None
 
 
+MAX_CONFIG_BYTES = 16 << 20
+
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        # A FIFO or a link to a device given as a config would block or never end: refuse it.
+        text = read_regular_file(path, MAX_CONFIG_BYTES, follow_symlinks=True).decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except (OSError, UnicodeDecodeError) as error:

@@ -92,3 +92,10 @@ class InferenceUnavailableError(InferenceError):
 
 class AdapterRefusedError(InferenceError):
     """The inference server refused to load an adapter (rank too high, corrupt file); the message says why."""
+
+
+class UnsafeFileError(RlplexError, OSError):
+    """A file rlplex was asked to read is not a regular file inside its folder, or is too big.
+
+    Also an `OSError`, so code that already treats unreadable files as `OSError` handles it.
+    """

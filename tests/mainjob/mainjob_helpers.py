@@ -27,9 +27,11 @@ def tiny_job(
     max_runs: int = 4,
     rest: str = "",
     model: Path | None = None,
+    trainer: str = "",
 ) -> str:
     """A main-job TOML of two trainer ranks; `runs`/`later_runs` map run ids to `run_config()`s,
-    `rest` is appended as is (events); the model is the small tiny checkpoint unless `model`."""
+    `rest` is appended as is (events), `trainer` into the [trainer] table; the model is the
+    small tiny checkpoint unless `model`."""
     lines = [
         f'name = "{name}"',
         f'output_dir = "{output_dir}"',
@@ -40,6 +42,7 @@ def tiny_job(
         "[trainer]",
         "world_size = 2",
         f"max_runs = {max_runs}",
+        *([trainer] if trainer else []),
     ]
     for table, entries in (("runs", runs), ("later_runs", later_runs or {})):
         for run_id, config in entries.items():

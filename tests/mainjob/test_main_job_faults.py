@@ -1,7 +1,9 @@
 """The main job survives SIGKILL of one orchestrator, one trainer rank and then of `rlplex run`
 itself (resumed with `rlplex resume`): the job still finishes, every run trains all its
 steps, and no step is trained twice (each run's final checkpoint counts exactly
-max_steps x batch_size samples, and the trainer's log holds each step once)."""
+max_steps x batch_size samples, and the trainer's log holds each step once), with
+`checkpoint_every = 10`: the killed trainer resumes from its newest broadcast, not from a
+checkpoint steps behind it."""
 
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ def trained(out: Path, run_id: str) -> int:
 def test_sigkill_of_an_orchestrator_and_a_trainer_rank_loses_and_repeats_no_step(tmp_path: Path) -> None:
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
-    path.write_text(tiny_job("mj-faults", out, {"run_a": run_config(1, STEPS), "run_b": run_config(2, STEPS)}))
+    runs = {"run_a": run_config(1, STEPS), "run_b": run_config(2, STEPS)}
+    path.write_text(tiny_job("mj-faults", out, runs, trainer="checkpoint_every = 10"))
     log = open(tmp_path / "job.log", "w")
     command = [sys.executable, "-m", "rlplex.cli"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -66,10 +69,11 @@ def test_sigkill_of_an_orchestrator_and_a_trainer_rank_loses_and_repeats_no_step
         orchestrator = wait_for(lambda: node_process(out, "orchestrator-0"), 30, "orchestrator-0's process")
         assert isinstance(orchestrator, psutil.Process)
         orchestrator.send_signal(signal.SIGKILL)
-        rank_1 = wait_for(lambda: trainer_script(out, "trainer-1"), 60, "trainer rank 1's script")
-        assert isinstance(rank_1, psutil.Process)
+        # Rank 0 writes the checkpoints: SIGKILLed, it has no chance to checkpoint on the way out.
+        rank_0 = wait_for(lambda: trainer_script(out, "trainer-0"), 60, "trainer rank 0's script")
+        assert isinstance(rank_0, psutil.Process)
         wait_for(lambda: trained_while_running("run_b", 2), 120, "run_b's second trained step")
-        rank_1.send_signal(signal.SIGKILL)
+        rank_0.send_signal(signal.SIGKILL)
         wait_for(lambda: trained_while_running("run_b", 3), 180, "run_b's third trained step")
         job.send_signal(signal.SIGKILL)  # the master dies; its nodes carry on without it
         job.wait(10)

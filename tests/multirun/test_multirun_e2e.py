@@ -145,7 +145,8 @@ def test_evicted_finished_and_added_runs_share_one_trainer_with_two_slots(tmp_pa
         rows = read_progress_csv(run)
         assert [int(r["step"]) for r in rows] == list(range(1, max_steps + 1)), name
         assert rows[-1]["total_samples"] == BATCH * max_steps, name
-        assert [step for step, _ in stable_steps(run.checkpoints)] == list(range(1, max_steps + 1)), name
+        # Retention (the default keeps the newest 3 checkpoints) pruned the older ones.
+        assert [step for step, _ in stable_steps(run.checkpoints)] == list(range(1, max_steps + 1))[-3:], name
         assert [step for step, _ in stable_steps(run.broadcast)] == list(range(max_steps + 1)), name
         assert run.finished_step() == max_steps, name
         slots[name] = {int(r["slot"]) for r in rows}

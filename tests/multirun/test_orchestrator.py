@@ -345,7 +345,7 @@ def test_unknown_env_and_changed_config_are_refused(tmp_path: Path, capsys: pyte
     path.write_text(body)
     assert main([str(tmp_path / "out"), "run_t", str(path)]) == 2
     assert "'juggle'" in capsys.readouterr().err
-    with pytest.raises(RunConfigError, match="different config"):
+    with pytest.raises(RunConfigError, match=r"another config \(seed: 0 -> 5\).*frozen"):
         out = tmp_path / "out2"
         out.mkdir()
         config = make_config()

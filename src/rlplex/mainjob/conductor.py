@@ -19,7 +19,7 @@ from rlplex.errors import WaitTimeoutError
 from rlplex.mainjob.config import Event, MainJobConfig
 from rlplex.mainjob.registry import submit_add
 from rlplex.mainjob.view import RunView, collect
-from rlplex.multirun.rundir import RunDir
+from rlplex.multirun.rundir import RunDir, write_eviction
 
 log = logging.getLogger(__name__)
 
@@ -30,8 +30,7 @@ POLL_S = 0.25  # the file system has no change notification we can rely on every
 
 def evict(runs_dir: Path, run_id: str, reason: str) -> None:
     """What `rlplex runs evict` does: the trainer and the orchestrator read this file."""
-    run = RunDir(runs_dir, run_id)
-    run.write_text(run.evicted, reason.strip() + "\n")
+    write_eviction(RunDir(runs_dir, run_id), reason.strip())
 
 
 def _fires(event: Event, runs: dict[str, RunView]) -> bool:

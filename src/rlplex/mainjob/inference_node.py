@@ -32,7 +32,6 @@ from rlplex.models.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 
-
 class InferenceNode(WorkerLoad):
     def __init__(self, context: WorkerContext) -> None:
         super().__init__(context)

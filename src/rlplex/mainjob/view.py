@@ -25,7 +25,10 @@ from rlplex.control.elastic import rendezvous_summaries
 from rlplex.control.store import NodeRecord, SqliteStateStore
 from rlplex.mainjob.config import INFERENCE_DIR, JOB_CONFIG_FILE, RunEntry
 from rlplex.mainjob.registry import read_registry
-from rlplex.multirun.rundir import RunDir, stable_steps
+from rlplex.multirun.rundir import RunDir, read_unwritten_evictions, stable_steps
+from rlplex.safe_files import read_regular_text
+
+MAX_PROGRESS_BYTES = 256 << 20
 
 REWARD_COLUMNS = ("reward_mean", "charts/reward_mean", "reward")
 # Start and end rewards are means over this many steps: one step's reward is a noisy sample.
@@ -157,11 +160,26 @@ class JobView:
         return tokens / span if span > 0 else None
 
 
+def unwritten_eviction(runs_dir: Path, run_id: str) -> str | None:
+    """The reason the trainer evicted `run_id` without being able to write its marker (None: it did not)."""
+    entry = read_unwritten_evictions(runs_dir).get(run_id)
+    if entry is None or entry[0] != RunDir(runs_dir, run_id).read_identity():
+        return None  # another run now has that name
+    return entry[1]
+
+
+def _read_reason(path: Path, root: Path) -> str:
+    try:
+        return read_regular_text(path, within=root).strip()
+    except OSError as error:
+        return f"({path} unreadable: {error})"
+
+
 def read_progress_rows(path: Path) -> list[dict[str, float]]:
     """Rows of a progress CSV that parse as numbers; a last line still being written is skipped."""
     try:
-        text = path.read_text(errors="replace")
-    except OSError:
+        text = read_regular_text(path, MAX_PROGRESS_BYTES)
+    except OSError:  # missing, or not a regular file (a FIFO would block the live view)
         return []
     complete = text[: text.rfind("\n") + 1]
     rows = []
@@ -201,8 +219,10 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
         view.rollout_tokens_per_s = [rate for row in rows if (rate := _pick(row, TOKENS_COLUMNS)) is not None]
     if run.is_evicted():
         view.state, view.reason = "evicted", run.eviction_reason() or ""
+    elif (unmarked := unwritten_eviction(runs_dir, entry.id)) is not None:
+        view.state, view.reason = "evicted", unmarked
     elif run.config_error.exists():
-        view.state, view.reason = "rejected", run.config_error.read_text(errors="replace").strip()
+        view.state, view.reason = "rejected", _read_reason(run.config_error, run.root)
     elif run.is_finished():
         view.state = "finished"
     elif not broadcasts:

@@ -37,7 +37,7 @@ def resolve_device(device: str) -> torch.device:
     if device == "cuda":
         raise DeviceError(
             f"field 'device': 'cuda' was asked for, but this torch ({torch.__version__}) sees no CUDA device; "
-            "use device = \"cpu\" or \"auto\""
+            'use device = "cpu" or "auto"'
         )
     return torch.device("cpu")
 
@@ -102,9 +102,7 @@ def load_causal_lm(spec: ModelSpec, device: torch.device | None = None) -> PreTr
     device = device or resolve_device(spec.device)
     # Its per-load progress bar would fill every orchestrator's and rank's log; rlplex shows its own.
     hf_logging.disable_progress_bar()
-    model: PreTrainedModel = _from_pretrained(
-        AutoModelForCausalLM, spec, "weights", dtype=resolve_dtype(spec, device)
-    )
+    model: PreTrainedModel = _from_pretrained(AutoModelForCausalLM, spec, "weights", dtype=resolve_dtype(spec, device))
     moved: PreTrainedModel = model.to(device)  # type: ignore[arg-type]  # transformers' stubs miss this overload
     return moved.eval().requires_grad_(False)
 
@@ -143,12 +141,8 @@ def _stop_ids(tokenizer: Tokenizer, generation: Any) -> list[int]:
 def encode_prompt(tokenizer: Tokenizer, example: Example) -> list[int]:
     if example.messages is not None:
         if not getattr(tokenizer, "chat_template", None):
-            raise ModelLoadError(
-                "the environment gives chat messages, but the model's tokenizer has no chat template"
-            )
-        rendered: Any = tokenizer.apply_chat_template(
-            list(example.messages), add_generation_prompt=True, tokenize=True
-        )
+            raise ModelLoadError("the environment gives chat messages, but the model's tokenizer has no chat template")
+        rendered: Any = tokenizer.apply_chat_template(list(example.messages), add_generation_prompt=True, tokenize=True)
         # transformers 5 returns a BatchEncoding; older releases a plain list of ids.
         ids = rendered["input_ids"] if hasattr(rendered, "keys") else rendered
         return [int(i) for i in ids]

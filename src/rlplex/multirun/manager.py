@@ -12,6 +12,15 @@
    7 discovered hooks (new)
 ```
 
+A run is known by its name and its identity (`control/identity`, see `rundir`): a directory
+deleted and made again under the same name is a new run, even when it got the old inode back,
+and the old run's queued writes are refused by the new directory. An active run's `orch.toml`
+is frozen: a change to what it says evicts the run with the fields that changed (the trainer
+would otherwise keep scoring at the old temperature), a rewrite of the same config is ignored.
+When `control/evicted.txt` cannot be written (a full disk, a `control/` that is a symlink) the
+run still leaves training: it is kept evicted in memory and listed in the output folder's
+`trainer_evictions.json`, which the next trainer and `rlplex status` read.
+
 A run's status is one of `active` (has a slot), `waiting` (valid, no free slot),
 `rejected` (orch.toml invalid: `control/config_validation_error.txt` says why; re-read when
 the file changes), `pending` (no orch.toml yet), `evicted` (`control/evicted.txt`) and
@@ -33,12 +42,12 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
-from rlplex.errors import MultiRunError, RunConfigError, RunDirGoneError
+from rlplex.errors import CheckpointError, MultiRunError, RunConfigError, RunDirGoneError
 from rlplex.multirun.adapters import AdapterRegistry, LoraModule
 from rlplex.multirun.checkpoint import (
     RunProgress,
+    choose_resume,
     latest_stable_checkpoint_path,
-    read_checkpoint_progress,
     save_checkpoint,
 )
 from rlplex.multirun.discovery import RunScanner
@@ -50,9 +59,14 @@ from rlplex.multirun.hooks import (
     RunHook,
 )
 from rlplex.multirun.lora import AdapterBatch
-from rlplex.multirun.orch_config import OrchestratorConfig, parse_orch_config, read_orch_config
-from rlplex.multirun.rundir import RunDir, parse_step, write_eviction
-from rlplex.multirun.sync import ProgressEntry, RunEntry, StoreChannel, SyncSnapshot
+from rlplex.multirun.orch_config import OrchestratorConfig, frozen_config_reason, parse_orch_config, read_orch_config
+from rlplex.multirun.rundir import (
+    RunDir,
+    read_unwritten_evictions,
+    write_eviction,
+    write_unwritten_evictions,
+)
+from rlplex.multirun.sync import ProgressEntry, ResumeEntry, RunEntry, StoreChannel, SyncSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -108,7 +122,7 @@ class MultiRunManager(AdapterRegistry):
         self.lora_modules: dict[str, LoraModule] = {}
 
         self._incarnation: dict[int, int] = {}
-        self._resume: dict[int, int | None] = {}
+        self._resume: dict[int, ResumeEntry] = {}
         self._next_incarnation = 0
         self._synced: dict[int, RunEntry] = {}
         self._sync_version = 0
@@ -121,6 +135,13 @@ class MultiRunManager(AdapterRegistry):
         self._unadmitted: dict[str, _Signature | None] = {}
         """rejected or pending runs and the orch.toml signature they were judged on."""
         self._inodes: dict[str, int] = {}
+        self._identities: dict[str, str | None] = {}
+        self._active_signatures: dict[str, _Signature | None] = {}
+        """orch.toml signature of each active run when it was admitted (its config is frozen)."""
+        self._unwritten: dict[str, tuple[str | None, str]] = {}
+        """Evictions whose marker could not be written: run id -> (identity, reason)."""
+        if self.is_master:
+            self._unwritten = read_unwritten_evictions(self.output_dir)
 
         self.register_discovered_hook(self._set_lora_scaling, name="rlplex.multirun.set_lora_scaling")
         self.register_creation_hook(self._reset_new_run, name="rlplex.multirun.reset_run_parameters")
@@ -134,7 +155,12 @@ class MultiRunManager(AdapterRegistry):
             raise MultiRunError(f"{what}() runs on the master rank only (this is rank {self.rank})")
 
     def run_dir(self, run_id: str) -> RunDir:
-        return RunDir(self.output_dir, run_id)
+        """The run's directory, bound to the identity the master knows it by (writes check it)."""
+        return RunDir(self.output_dir, run_id, self._identities.get(run_id))
+
+    def is_leaving(self, run_id: str) -> bool:
+        """True once the run is evicted or finished: it must not be trained, even before it leaves its slot."""
+        return self._status.get(run_id) in CLOSED_STATUSES
 
     # ---- hooks -------------------------------------------------------------------------------
     def register_discovered_hook(self, hook: DiscoveredHook, name: str | None = None) -> None:
@@ -168,17 +194,18 @@ class MultiRunManager(AdapterRegistry):
         """Master only: bring the run table up to date with `output_dir` (the seed's seven steps)."""
         self._require_master("discover_runs")
         scan = self._scanner.scan()  # 1 (and 2: evicted and finished runs are listed apart)
-        live = set(scan.live)
-        replaced = {name for name, inode in scan.inodes.items() if self._inodes.get(name, inode) != inode}
-        self._inodes = scan.inodes
+        replaced = self._replaced(scan.inodes)
         for name in replaced:
             self._forget(name)
+        unwritten = {name for name in scan.live if name in self._unwritten}
+        live = set(scan.live) - unwritten
         deleted = [
             (idx, run_id) for run_id, idx in self.id_2_idx.items() if run_id not in live or run_id in replaced
         ]  # 3
-        closed: dict[str, RunStatus] = {name: "evicted" for name in scan.evicted}
+        closed: dict[str, RunStatus] = {name: "evicted" for name in [*scan.evicted, *unwritten]}
         closed.update({name: "finished" for name in scan.finished})
         self._update_unslotted(live, closed)
+        self._check_frozen_configs(live - replaced)
         for idx, run_id in deleted:  # 4
             for _, hook in self.hooks.forgotten:
                 hook(idx, run_id)
@@ -195,6 +222,50 @@ class MultiRunManager(AdapterRegistry):
         for idx, run_id in admitted:  # 7
             for _, hook in self.hooks.discovered:
                 hook(idx, run_id, self.config[idx])
+
+    def _replaced(self, inodes: dict[str, int]) -> set[str]:
+        """Names whose directory is not the run known under that name (another inode or identity)."""
+        replaced = {name for name, inode in inodes.items() if self._inodes.get(name, inode) != inode}
+        self._inodes = inodes
+        identities: dict[str, str | None] = {}
+        for name in inodes:
+            run = RunDir(self.output_dir, name)
+            identity = run.read_identity()
+            if name in self._identities and self._identities[name] != identity:
+                replaced.add(name)
+            if identity is None:
+                try:
+                    identity = run.ensure_identity()  # made by hand or by an older rlplex
+                except (OSError, RunDirGoneError, MultiRunError) as error:
+                    log.warning("run %s: no identity and none could be written (%s)", name, error)
+            identities[name] = identity
+        self._identities = identities
+        for name in replaced:
+            log.warning("run %s: the directory was replaced by a new run of the same name", name)
+        for name, (identity, _) in list(self._unwritten.items()):
+            if name not in inodes or identities.get(name) != identity:
+                del self._unwritten[name]  # deleted, or a new run under that name: not its eviction
+                self._save_unwritten()
+        return replaced
+
+    def _check_frozen_configs(self, live: set[str]) -> None:
+        """Evict an active run whose orch.toml now says something else (see the module docstring)."""
+        for name, idx in list(self.id_2_idx.items()):
+            if name not in live or self.is_leaving(name):
+                continue
+            run = self.run_dir(name)
+            signature = _signature(run.orch_config)
+            if signature == self._active_signatures.get(name):
+                continue
+            try:
+                config = read_orch_config(run.orch_config, within=run.root)
+            except RunConfigError as error:
+                self.evict_run(idx, f"{run.orch_config} changed while the run was active and no longer reads: {error}")
+                continue
+            if config == self.config[idx]:
+                self._active_signatures[name] = signature  # rewritten with the same config
+                continue
+            self.evict_run(idx, frozen_config_reason(run.orch_config, self.config[idx], config))
 
     def _update_unslotted(self, live: set[str], closed: dict[str, RunStatus]) -> None:
         for name, status in list(self._status.items()):
@@ -220,7 +291,7 @@ class MultiRunManager(AdapterRegistry):
         return f"finished: trained {step} steps" if step is not None else f"finished ({run.finished} unreadable)"
 
     def _forget(self, name: str) -> None:
-        for table in (self._status, self._waiting, self._unadmitted, self._reasons):
+        for table in (self._status, self._waiting, self._unadmitted, self._reasons, self._active_signatures):
             table.pop(name, None)
 
     def _judge(self, names: list[str]) -> None:
@@ -235,7 +306,7 @@ class MultiRunManager(AdapterRegistry):
                 self._unadmitted[name] = None
                 continue
             try:
-                config = read_orch_config(run.orch_config)
+                config = read_orch_config(run.orch_config, within=run.root)
                 self._validate(config, run)
             except RunConfigError as error:
                 self._reject(run, signature, str(error))
@@ -288,15 +359,16 @@ class MultiRunManager(AdapterRegistry):
                 signature, config = self._waiting[name]
             del self._waiting[name]
             self._status.pop(name, None)
+            try:
+                point = choose_resume(run)
+            except CheckpointError as error:
+                self._close_as_evicted(name, f"cannot resume: {error}")
+                continue
             idx = free.pop(0)
-            resume = latest_stable_checkpoint_path(run)
-            progress = RunProgress()
-            if resume is not None:
-                progress = read_checkpoint_progress(resume)
             self._next_incarnation += 1
-            self._create_run_data(
-                idx, name, config, self._next_incarnation, progress, parse_step(resume.name) if resume else None
-            )
+            resume = ResumeEntry(checkpoint=point.checkpoint, adapter=point.adapter)
+            self._create_run_data(idx, name, config, self._next_incarnation, point.progress, resume)
+            self._active_signatures[name] = signature
             admitted.append((idx, name))
         return admitted
 
@@ -308,7 +380,7 @@ class MultiRunManager(AdapterRegistry):
         config: OrchestratorConfig,
         incarnation: int,
         progress: RunProgress,
-        resume_step: int | None,
+        resume: ResumeEntry,
     ) -> None:
         if idx in self.idx_2_id:
             raise MultiRunError(f"slot {idx} already holds {self.idx_2_id[idx]}; cannot place {run_id}")
@@ -317,7 +389,7 @@ class MultiRunManager(AdapterRegistry):
         self.config[idx] = config
         self.progress[idx] = progress
         self._incarnation[idx] = incarnation
-        self._resume[idx] = resume_step
+        self._resume[idx] = resume
         if not self.is_master:
             self._set_lora_scaling(idx, run_id, config)  # the discovered hook ran on the master only
 
@@ -346,11 +418,19 @@ class MultiRunManager(AdapterRegistry):
 
     def resume_step(self, idx: int) -> int | None:
         """The stable checkpoint step this run resumes from, as decided on rank 0 (None: fresh start)."""
-        return self._resume.get(idx)
+        entry = self._resume.get(idx)
+        return None if entry is None else entry.checkpoint
 
     def resume_checkpoint_path(self, idx: int) -> Path | None:
-        step = self._resume.get(idx)
+        step = self.resume_step(idx)
         return None if step is None else self.run_dir(self.idx_2_id[idx]).checkpoint_step(step)
+
+    def resume_adapter_path(self, idx: int) -> Path | None:
+        """The broadcast adapter, newer than the checkpoint, that this run's weights resume from."""
+        entry = self._resume.get(idx)
+        if entry is None or entry.adapter is None:
+            return None
+        return self.run_dir(self.idx_2_id[idx]).broadcast_step(entry.adapter)
 
     # ---- synchronisation (all ranks) ---------------------------------------------------------
     def synchronize_state(self) -> None:
@@ -426,14 +506,30 @@ class MultiRunManager(AdapterRegistry):
         if idx not in self.idx_2_id:
             raise MultiRunError(f"evict_run: slot {idx} holds no run (active slots: {sorted(self.idx_2_id)})")
         run_id = self.idx_2_id[idx]
-        run = self.run_dir(run_id)
-        try:
-            write_eviction(run, reason)
-        except RunDirGoneError:
-            log.warning("run %s (slot %d) to be evicted is already deleted", run_id, idx)
         log.warning("evicting run %s (slot %d): %s", run_id, idx, reason)
+        self._close_as_evicted(run_id, reason)
+
+    def _close_as_evicted(self, run_id: str, reason: str) -> None:
+        """Write the run's eviction marker; if that fails, keep it evicted anyway (see the docstring)."""
+        try:
+            write_eviction(self.run_dir(run_id), reason)
+        except RunDirGoneError:
+            log.warning("run %s to be evicted is already deleted or replaced", run_id)
+        except (OSError, MultiRunError) as error:
+            log.error("run %s: evicted, but its marker could not be written: %s", run_id, error)
+            marker = self.run_dir(run_id).evicted
+            self._unwritten[run_id] = (self._identities.get(run_id), f"{reason} ({marker} not written: {error})")
+            self._save_unwritten()
+        self._waiting.pop(run_id, None)
+        self._unadmitted.pop(run_id, None)
         self._status[run_id] = "evicted"
         self._reasons[run_id] = reason
+
+    def _save_unwritten(self) -> None:
+        try:
+            write_unwritten_evictions(self.output_dir, self._unwritten)
+        except OSError as error:
+            log.error("%s: not written: %s", self.output_dir, error)
 
     # ---- per-run checkpoints -----------------------------------------------------------------
     def save_run_checkpoint(

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from rlplex.errors import RunConfigError
 from rlplex.inference.config import EngineSettings
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir import RunDir
+from rlplex.safe_files import read_regular_file
 from rlplex.tasks import EnvSpec
 
 MAX_ORCH_CONFIG_BYTES = 1_000_000
@@ -105,26 +105,20 @@ def parse_orch_config(data: dict[str, Any], source: str) -> OrchestratorConfig:
         raise RunConfigError(format_validation_error(source, error)) from None
 
 
-def read_orch_config(path: Path, max_bytes: int = MAX_ORCH_CONFIG_BYTES) -> OrchestratorConfig:
-    """Read and validate one `orch.toml`; every failure is a `RunConfigError` naming file and reason."""
+def read_orch_config(
+    path: Path, max_bytes: int = MAX_ORCH_CONFIG_BYTES, *, follow_symlinks: bool = False, within: Path | None = None
+) -> OrchestratorConfig:
+    """Read and validate one `orch.toml`; every failure is a `RunConfigError` naming file and reason.
+
+    A run's own `control/orch.toml` is never followed through a symlink (`within`: the run's
+    folder, which no folder on the way may lead out of); `follow_symlinks` is for a path the
+    user typed."""
     try:
-        info = os.stat(path)
+        raw = read_regular_file(path, max_bytes, within, follow_symlinks=follow_symlinks)
     except FileNotFoundError:
         raise RunConfigError(f"{path}: config file not found") from None
-    except OSError as error:
-        raise RunConfigError(f"{path}: cannot stat config file: {error}") from None
-    if not stat.S_ISREG(info.st_mode):
-        raise RunConfigError(f"{path}: not a regular file (mode {stat.filemode(info.st_mode)})")
-    if info.st_size > max_bytes:
-        raise RunConfigError(f"{path}: config file is {info.st_size} bytes, more than the limit of {max_bytes}")
-    try:
-        with open(path, "rb") as handle:
-            # Read one byte past the limit: the file may have grown since the stat.
-            raw = handle.read(max_bytes + 1)
-    except OSError as error:
+    except OSError as error:  # UnsafeFileError (a FIFO, a symlink, too big) included
         raise RunConfigError(f"{path}: cannot read config file: {error}") from None
-    if len(raw) > max_bytes:
-        raise RunConfigError(f"{path}: config file is more than the limit of {max_bytes} bytes")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -172,5 +166,29 @@ def create_run(output_dir: Path, run_id: str, config: OrchestratorConfig) -> Run
     """
     run = RunDir(Path(output_dir), run_id)
     os.makedirs(run.root, exist_ok=True)
+    run.ensure_identity()  # before orch.toml: the trainer must never see this run without its identity
     run.write_text(run.orch_config, orch_config_to_toml(config))
     return run
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        flat.update(_flatten(value, name + ".") if isinstance(value, dict) else {name: value})
+    return flat
+
+
+def config_changes(before: OrchestratorConfig, after: OrchestratorConfig) -> list[str]:
+    """Each field that differs, as `dotted.name: old -> new`."""
+    old, new = _flatten(before.model_dump(mode="json")), _flatten(after.model_dump(mode="json"))
+    keys = sorted(old.keys() | new.keys())
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in keys if old.get(key) != new.get(key)]
+
+
+def frozen_config_reason(path: Path, admitted: OrchestratorConfig, now: OrchestratorConfig) -> str:
+    """Why a run whose admitted config was changed is evicted, naming each changed field."""
+    return (
+        f"{path} changed while the run was active ({'; '.join(config_changes(admitted, now))}); the config of an "
+        "admitted run is frozen. Restore it and delete control/evicted.txt to continue, or start a new run id"
+    )

@@ -55,12 +55,13 @@ from rlplex.aio import close_loop
 from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCExecutionError, ModelWorker, ProcessModelWorker
 from rlplex.errors import ConfigError, MultiRunError, RlplexError, RunConfigError, RunDirGoneError, WaitTimeoutError
 from rlplex.models.hf import Tokenizer
-from rlplex.multirun.orch_config import OrchestratorConfig, create_run, read_orch_config
+from rlplex.multirun.orch_config import OrchestratorConfig, config_changes, create_run, read_orch_config
 from rlplex.multirun.orch_graph import orchestrator_graph
 from rlplex.multirun.orch_models import ActorModel, EnvRewardModel, Handoff, RolloutHandoff, StepPrompts
 from rlplex.multirun.peft_export import is_stable_adapter
 from rlplex.multirun.rollout_io import rollouts_ready
 from rlplex.multirun.rundir import RunDir, parse_step, write_eviction
+from rlplex.safe_files import read_regular_text
 from rlplex.tasks import Environment, load_environment
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,11 @@ def latest_stable_broadcast(run: RunDir) -> int | None:
 
 
 def first_unfinished_step(run: RunDir, max_steps: int) -> int:
-    """The first step whose rollouts are not STABLE (max_steps when all are)."""
-    return next((s for s in range(max_steps) if not rollouts_ready(run, s)), max_steps)
+    """The first step, from the trainer's newest broadcast on, whose rollouts are not STABLE
+    (max_steps when all are). Rollouts below the newest broadcast step are trained, and the
+    trainer's retention may have removed them."""
+    start = latest_stable_broadcast(run) or 0
+    return next((s for s in range(start, max_steps) if not rollouts_ready(run, s)), max_steps)
 
 
 def wait_for_broadcast(run: RunDir, at_least: int, what: str, options: WaitOptions) -> int:
@@ -119,9 +123,15 @@ def wait_for_broadcast(run: RunDir, at_least: int, what: str, options: WaitOptio
         check_evicted(run)
         if not run.exists():
             raise RunDirGoneError(f"{run.root}: run directory was deleted while waiting for the trainer")
+        run.check_identity()
         if run.config_error.is_file():
-            reason = run.config_error.read_text(encoding="utf-8", errors="replace").strip()
+            reason = read_regular_text(run.config_error, within=run.root).strip()
             raise RunConfigError(f"the trainer rejected {run.orch_config}: {reason}")
+        if run.is_finished():
+            raise RunConfigError(
+                f"{run.run_id}: the trainer marked the run finished at step {run.finished_step()}, "
+                f"but this orchestrator waits for step {at_least} (is {run.orch_config} what was admitted?)"
+            )
         waited = time.monotonic() - start
         if last_report is None or waited - last_report >= _PROGRESS_EVERY_S:
             last_report = waited
@@ -134,7 +144,13 @@ def wait_for_broadcast(run: RunDir, at_least: int, what: str, options: WaitOptio
 
 
 def open_run(output_dir: Path, run_id: str, config: OrchestratorConfig) -> RunDir:
-    """Write `control/orch.toml` (first start) or check that a restart brings the same config."""
+    """Write `control/orch.toml` (first start) or check that a restart brings the same config.
+
+    The config of a run the trainer has admitted (it wrote `broadcast/step_0`) is frozen: a
+    different one is refused here, and the trainer evicts a run whose file changes anyway.
+    The returned `RunDir` is bound to the run's identity: if the directory is deleted and made
+    again by someone else, this orchestrator writes nothing into it.
+    """
     run = RunDir(output_dir, run_id)
     if run.orch_config.is_file():
         try:
@@ -142,14 +158,17 @@ def open_run(output_dir: Path, run_id: str, config: OrchestratorConfig) -> RunDi
         except RunConfigError:
             existing = None
         if existing == config:
-            return run  # a restart: leave the file (and the trainer's view of it) alone
-        if existing is not None and rollouts_ready(run, 0):
+            return run.bound(run.ensure_identity())  # a restart: leave the file (and the trainer's view) alone
+        if existing is not None and (latest_stable_broadcast(run) is not None or rollouts_ready(run, 0)):
+            changed = "; ".join(config_changes(existing, config))
             raise RunConfigError(
-                f"{run.orch_config}: {run_id} already has rollouts made with a different config; use a new run id"
+                f"{run.orch_config}: {run_id} was admitted by the trainer with another config ({changed}); "
+                "an admitted run's config is frozen: use a new run id"
             )
     if run.exists():
         run.remove_file(run.config_error)  # the trainer judges the new file afresh
-    return create_run(output_dir, run_id, config)
+    created = create_run(output_dir, run_id, config)
+    return created.bound(created.ensure_identity())
 
 
 class StepDataflow:
@@ -321,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = read_orch_config(args.config)
+        config = read_orch_config(args.config, follow_symlinks=True)
         run_orchestrator(
             args.output_dir, args.run_id, config, WaitOptions(timeout_s=args.wait_timeout), not args.no_tensorboard
         )

@@ -24,12 +24,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
 from rlplex.errors import AdapterError
+from rlplex.multirun.rundir import fsync_dir
+from rlplex.safe_files import read_regular_file
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_PROGRESS = "trainer_progress.json"
+"""The trainer's progress when it wrote the adapter (a resume starts from the newest one)."""
+MAX_ADAPTER_BYTES = 1 << 36
 STABLE_MARKER = "STABLE"
 PEFT_PREFIX = "base_model.model."
 _SUFFIXES = (".lora_A.weight", ".lora_B.weight")
@@ -112,14 +119,6 @@ def _write_synced(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_peft_adapter(
     directory: str | Path,
     adapter_state: dict[str, torch.Tensor],
@@ -130,8 +129,12 @@ def write_peft_adapter(
     task_type: str | None = None,
     *,
     fan_in_fan_out: bool = False,
+    progress: dict[str, int] | None = None,
 ) -> Path:
     """Write ``directory`` as a STABLE PEFT LoRA adapter (replacing it if present); return it.
+
+    ``progress``: the trainer's counters at this adapter, written beside it (peft and vLLM
+    ignore the file) so that a resume can start from the newest adapter.
 
     ``adapter_state`` maps model module names (``model.layers.0.self_attn.q_proj.lora_A.weight``,
     with or without the ``base_model.model.`` prefix) to tensors of the run's real ``rank``.
@@ -159,11 +162,13 @@ def write_peft_adapter(
         with (tmp / ADAPTER_WEIGHTS).open("rb") as handle:
             os.fsync(handle.fileno())
         _write_synced(tmp / ADAPTER_CONFIG, json.dumps(config, indent=2).encode())
+        if progress is not None:
+            _write_synced(tmp / ADAPTER_PROGRESS, json.dumps(progress).encode())
         if directory.exists():
             directory.rename(old)
         tmp.rename(directory)
         _write_synced(directory / STABLE_MARKER, b"")
-        _fsync_dir(directory.parent)
+        fsync_dir(directory.parent)
     except OSError as error:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not directory.exists():
@@ -176,3 +181,24 @@ def write_peft_adapter(
 def is_stable_adapter(directory: str | Path) -> bool:
     directory = Path(directory)
     return (directory / STABLE_MARKER).is_file() and (directory / ADAPTER_WEIGHTS).is_file()
+
+
+def read_peft_adapter(directory: str | Path, within: Path | None = None) -> dict[str, torch.Tensor]:
+    """The adapter tensors of a folder `write_peft_adapter` wrote, keyed by module names (no peft prefix)."""
+    path = Path(directory) / ADAPTER_WEIGHTS
+    try:
+        tensors = load_safetensors(read_regular_file(path, MAX_ADAPTER_BYTES, within))
+    except (OSError, SafetensorError) as error:
+        raise AdapterError(f"{path}: unreadable adapter ({error})") from None
+    return {key.removeprefix(PEFT_PREFIX): tensor for key, tensor in tensors.items()}
+
+
+def read_adapter_progress(directory: str | Path, within: Path | None = None) -> dict[str, int] | None:
+    """The trainer's counters stored beside an adapter (None: no such file, or unreadable)."""
+    try:
+        record = json.loads(read_regular_file(Path(directory) / ADAPTER_PROGRESS, within=within))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not all(isinstance(v, int) for v in record.values()):
+        return None
+    return record

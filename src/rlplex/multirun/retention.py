@@ -117,18 +117,20 @@ def prune_steps(
     return removed
 
 
-def remove_orphaned_temporaries(run_root: Path) -> list[Path]:
+def remove_orphaned_temporaries(run_root: Path, folders: Iterable[str] = _TEMP_FOLDERS) -> list[Path]:
     """Remove temporaries whose writer died, from the run's step and control folders; return them.
 
-    Looks in `checkpoints/`, `broadcast/`, `rollouts/`, `control/` and one level inside their
-    `step_N` folders. A temporary of a live process (this one included) is a write in progress
-    and stays. A `.old-<pid>` folder stays when nothing has its final name: the writer died
-    between its two renames and this is the only copy. Never raises.
+    Looks in `folders` (by default `checkpoints/`, `broadcast/`, `rollouts/`, `control/`) and
+    one level inside their `step_N` folders. A pid is only meaningful on the machine (and pid
+    namespace) that wrote it: the trainer passes the folders it writes itself. A temporary of
+    a live process (this one included) is a write in progress and stays. A `.old-<pid>` folder
+    stays when nothing has its final name: the writer died between its two renames and this is
+    the only copy. Never raises.
     """
     removed: list[Path] = []
     if not _is_real_dir(run_root):
         return removed
-    for name in _TEMP_FOLDERS:
+    for name in folders:
         folder = run_root / name
         if not _is_real_dir(folder):
             continue

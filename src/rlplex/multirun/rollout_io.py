@@ -31,6 +31,7 @@ from safetensors.torch import save as save_safetensors
 
 from rlplex.errors import MultiRunError
 from rlplex.multirun.rundir import STABLE_MARKER, RunDir, write_file_atomic
+from rlplex.safe_files import read_regular_file
 
 ROLLOUT_FILE = "rollouts.safetensors"
 META_FILE = "meta.json"
@@ -98,12 +99,10 @@ def read_rollouts(run: RunDir, step: int, vocab_size: int | None = None) -> Roll
     """Load and validate `rollouts/step_N`; `MalformedRolloutError` names the file and the fault."""
     directory = run.rollout_step(step)
     path = directory / ROLLOUT_FILE
-    meta = _read_meta(directory / META_FILE, run.run_id, step)
+    meta = _read_meta(directory / META_FILE, run.run_id, step, run.root)
     try:
-        size = path.stat().st_size
-        if size > MAX_ROLLOUT_BYTES:
-            raise MalformedRolloutError(f"{path}: {size} bytes, more than the {MAX_ROLLOUT_BYTES} allowed")
-        tensors = load_safetensors(path.read_bytes())
+        # A FIFO, a link to a device or a step folder linked out of the run is refused unread.
+        tensors = load_safetensors(read_regular_file(path, MAX_ROLLOUT_BYTES, within=run.root))
     except (OSError, SafetensorError) as error:
         raise MalformedRolloutError(f"{path}: unreadable rollouts ({error})") from None
     missing = sorted(set(_DTYPES) - set(tensors))
@@ -116,9 +115,9 @@ def read_rollouts(run: RunDir, step: int, vocab_size: int | None = None) -> Roll
     return batch
 
 
-def _read_meta(path: Path, run_id: str, step: int) -> dict[str, Any]:
+def _read_meta(path: Path, run_id: str, step: int, root: Path) -> dict[str, Any]:
     try:
-        meta = json.loads(path.read_text())
+        meta = json.loads(read_regular_file(path, within=root))
     except (OSError, ValueError) as error:
         raise MalformedRolloutError(f"{path}: unreadable meta ({error})") from None
     if not isinstance(meta, dict):

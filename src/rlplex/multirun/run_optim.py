@@ -3,8 +3,10 @@
 A run's optimizer (AdamW over exactly its adapter's leaves) and its schedule (linear decay
 over the run's own `max_steps`) are created in a creation hook and dropped in a deletion
 hook, on every rank. A run that resumes loads its adapter, optimizer and scheduler from the
-stable checkpoint rank 0 chose for it; the checkpoint is keyed by run id, not slot, so it
-loads into whatever slot the run has now. Clipping is over the run's own gradients only.
+stable checkpoint rank 0 chose for it, then, when rank 0 found a newer broadcast adapter, the
+adapter from that one and the schedule moved on to its step (see `checkpoint.choose_resume`);
+both are keyed by run id, not slot, so they load into whatever slot the run has now. Clipping
+is over the run's own gradients only.
 With several ranks, the gradients of the runs that step are summed over the group in one
 flat all-reduce, in the order rank 0 decided, before clipping.
 
@@ -30,6 +32,7 @@ from rlplex.errors import AdapterError, CheckpointError
 from rlplex.multirun.checkpoint import load_checkpoint
 from rlplex.multirun.lora import MultiLoRALinear
 from rlplex.multirun.manager import MultiRunManager
+from rlplex.multirun.peft_export import read_peft_adapter
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,8 @@ class StepStats:
     grad_norm: float
     lr: float
     loss: float
+    skipped: str = ""
+    """Why the optimizer step was not taken (a non-finite loss or gradient); empty when it was."""
 
 
 class RunOptimizers:
@@ -101,15 +106,20 @@ class RunOptimizers:
         self.loss_sums[idx] = 0.0
         self.resume_failures.pop(idx, None)
         path = self.manager.resume_checkpoint_path(idx)
+        adapter_path = self.manager.resume_adapter_path(idx)
         if path is None:
             self._init_adapter(idx, run_id, config.seed)
-        else:
-            try:
+        try:
+            if path is not None:
                 self._load(idx, path)
-            except (CheckpointError, AdapterError, KeyError, ValueError, RuntimeError) as error:
-                self.manager.reset_run_parameters(idx)
-                self.resume_failures[idx] = f"cannot resume from {path}: {error}"
-                log.error("run %s (slot %d): %s", run_id, idx, self.resume_failures[idx])
+            if adapter_path is not None:
+                source = self.manager.run_dir(run_id)
+                self._load_adapter(idx, read_peft_adapter(adapter_path, within=source.root), adapter_path)
+                self._advance_schedule(idx, self.manager.progress[idx].step)
+        except (CheckpointError, AdapterError, KeyError, ValueError, RuntimeError) as error:
+            self.manager.reset_run_parameters(idx)
+            self.resume_failures[idx] = f"cannot resume from {adapter_path or path}: {error}"
+            log.error("run %s (slot %d): %s", run_id, idx, self.resume_failures[idx])
 
     @torch.no_grad()
     def _init_adapter(self, idx: int, run_id: str, seed: int) -> None:
@@ -127,7 +137,11 @@ class RunOptimizers:
 
     def _load(self, idx: int, path: Path) -> None:
         checkpoint = load_checkpoint(path)
-        adapter = checkpoint.adapter
+        self._load_adapter(idx, checkpoint.adapter, path)
+        self.optimizers[idx].load_state_dict(checkpoint.optimizer)
+        self.schedulers[idx].load_state_dict(checkpoint.scheduler)
+
+    def _load_adapter(self, idx: int, adapter: dict[str, torch.Tensor], path: Path) -> None:
         for name, module in self.manager.lora_modules.items():
             if not isinstance(module, MultiLoRALinear):
                 raise AdapterError(f"{name}: only MultiLoRALinear modules can load a checkpoint")
@@ -135,9 +149,20 @@ class RunOptimizers:
             missing = [k for k in keys if k not in adapter]
             if missing:
                 raise CheckpointError(f"{path}: adapter lacks {missing}")
+            if not all(bool(torch.isfinite(adapter[k]).all()) for k in keys):
+                raise CheckpointError(f"{path}: adapter {name} holds NaN or infinite values")
             module.load_adapter_state_dict(idx, {k.rsplit(".", 2)[-2] + ".weight": adapter[k] for k in keys})
-        self.optimizers[idx].load_state_dict(checkpoint.optimizer)
-        self.schedulers[idx].load_state_dict(checkpoint.scheduler)
+
+    def _advance_schedule(self, idx: int, step: int) -> None:
+        """Set the run's LR schedule at `step` (the adapter is newer than the optimizer's checkpoint)."""
+        scheduler, optimizer = self.schedulers[idx], self.optimizers[idx]
+        scheduler.last_epoch = step
+        for group, base, factor in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+            group["lr"] = base * factor(step)
+        scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+
+    def lr(self, idx: int) -> float:
+        return float(self.optimizers[idx].param_groups[0]["lr"])
 
     def drop(self, idx: int, run_id: str) -> None:
         for p in self.params.pop(idx, []):
@@ -171,11 +196,16 @@ class RunOptimizers:
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        norm = torch.nn.utils.clip_grad_norm_(params, config.optim.max_grad_norm)
-        lr = float(self.optimizers[idx].param_groups[0]["lr"])
-        self.optimizers[idx].step()
-        self.schedulers[idx].step()
-        self.optimizers[idx].zero_grad(set_to_none=True)
+        norm = float(torch.nn.utils.clip_grad_norm_(params, config.optim.max_grad_norm))
+        lr = self.lr(idx)
         loss = float(self.loss_sums[idx])
         self.loss_sums[idx] = 0.0
-        return StepStats(grad_norm=float(norm), lr=lr, loss=loss)
+        skipped = ""
+        if not (math.isfinite(loss) and math.isfinite(norm)):
+            # One NaN step would make the adapter NaN for good: never apply it.
+            skipped = f"loss {loss} / gradient norm {norm} is not finite"
+        else:
+            self.optimizers[idx].step()
+            self.schedulers[idx].step()
+        self.optimizers[idx].zero_grad(set_to_none=True)
+        return StepStats(grad_norm=norm, lr=lr, loss=loss, skipped=skipped)

@@ -2,6 +2,8 @@
 
 ```
 {output_dir}/run_<id>/
+    control/identity                     the run's identity (a random hex id), written once when
+                                         the directory is first made (orchestrator or trainer)
     control/orch.toml                    written by the orchestrator
     control/config_validation_error.txt  written by the trainer when orch.toml is rejected
     control/evicted.txt                  eviction reason (trainer or the orchestrator itself)
@@ -17,6 +19,13 @@ each missing level below it is made with a single `mkdir` (no `parents=True`), w
 if the level above has been deleted. A run deleted during a checkpoint therefore stays
 deleted instead of coming back as a zombie. Writes refuse to go through symlinks so that a
 run directory cannot redirect the trainer's writes outside `output_dir`.
+
+A name is not an identity: a run directory deleted and made again under the same name often
+gets the freed inode back (ext4 hands it straight out), so `control/identity` tells the runs
+apart. A `RunDir` bound to an identity (`bound`) refuses every write once the directory on
+disk holds another identity or none, so a write queued for a run that is gone is dropped
+instead of landing in its successor. Every file read from a run goes through
+`rlplex.safe_files` (regular files within a size cap, nothing reached through a link out).
 """
 
 from __future__ import annotations
@@ -26,12 +35,16 @@ import os
 import re
 import stat
 import time
-from dataclasses import dataclass
+import uuid
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rlplex.errors import MultiRunError, RunDirGoneError
+from rlplex.safe_files import read_regular_file, read_regular_text
 
 RUN_PREFIX = "run_"
+IDENTITY_FILE = "identity"
+_IDENTITY = re.compile(r"^[0-9a-f]{32}$")
 STEP_PREFIX = "step_"
 STABLE_MARKER = "STABLE"
 # A name with a slash, a NUL or only dots cannot reach scandir, but a name such as
@@ -49,7 +62,7 @@ def step_dir_name(step: int) -> str:
 
 def parse_step(name: str) -> int | None:
     suffix = name[len(STEP_PREFIX) :]
-    if name.startswith(STEP_PREFIX) and suffix.isdigit():
+    if name.startswith(STEP_PREFIX) and suffix.isascii() and suffix.isdigit():
         return int(suffix)
     return None
 
@@ -60,6 +73,8 @@ class RunDir:
 
     output_dir: Path
     run_id: str
+    identity: str | None = None
+    """When set, writes go through only while `control/identity` holds this value."""
 
     def __post_init__(self) -> None:
         if not is_valid_run_name(self.run_id):
@@ -72,6 +87,53 @@ class RunDir:
     @property
     def control(self) -> Path:
         return self.root / "control"
+
+    @property
+    def identity_file(self) -> Path:
+        return self.control / IDENTITY_FILE
+
+    def bound(self, identity: str | None) -> RunDir:
+        """This run directory, its writes refused unless `control/identity` is `identity`."""
+        return replace(self, identity=identity)
+
+    def read_identity(self) -> str | None:
+        """The identity on disk (None: missing, unreadable, or not an identity)."""
+        try:
+            text = read_regular_text(self.identity_file, 4096, within=self.root).strip()
+        except OSError:
+            return None
+        return text if _IDENTITY.fullmatch(text) else None
+
+    def ensure_identity(self) -> str:
+        """The run's identity, written now if the directory has none (exactly once, whoever races)."""
+        found = self.read_identity()
+        if found is not None:
+            return found
+        parent = replace(self, identity=None).ensure_dir("control")
+        tmp = parent / f".{IDENTITY_FILE}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        write_file_atomic(tmp, (uuid.uuid4().hex + "\n").encode())
+        try:
+            os.link(tmp, self.identity_file)  # fails if another writer got there first: theirs stands
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        found = self.read_identity()
+        if found is None:
+            raise MultiRunError(f"{self.identity_file}: exists but holds no identity (expected 32 hex digits)")
+        return found
+
+    def check_identity(self) -> None:
+        """Raise `RunDirGoneError` if this bound run's directory now belongs to another run."""
+        if self.identity is None:
+            return
+        found = self.read_identity()
+        if found != self.identity:
+            now = "no identity" if found is None else f"identity {found}"
+            raise RunDirGoneError(
+                f"{self.root}: the run directory was replaced (it has {now}, this run was {self.identity}); "
+                "nothing written"
+            )
 
     @property
     def orch_config(self) -> Path:
@@ -122,7 +184,7 @@ class RunDir:
 
     def eviction_reason(self) -> str | None:
         try:
-            return self.evicted.read_text(encoding="utf-8", errors="replace").strip()
+            return read_regular_text(self.evicted, within=self.root).strip()
         except OSError:
             return None
 
@@ -132,7 +194,7 @@ class RunDir:
     def finished_step(self) -> int | None:
         """The step `control/finished.txt` records (None: no marker, or one that does not parse)."""
         try:
-            record = json.loads(self.finished.read_text(encoding="utf-8"))
+            record = json.loads(read_regular_file(self.finished, within=self.root))
         except (OSError, ValueError):
             return None
         step = record.get("step") if isinstance(record, dict) else None
@@ -142,6 +204,7 @@ class RunDir:
         """Make `root/parts...` one level at a time; raise `RunDirGoneError` if the run is gone."""
         if not self.exists():
             raise RunDirGoneError(f"{self.root}: run directory does not exist; nothing written")
+        self.check_identity()
         current = self.root
         for part in parts:
             if part in ("", ".", "..") or "/" in part:
@@ -184,12 +247,22 @@ def write_file_atomic(path: Path, data: bytes) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename itself must survive a power cut
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory `path` (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def write_eviction(run: RunDir, reason: str) -> None:
@@ -199,6 +272,31 @@ def write_eviction(run: RunDir, reason: str) -> None:
     file's format (the reason, one trailing newline) has one definition.
     """
     run.write_text(run.evicted, reason.rstrip("\n") + "\n")
+
+
+UNWRITTEN_EVICTIONS = "trainer_evictions.json"
+"""In the trainer's output folder: evictions whose `control/evicted.txt` could not be written."""
+
+
+def read_unwritten_evictions(output_dir: Path) -> dict[str, tuple[str | None, str]]:
+    """Run id -> (identity, reason) of the evictions the trainer could not mark in the run folder."""
+    try:
+        record = json.loads(read_regular_file(Path(output_dir) / UNWRITTEN_EVICTIONS))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    found: dict[str, tuple[str | None, str]] = {}
+    for run_id, entry in record.items():
+        if isinstance(entry, dict) and isinstance(entry.get("reason"), str):
+            identity = entry.get("identity")
+            found[run_id] = (identity if isinstance(identity, str) else None, entry["reason"])
+    return found
+
+
+def write_unwritten_evictions(output_dir: Path, evictions: dict[str, tuple[str | None, str]]) -> None:
+    record = {run_id: {"identity": identity, "reason": reason} for run_id, (identity, reason) in evictions.items()}
+    write_file_atomic(Path(output_dir) / UNWRITTEN_EVICTIONS, (json.dumps(record, indent=1) + "\n").encode())
 
 
 def write_finished(run: RunDir, step: int) -> None:

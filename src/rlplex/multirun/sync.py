@@ -33,6 +33,15 @@ class RunEntry(BaseModel):
     incarnation: int
 
 
+class ResumeEntry(BaseModel):
+    """Where a new run resumes: optimizer state from checkpoint step, adapter from broadcast step."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checkpoint: int | None = None
+    adapter: int | None = None
+
+
 class ProgressEntry(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -49,7 +58,7 @@ class SyncSnapshot(BaseModel):
     version: int
     runs: dict[int, RunEntry]
     configs: dict[str, dict[str, Any]]
-    resume: dict[int, int | None]
+    resume: dict[int, ResumeEntry]
     progress: dict[int, ProgressEntry]
     hooks: dict[str, list[str]]
     check_hooks: bool

@@ -14,7 +14,13 @@
 ```
 
 A run trains step s from `rollouts/step_s`; after its optimizer step its progress step is
-s + 1 and `broadcast/step_{s+1}` appears. When a run is created (fresh or resumed),
+s + 1 and `broadcast/step_{s+1}` appears (with the trainer's counters beside the adapter, so
+that a restart resumes from it: no step is trained twice whatever `checkpoint_every` is). A
+step whose rollouts are more than `max_off_policy_steps` behind (step - policy_step) is not
+trained: it counts as done with no update, and the run's log counts it in `stale_dropped`. A
+step whose loss or gradient is not finite is not applied: the optimizer step is skipped and the
+run is evicted with the reason, so nothing non-finite is ever checkpointed or broadcast. When a
+run is created (fresh or resumed),
 `broadcast/step_<its step>` is written if missing, so its orchestrator can start. A run trained
 to its `max_steps` is marked finished (`control/finished.txt`) by a writer job queued behind its
 final checkpoint and broadcast; the next `discover_runs()` frees its slot for a waiting run.
@@ -51,6 +57,7 @@ from rlplex.multirun.manager import MultiRunManager, setup_multi_run_manager
 from rlplex.multirun.orch_config import OrchestratorConfig
 from rlplex.multirun.packer import MicroBatch, Packer
 from rlplex.multirun.peft_export import is_stable_adapter, write_peft_adapter
+from rlplex.multirun.retention import RetentionConfig, prune_steps, remove_orphaned_temporaries
 from rlplex.multirun.rollout_io import MalformedRolloutError, read_rollouts, rollouts_ready
 from rlplex.multirun.run_optim import CLIP_EPS, RunOptimizers, StepStats, clipped_pg_loss
 from rlplex.multirun.trainer_log import BackgroundWriter, ProgressLog, RunFinisher, final_outputs_missing
@@ -72,6 +79,16 @@ class TrainerConfig(StrictModel):
     checkpoint_every: int = Field(1, ge=1, description="Checkpoint a run every N of its steps (and at its last).")
     model: ModelSpec = Field(description="The shared frozen base model; every run must name the same one.")
     clip_eps: float = Field(CLIP_EPS, gt=0)
+    retention: RetentionConfig = Field(
+        default_factory=RetentionConfig,
+        description="How many step folders of each run stay on disk (checkpoints, broadcast, consumed rollouts).",
+    )
+    max_off_policy_steps: int = Field(
+        8,
+        ge=0,
+        description="Rollouts generated more than this many steps before the step they train are dropped; "
+        "a run whose max_async_level is higher is rejected.",
+    )
     poll_interval_s: float = Field(0.05, gt=0)
     finish_retry_s: float = Field(
         5.0, gt=0, description="Seconds before a run whose final checkpoint or broadcast failed is tried again."
@@ -84,6 +101,7 @@ class StepDone:
     step: int
     tokens: int
     samples: int
+    dropped: int = 0  # 1: the rollouts were too stale; the step counts as done with no update
     reward_mean: float = 0.0
     policy_step: int = 0
 
@@ -129,6 +147,7 @@ class MultiRunTrainer:
         self.manager.register_creation_hook(self._on_create, name="rlplex.multirun.trainer.initial_broadcast")
         self.manager.register_forgotten_hook(self._on_forgotten, name="rlplex.multirun.trainer.forget")
         self.manager.register_config_validation_hook(self._same_base, name="rlplex.multirun.trainer.same_base")
+        self.manager.register_config_validation_hook(self._async_bound, name="rlplex.multirun.trainer.async_bound")
         self.packer = Packer(config.micro_tokens, config.micro_batches * self.world_size, pad_id_of(self.tokenizer))
         self.progress_log = ProgressLog()
         self._evicted: set[str] = set()
@@ -147,6 +166,16 @@ class MultiRunTrainer:
         return False, (
             f"field 'model.name': the run's model {config.model.name!r} ({config.model.identity()}) is not "
             f"this trainer's model {self.config.model.name!r} ({self.config.model.identity()})"
+        )
+
+    def _async_bound(self, config: OrchestratorConfig) -> tuple[bool, str]:
+        """Config validation: every step of a run within max_async_level must be trainable here."""
+        limit = self.config.max_off_policy_steps
+        if config.max_async_level <= limit:
+            return True, ""
+        return False, (
+            f"field 'max_async_level': {config.max_async_level} is more than the trainer's "
+            f"max_off_policy_steps {limit}: its rollouts would be dropped as too stale"
         )
 
     def request_stop(self) -> None:
@@ -174,6 +203,8 @@ class MultiRunTrainer:
         self.packer.drop(idx)
         self._rewards.pop(idx, None)
         run = self.manager.run_dir(run_id)
+        # Leftovers of this trainer's writes cut short by a crash (the rollouts are the orchestrator's).
+        remove_orphaned_temporaries(run.root, ("checkpoints", "broadcast", "control"))
         if not is_stable_adapter(run.broadcast_step(step)):
             self._write_broadcast(idx, run_id, step)
 
@@ -221,8 +252,9 @@ class MultiRunTrainer:
 
     def _plan(self) -> tuple[list[MicroBatch], list[StepDone]]:
         """Rank 0: read newly ready steps, pack, and take the complete steps out of the packer."""
+        steps = []
         for idx, run_id in sorted(self.manager.idx_2_id.items()):
-            if run_id in self._evicted or idx in self.packer.pending:
+            if run_id in self._evicted or self.manager.is_leaving(run_id) or idx in self.packer.pending:
                 continue
             if idx in self.optim.resume_failures:
                 self._evict(idx, run_id, self.optim.resume_failures[idx])
@@ -239,15 +271,27 @@ class MultiRunTrainer:
             except MalformedRolloutError as error:
                 self._evict(idx, run_id, str(error))
                 continue
+            lag = batch.step - batch.policy_step
+            if lag > self.config.max_off_policy_steps:
+                log.warning(
+                    "run %s: step %d dropped: its rollouts come from policy step %d, %d steps behind "
+                    "(max_off_policy_steps %d)",
+                    run_id,
+                    step,
+                    batch.policy_step,
+                    lag,
+                    self.config.max_off_policy_steps,
+                )
+                steps.append(StepDone(idx, step, 0, 0, dropped=1, policy_step=batch.policy_step))
+                continue
             self.packer.add(idx, batch)
         plan = self.packer.plan()
         micros = [self.packer.materialize(pieces) for pieces in plan.micro_batches]
-        steps = []
         for idx in plan.completes:
             pending = self.packer.finish(idx)
             b = pending.batch
             self._rewards[idx] = (float(b.rewards.mean()), b.policy_step)
-            steps.append(StepDone(idx, b.step, int(b.attention.sum()), b.n, float(b.rewards.mean()), b.policy_step))
+            steps.append(StepDone(idx, b.step, int(b.attention.sum()), b.n, 0, float(b.rewards.mean()), b.policy_step))
         return micros, steps
 
     def _evict(self, idx: int, run_id: str, reason: str) -> None:
@@ -265,7 +309,7 @@ class MultiRunTrainer:
             for m in micros:
                 fields += [int(m.tokens.shape[0]), int(m.tokens.shape[1])]
             for s in steps:
-                fields += [s.idx, s.step, s.tokens, s.samples]
+                fields += [s.idx, s.step, s.tokens, s.samples, s.dropped]
             header = torch.tensor(fields, dtype=torch.int64)
             header_len[0] = header.numel()
         dist.broadcast(header_len, 0)
@@ -277,7 +321,7 @@ class MultiRunTrainer:
         shapes = [(values[2 + 2 * i], values[3 + 2 * i]) for i in range(n_micro)]
         base = 2 + 2 * n_micro
         if not self.is_master:
-            steps = [StepDone(*values[base + 4 * i : base + 4 * i + 4]) for i in range(n_steps)]
+            steps = [StepDone(*values[base + 5 * i : base + 5 * i + 5]) for i in range(n_steps)]
         received = []
         for i, (rows, width) in enumerate(shapes):
             if self.is_master:
@@ -314,14 +358,22 @@ class MultiRunTrainer:
     def _step_runs(self, steps: list[StepDone]) -> list[tuple[int, str, int]]:
         if not steps:
             return []
-        idxs = [s.idx for s in steps]
+        idxs = [s.idx for s in steps if not s.dropped]
         if self.world_size > 1:
             self.optim.all_reduce(idxs)
         stepped = []
         for s in steps:
-            stats = self.optim.step(s.idx)
-            progress = self.manager.record_progress(s.idx, s.tokens, s.samples)
             run_id = self.manager.idx_2_id[s.idx]
+            if s.dropped:
+                stats = StepStats(grad_norm=0.0, lr=self.optim.lr(s.idx), loss=0.0)
+            else:
+                stats = self.optim.step(s.idx)
+            if stats.skipped:
+                # The same verdict on every rank (the gradients were all-reduced); rank 0 evicts.
+                if self.is_master:
+                    self._evict(s.idx, run_id, f"step {s.step}: {stats.skipped}; the optimizer step was skipped")
+                continue
+            progress = self.manager.record_progress(s.idx, s.tokens, s.samples)
             if progress.step != s.step + 1:
                 raise MultiRunError(f"run {run_id}: trained step {s.step} but its progress is at {progress.step}")
             stepped.append((s.idx, run_id, progress.step))
@@ -332,18 +384,34 @@ class MultiRunTrainer:
     # ---- outputs (rank 0, written by the background writer in submission order) --------------
     def _write_broadcast(self, idx: int, run_id: str, step: int) -> None:
         lora_cfg = self.manager.config[idx].model.lora
-        path = self.manager.run_dir(run_id).broadcast_step(step)
+        run = self.manager.run_dir(run_id)
+        path = run.broadcast_step(step)
+        progress = self.manager.progress[idx].state_dict()
+        if progress["step"] != step:
+            raise MultiRunError(f"run {run_id}: broadcast of step {step} asked at progress step {progress['step']}")
         state = self.manager.get_state_dict_for_run(idx)  # a copy: the next step cannot change it
         targets = {name.rsplit(".", 1)[-1] for name in self.manager.lora_modules}
         base_name = self.config.model.resolved().name  # peft and vLLM load the adapter over this
         fan_in_fan_out = self.lora.fan_in_fan_out  # GPT-2's Conv1D layers store their weight transposed
+        retention = self.config.retention
 
         def job() -> None:
             try:
+                run.ensure_dir("broadcast")  # refused if the run was deleted or replaced meanwhile
                 write_peft_adapter(
-                    path, state, base_name, lora_cfg.rank, lora_cfg.alpha, targets, fan_in_fan_out=fan_in_fan_out
+                    path,
+                    state,
+                    base_name,
+                    lora_cfg.rank,
+                    lora_cfg.alpha,
+                    targets,
+                    fan_in_fan_out=fan_in_fan_out,
+                    progress=progress,
                 )
-            except AdapterError as error:
+                run.check_identity()
+                prune_steps(run.broadcast, retention.broadcast, protect={step})
+                prune_steps(run.rollouts, retention.rollouts, below=step)  # rollouts below `step` are trained
+            except (AdapterError, RunDirGoneError, MultiRunError) as error:
                 log.warning("run %s: broadcast step %d not written: %s", run_id, step, error)
 
         self.writer.submit(job)
@@ -355,10 +423,13 @@ class MultiRunTrainer:
         scheduler = copy.deepcopy(self.optim.schedulers[idx].state_dict())
         progress = RunProgress.from_state_dict(self.manager.progress[idx].state_dict())
         run = self.manager.run_dir(run_id)
+        keep = self.config.retention.checkpoints
 
         def job() -> None:
             try:
                 save_checkpoint(run, step, adapter, optimizer, scheduler, progress)
+                run.check_identity()
+                prune_steps(run.checkpoints, keep, protect={step})
             except (RunDirGoneError, CheckpointError, MultiRunError) as error:
                 log.warning("run %s: checkpoint step %d not written: %s", run_id, step, error)
 
@@ -404,6 +475,7 @@ class MultiRunTrainer:
             "loss": stats.loss,
             "reward_mean": done.reward_mean,
             "policy_step": done.policy_step,
+            "stale_dropped": done.dropped,  # 1: this step's rollouts were too stale to train
             "grad_norm": stats.grad_norm,
             "lr": stats.lr,
             "slot": done.idx,

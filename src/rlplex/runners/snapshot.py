@@ -22,9 +22,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rlplex.errors import SnapshotError
+from rlplex.safe_files import check_regular_file, read_regular_file
 
 SnapshotMode = Literal["last", "all", "gap", "none"]
 _PREFIX = "itr_"
+MAX_SNAPSHOT_BYTES = 1 << 40
 
 
 def _encode(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
@@ -76,6 +78,11 @@ def write_snapshot_into(directory: Path, state: dict[str, Any]) -> None:
     tensors: dict[str, torch.Tensor] = {}
     skeleton = _encode(state, "s", tensors)
     save_file(tensors, str(directory / "tensors.safetensors"))
+    fd = os.open(directory / "tensors.safetensors", os.O_RDONLY)
+    try:
+        os.fsync(fd)  # safetensors does not: a power cut could leave a STABLE-marked empty file
+    finally:
+        os.close(fd)
     with (directory / "state.json").open("w") as handle:
         json.dump(skeleton, handle)
         handle.flush()
@@ -98,8 +105,10 @@ def write_snapshot(directory: Path, state: dict[str, Any]) -> None:
 def read_snapshot(directory: str | Path) -> dict[str, Any]:
     directory = Path(directory)
     try:
+        # A snapshot folder may come from anywhere: no FIFO, device or link is opened as one.
+        check_regular_file(directory / "tensors.safetensors", MAX_SNAPSHOT_BYTES)
         tensors = load_file(str(directory / "tensors.safetensors"))
-        skeleton = json.loads((directory / "state.json").read_text())
+        skeleton = json.loads(read_regular_file(directory / "state.json", MAX_SNAPSHOT_BYTES))
     except FileNotFoundError as error:
         raise SnapshotError(f"{directory}: not a snapshot ({error.filename} missing)") from None
     except (OSError, ValueError, SafetensorError) as error:

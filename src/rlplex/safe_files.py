@@ -1,0 +1,95 @@
+"""Reading files that other processes or users can put anything at: one helper for all of them.
+
+A run folder, a job folder or a path on the command line may hold a FIFO (opening it blocks
+until a writer comes), a symlink to `/dev/zero` (reading never ends) or a link out of the
+folder. Every such read goes through `read_regular_file`, which opens without following a
+final symlink and without blocking, checks on the open descriptor that it is a regular file
+within a size cap, and reads at most one byte past the cap (the file may grow meanwhile).
+`check_regular_file` is the same check for readers that must open the path themselves
+(safetensors' memory-mapped loader).
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+from rlplex.errors import UnsafeFileError
+
+SMALL_FILE_BYTES = 1 << 20
+"""Cap of control files (markers, reasons, JSON records, configs)."""
+
+
+def _check_within(path: Path, within: Path | None) -> None:
+    if within is None:
+        return
+    # The parent's real location: a symlinked step folder must not lead the reader out of the run.
+    real_parent = os.path.realpath(path.parent)
+    root = os.path.realpath(within)
+    if real_parent != root and not real_parent.startswith(root + os.sep):
+        raise UnsafeFileError(f"{path}: its folder resolves to {real_parent}, outside {root}; not read")
+
+
+def _check_mode(path: Path, info: os.stat_result, max_bytes: int) -> None:
+    if not stat.S_ISREG(info.st_mode):
+        raise UnsafeFileError(f"{path}: not a regular file (mode {stat.filemode(info.st_mode)}); not read")
+    if info.st_size > max_bytes:
+        raise UnsafeFileError(f"{path}: {info.st_size} bytes, more than the limit of {max_bytes}; not read")
+
+
+def read_regular_file(
+    path: str | os.PathLike[str],
+    max_bytes: int = SMALL_FILE_BYTES,
+    within: Path | None = None,
+    *,
+    follow_symlinks: bool = False,
+) -> bytes:
+    """The bytes of `path`, a regular file of at most `max_bytes` (inside `within` when given).
+
+    `follow_symlinks`: for paths a user typed (a linked config is fine there); the target must
+    still be a regular file. Raises `FileNotFoundError` when it does not exist and `UnsafeFileError` (an `OSError`) when
+    it is a symlink, a FIFO, a device, a folder, too big, or reached through a folder outside
+    `within`.
+    """
+    path = Path(path)
+    _check_within(path, within)
+    try:
+        nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
+        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        if not follow_symlinks and os.path.islink(path):
+            raise UnsafeFileError(f"{path}: is a symlink; not read") from None
+        raise
+    try:
+        _check_mode(path, os.fstat(fd), max_bytes)
+        chunks, size = [], 0
+        while size <= max_bytes:
+            chunk = os.read(fd, min(1 << 20, max_bytes + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > max_bytes:
+        raise UnsafeFileError(f"{path}: grew past the limit of {max_bytes} bytes while being read; not read")
+    return b"".join(chunks)
+
+
+def read_regular_text(
+    path: str | os.PathLike[str], max_bytes: int = SMALL_FILE_BYTES, within: Path | None = None
+) -> str:
+    """`read_regular_file` decoded as UTF-8 (undecodable bytes replaced: these are messages)."""
+    return read_regular_file(path, max_bytes, within).decode("utf-8", errors="replace")
+
+
+def check_regular_file(path: str | os.PathLike[str], max_bytes: int, within: Path | None = None) -> int:
+    """Raise unless `path` is a regular file (not a symlink) of at most `max_bytes`; return its size."""
+    path = Path(path)
+    _check_within(path, within)
+    info = os.lstat(path)
+    _check_mode(path, info, max_bytes)
+    return info.st_size

@@ -1,0 +1,309 @@
+"""Issue 14: one run's bad file, or a crash, never stops the trainer, trains a step twice or hands
+a run another run's state. One test per hole, each on a real trainer (tiny Qwen3, world size 1)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from mr_train_helpers import (
+    STEPS,
+    assert_same_weights,
+    broadcast_weights,
+    make_runs,
+    make_trainer,
+    new_train_run,
+    synthetic_batch,
+    train_alone,
+    train_until,
+    write_synthetic,
+)
+
+from rlplex.errors import RunConfigError
+from rlplex.mainjob.view import unwritten_eviction
+from rlplex.multirun import manager as manager_module
+from rlplex.multirun.checkpoint import PROGRESS_FILE, stable_checkpoints
+from rlplex.multirun.orch_config import orch_config_to_toml, read_orch_config
+from rlplex.multirun.orchestrator import WaitOptions, open_run, wait_for_broadcast
+from rlplex.multirun.peft_export import is_stable_adapter
+from rlplex.multirun.rollout_io import ROLLOUT_FILE, write_rollouts
+from rlplex.multirun.rundir import UNWRITTEN_EVICTIONS, RunDir, stable_steps, write_finished
+from rlplex.multirun.trainer import MultiRunTrainer
+from rlplex.multirun.trainer_log import read_progress_csv
+
+
+def _iterate(trainer: MultiRunTrainer, times: int = 1) -> None:
+    for _ in range(times):
+        trainer.iteration()
+    trainer.flush()
+
+
+def _in_thread(action: Callable[[], None], timeout_s: float = 60) -> None:
+    """Run `action`, failing (instead of hanging the suite) if it blocks."""
+    errors: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            action()
+        except BaseException as error:  # re-raised in the test's thread
+            errors.append(error)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), f"blocked for {timeout_s} s"
+    if errors:
+        raise errors[0]
+
+
+# ---- 1 and 8: unreadable checkpoints ----------------------------------------------------------------
+def test_unreadable_checkpoints_fall_back_or_evict_and_never_stop_the_trainer(tmp_path: Path) -> None:
+    make_runs(tmp_path, ["run_a", "run_b"])
+    first = make_trainer(tmp_path, 2, checkpoint_every=1)
+    train_until(first, {"run_a": 2, "run_b": 2})
+    a, b = RunDir(tmp_path, "run_a"), RunDir(tmp_path, "run_b")
+    (a.checkpoint_step(2) / "tensors.safetensors").write_bytes(b"truncated")  # the newest one of run_a
+    for _, path in stable_checkpoints(b):
+        (path / PROGRESS_FILE).unlink()  # every checkpoint of run_b
+    make_runs(tmp_path, ["run_c"])
+    second = make_trainer(tmp_path, 3, checkpoint_every=1)
+    _iterate(second)
+    statuses = second.manager.run_statuses()
+    assert statuses["run_a"] == "active" and statuses["run_c"] == "active"
+    # run_a: optimizer from step 1, adapter and step from broadcast 2 (nothing lost or trained again).
+    assert second.manager.resume_step(second.manager.id_2_idx["run_a"]) == 1
+    assert second.manager.progress[second.manager.id_2_idx["run_a"]].step >= 2
+    assert statuses["run_b"] == "evicted"
+    reason = b.eviction_reason() or ""
+    assert "cannot resume" in reason and PROGRESS_FILE in reason
+    train_until(second, {"run_a": STEPS, "run_c": STEPS})
+    assert [int(r["step"]) for r in read_progress_csv(a)] == list(range(1, STEPS + 1))
+
+
+# ---- 2: non-finite steps ----------------------------------------------------------------------------
+def test_a_step_with_non_finite_loss_is_skipped_and_its_run_evicted(tmp_path: Path) -> None:
+    alone = train_alone(tmp_path / "alone", "run_a")
+    out = tmp_path / "shared"
+    make_runs(out, ["run_a"])
+    new_train_run(out, "run_huge")
+    for step in range(STEPS):
+        batch = synthetic_batch("run_huge", step)
+        batch.advantages = torch.full_like(batch.advantages, 3e38)  # finite, so it passes validation
+        write_rollouts(RunDir(out, "run_huge"), batch)
+    trainer = make_trainer(out, 2)
+    train_until(trainer, {"run_a": STEPS})
+    huge = RunDir(out, "run_huge")
+    reason = huge.eviction_reason() or ""
+    assert "not finite" in reason and "optimizer step was skipped" in reason, reason
+    assert [step for step, _ in stable_steps(huge.broadcast)] == [0]  # nothing after the bad step
+    assert stable_checkpoints(huge) == []
+    assert "run_huge" not in trainer.manager.id_2_idx
+    assert_same_weights(broadcast_weights(out, "run_a", STEPS), alone)
+
+
+# ---- 3: a run made again under the same name -----------------------------------------------------
+def test_a_run_made_again_under_its_name_starts_afresh_and_old_writes_are_dropped(tmp_path: Path) -> None:
+    alone = train_alone(tmp_path / "alone", "run_a")
+    out = tmp_path / "shared"
+    make_runs(out, ["run_a"])
+    trainer = make_trainer(out, 1)
+    train_until(trainer, {"run_a": 2})
+    old_identity = RunDir(out, "run_a").read_identity()
+    # Hold the writer so that a checkpoint of the old run is still queued when it is replaced.
+    gate = threading.Event()
+    trainer.writer.submit(lambda: gate.wait(30) or None)
+    trainer._checkpoint(trainer.manager.id_2_idx["run_a"], "run_a", 2)
+    shutil.rmtree(out / "run_a")
+    make_runs(out, ["run_a"])  # same name (ext4 often hands back the same inode), new identity
+    gate.set()
+    trainer.flush()
+    new = RunDir(out, "run_a")
+    assert new.read_identity() not in (None, old_identity)
+    assert stable_checkpoints(new) == []  # the old run's queued checkpoint did not land here
+    train_until(trainer, {"run_a": STEPS})
+    assert [int(r["step"]) for r in read_progress_csv(new)] == list(range(1, STEPS + 1))
+    assert_same_weights(broadcast_weights(out, "run_a", STEPS), alone)  # trained from scratch
+
+
+def test_a_bound_run_dir_refuses_writes_once_its_identity_changes(tmp_path: Path) -> None:
+    run = new_train_run(tmp_path, "run_x")
+    bound = run.bound(run.ensure_identity())
+    bound.write_text(bound.root / "note.txt", "mine")
+    run.identity_file.unlink()
+    with pytest.raises(Exception, match="replaced"):
+        bound.write_text(bound.root / "note.txt", "not mine")
+    assert (run.root / "note.txt").read_text() == "mine"
+
+
+# ---- 4: an active run's orch.toml is frozen ------------------------------------------------------
+def test_an_active_runs_config_is_frozen_on_both_sides(tmp_path: Path) -> None:
+    make_runs(tmp_path, ["run_a", "run_c"])
+    trainer = make_trainer(tmp_path, 2)
+    train_until(trainer, {"run_a": 1, "run_c": 1})
+    run = RunDir(tmp_path, "run_a")
+    config = read_orch_config(run.orch_config)
+    run.write_text(run.orch_config, orch_config_to_toml(config) + "\n# rewritten, same config\n")
+    _iterate(trainer)
+    assert trainer.manager.run_statuses()["run_a"] == "active"
+    changed = config.model_copy(update={"temperature": 0.5})
+    with pytest.raises(RunConfigError, match=r"temperature: 1\.0 -> 0\.5"):
+        open_run(tmp_path, "run_a", changed)  # the orchestrator refuses to change it
+    run.write_text(run.orch_config, orch_config_to_toml(changed))  # someone else does anyway
+    _iterate(trainer, 2)
+    reason = run.eviction_reason() or ""
+    assert "temperature: 1.0 -> 0.5" in reason and "frozen" in reason, reason
+    assert "run_a" not in trainer.manager.id_2_idx
+    train_until(trainer, {"run_c": STEPS})
+
+
+def test_an_orchestrator_waiting_for_a_broadcast_notices_finished_and_evicted(tmp_path: Path) -> None:
+    run = new_train_run(tmp_path, "run_w")
+    write_finished(run, 2)
+    with pytest.raises(RunConfigError, match="finished at step 2"):
+        wait_for_broadcast(run, 5, "step 5", WaitOptions(timeout_s=30, poll_s=0.01))
+    other = new_train_run(tmp_path, "run_v")
+    other.write_text(other.evicted, "gone\n")
+    with pytest.raises(Exception, match="evicted: gone"):
+        wait_for_broadcast(other, 5, "step 5", WaitOptions(timeout_s=30, poll_s=0.01))
+
+
+# ---- 5: an eviction whose marker cannot be written -----------------------------------------------
+def test_an_eviction_that_cannot_be_written_still_drops_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_runs(tmp_path, ["run_a"])
+    bad = new_train_run(tmp_path, "run_bad")
+    write_synthetic(tmp_path, "run_bad", range(1))
+    (bad.rollout_step(0) / ROLLOUT_FILE).write_bytes(b"garbage")
+
+    def disk_full(run: RunDir, reason: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(manager_module, "write_eviction", disk_full)
+    trainer = make_trainer(tmp_path, 2)
+    _iterate(trainer, 2)
+    assert "run_bad" not in trainer.manager.id_2_idx and not bad.is_evicted()
+    assert trainer.manager.run_statuses()["run_bad"] == "evicted"
+    listed = json.loads((tmp_path / UNWRITTEN_EVICTIONS).read_text())
+    assert "No space left" in listed["run_bad"]["reason"]
+    assert unwritten_eviction(tmp_path, "run_bad") is not None  # what `rlplex status` shows
+    train_until(trainer, {"run_a": STEPS})
+    monkeypatch.undo()
+    again = make_trainer(tmp_path, 2)  # a restarted trainer keeps it out
+    _iterate(again)
+    assert again.manager.run_statuses()["run_bad"] == "evicted" and "run_bad" not in again.manager.id_2_idx
+
+
+def test_a_control_folder_that_is_a_symlink_does_not_stop_the_trainer(tmp_path: Path) -> None:
+    make_runs(tmp_path, ["run_a", "run_c"])
+    trainer = make_trainer(tmp_path, 2)
+    train_until(trainer, {"run_a": 1, "run_c": 1})
+    run = RunDir(tmp_path, "run_c")
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(run.control, elsewhere)
+    os.symlink(elsewhere, run.control)
+    train_until(trainer, {"run_a": STEPS})
+    assert "run_c" not in trainer.manager.id_2_idx
+    assert trainer.manager.run_statuses()["run_c"] in ("rejected", "evicted")
+
+
+# ---- 6: files that are not regular files ---------------------------------------------------------
+@pytest.mark.parametrize("kind", ["fifo", "dev_zero", "folder_outside"])
+def test_rollout_files_that_are_not_regular_files_evict_only_that_run(tmp_path: Path, kind: str) -> None:
+    make_runs(tmp_path, ["run_a"])
+    bad = new_train_run(tmp_path, "run_bad")
+    write_synthetic(tmp_path, "run_bad", range(1))
+    target = bad.rollout_step(0) / ROLLOUT_FILE
+    target.unlink()
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "dev_zero":
+        os.symlink("/dev/zero", target)
+    else:
+        outside = tmp_path / "outside_step"
+        shutil.move(bad.rollout_step(0), outside)
+        write_synthetic(tmp_path, "run_a", range(0))
+        shutil.copy(RunDir(tmp_path, "run_a").rollout_step(0) / ROLLOUT_FILE, outside / ROLLOUT_FILE)
+        os.symlink(outside, bad.rollout_step(0))
+    trainer = make_trainer(tmp_path, 2)
+    _in_thread(lambda: _iterate(trainer, 2))
+    reason = bad.eviction_reason() or ""
+    assert ROLLOUT_FILE in reason or "outside" in reason, reason
+    train_until(trainer, {"run_a": STEPS})
+
+
+# ---- 7: no step trained twice whatever checkpoint_every is ----------------------------------------
+def test_a_restart_with_checkpoint_every_3_trains_no_step_twice(tmp_path: Path) -> None:
+    make_runs(tmp_path, ["run_a"], steps=4)
+    first = make_trainer(tmp_path, 1, checkpoint_every=3)
+    train_until(first, {"run_a": 2})  # a crash: no stop path, the newest checkpoint is... none
+    train_until(first, {"run_a": 4})
+    run = RunDir(tmp_path, "run_a")
+    assert [s for s, _ in stable_checkpoints(run)] == [3, 4]  # 4: the run's last step
+    shutil.rmtree(run.checkpoint_step(4))  # the crash came before the last checkpoint
+    (run.root / "control" / "finished.txt").unlink(missing_ok=True)
+    second = make_trainer(tmp_path, 1, checkpoint_every=3)
+    _iterate(second)
+    idx = second.manager.id_2_idx.get("run_a")
+    assert idx is not None and second.manager.resume_step(idx) == 3
+    assert second.manager.progress[idx].step == 4
+    resumed = {f"base_model.model.{k}": v for k, v in second.manager.get_state_dict_for_run(idx).items()}
+    assert_same_weights(resumed, broadcast_weights(tmp_path, "run_a", 4), atol=0)
+    second.finish()
+    assert [int(r["step"]) for r in read_progress_csv(run)] == [1, 2, 3, 4]
+
+
+def test_a_restart_mid_run_continues_after_the_newest_broadcast(tmp_path: Path) -> None:
+    make_runs(tmp_path, ["run_c"], steps=6)
+    config = {"checkpoint_every": 4}
+    first = make_trainer(tmp_path, 1, **config)
+    train_until(first, {"run_c": 2})
+    del first  # killed: step 2 is broadcast, nothing checkpointed
+    second = make_trainer(tmp_path, 1, **config)
+    train_until(second, {"run_c": 3})
+    steps = [int(r["step"]) for r in read_progress_csv(RunDir(tmp_path, "run_c"))]
+    assert steps == [1, 2, 3], steps
+
+
+# ---- 8: durability and clean-up -------------------------------------------------------------------
+def test_orphaned_temporaries_are_removed_and_retention_keeps_the_newest(tmp_path: Path) -> None:
+    make_runs(tmp_path, ["run_c"], steps=6)
+    run = RunDir(tmp_path, "run_c")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = run.checkpoints / f".step_9.tmp-{int(dead.stdout)}"
+    orphan.mkdir(parents=True)
+    (orphan / "tensors.safetensors").write_bytes(b"half")
+    retention = {"checkpoints": {"keep_last": 2}, "broadcast": {"keep_last": 3}, "rollouts": {"keep_last": 1}}
+    trainer = make_trainer(tmp_path, 1, retention=retention)
+    train_until(trainer, {"run_c": 6})
+    assert not orphan.exists()
+    assert [s for s, _ in stable_checkpoints(run)] == [5, 6]
+    assert [s for s, _ in stable_steps(run.broadcast)] == [4, 5, 6]
+    assert [s for s, _ in stable_steps(run.rollouts)] == [5]  # the newest consumed one is kept
+    assert all(is_stable_adapter(run.broadcast_step(s)) for s in (4, 5, 6))
+
+
+# ---- 9: stale rollouts ----------------------------------------------------------------------------
+def test_rollouts_too_stale_are_dropped_with_a_count(tmp_path: Path) -> None:
+    run = new_train_run(tmp_path, "run_s", max_async_level=1)
+    for step in range(3):
+        batch = synthetic_batch("run_s", step)
+        batch.policy_step = 0  # step 2 comes from a policy 2 steps old
+        write_rollouts(run, batch)
+    too_eager = new_train_run(tmp_path, "run_eager", max_async_level=5)
+    trainer = make_trainer(tmp_path, 2, max_off_policy_steps=1)
+    train_until(trainer, {"run_s": 3})
+    rows = read_progress_csv(run)
+    assert [r["stale_dropped"] for r in rows] == [0, 0, 1]
+    assert_same_weights(broadcast_weights(tmp_path, "run_s", 3), broadcast_weights(tmp_path, "run_s", 2), atol=0)
+    assert trainer.manager.run_statuses()["run_eager"] == "rejected"
+    assert "max_off_policy_steps 1" in (too_eager.config_error.read_text())
