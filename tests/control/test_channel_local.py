@@ -19,6 +19,8 @@ import torch
 
 from rlplex.control import ChannelClosedError, ChannelTimeoutError, DataChannel, LocalDataChannel
 from rlplex.control import channel_ring as ring
+from rlplex.control.channel import encode_item
+from rlplex.control.channel_local import INLINE_BYTES
 
 CTX = mp.get_context("spawn")
 
@@ -129,6 +131,39 @@ def reserve_and_hang(channel: LocalDataChannel, reserved: Any) -> None:
 def consume_forever(channel: LocalDataChannel) -> None:
     while True:
         channel.get(timeout=30)
+
+
+def put_all(channel: LocalDataChannel, items: list[Any]) -> None:
+    for item in items:
+        channel.put(item, timeout=30)
+
+
+def hold_lock_at_head(channel: LocalDataChannel, holding: Any) -> None:
+    # Stops inside the lock with a small item found at the head, as a getter killed while decoding it.
+    channel._ring.acquire()
+    channel._ready(None, None)
+    holding.set()
+    time.sleep(60)
+
+
+def hold_lock_mid_small_put(channel: LocalDataChannel, holding: Any) -> None:
+    # Stops inside the lock halfway through copying a small item into its slot, as a putter killed there.
+    channel._ring.acquire()
+    index, _ = channel._reserve_tail(None, None)
+    channel._ring.data(index, 100)[:] = b"\xff" * 100
+    holding.set()
+    time.sleep(60)
+
+
+def sized(total: int) -> bytes:
+    """A bytes item whose encoding is exactly `total` bytes (a multiple of 64)."""
+    length = total - 64
+    while encode_item(b"x" * (length + 1)).size <= total:
+        length += 1
+    while encode_item(b"x" * length).size > total:
+        length -= 1
+    assert encode_item(b"x" * length).size == total
+    return b"x" * length
 
 
 # ---- tests ----------------------------------------------------------------------------------
@@ -310,3 +345,129 @@ def test_consumer_sigkilled_while_streaming_leaves_the_channel_usable(name: str,
     assert received == sorted(set(received)), "duplicates or reordering after the kill"
     assert set(range(4, 40)) <= set(received)
     assert channel.stats()["lost"] <= 1  # at most the item it was copying; what it had returned is its own
+
+
+# ---- the small-item path and the waits ------------------------------------------------------
+
+
+def test_items_at_the_size_boundaries_round_trip_in_order(name: str, procs: list[Any]) -> None:
+    slot_bytes = 128 << 10
+    # Each side of each boundary: copied under the lock / in a reserved slot / in an overflow segment.
+    sizes = [64, 1024, INLINE_BYTES - 64, INLINE_BYTES, INLINE_BYTES + 64, slot_bytes - 64, slot_bytes, slot_bytes + 64]
+    items = [sized(size) for size in sizes]
+    channel = LocalDataChannel.create(name, capacity=2, slot_bytes=slot_bytes)
+    start(procs, put_all, channel, items + items[::-1])  # capacity 2: the producer blocks and the ring wraps
+    got = [channel.get(timeout=30) for _ in range(2 * len(items))]
+    assert [len(item) for item in got] == [len(item) for item in items + items[::-1]]
+    assert got == items + items[::-1]
+    assert channel.stats()["lost"] == 0 and channel.qsize() == 0
+    assert shm_files(name) == [f"rlplex-ch-{name}"]  # overflow segments removed once read
+
+
+def test_small_slots_send_larger_items_to_overflow(name: str) -> None:
+    channel = LocalDataChannel.create(name, capacity=2, slot_bytes=4096)  # the inline limit is the slot
+    for size in (4096 - 64, 4096, 4096 + 64):
+        channel.put(sized(size), timeout=5)
+        assert len(shm_files(name)) == (2 if size > 4096 else 1)
+        assert len(channel.get(timeout=5)) == len(sized(size))
+
+
+def test_mixed_small_and_large_items_keep_their_order(name: str, procs: list[Any]) -> None:
+    channel = LocalDataChannel.create(name, capacity=3, slot_bytes=256 << 10)
+    pattern = [8, 128, 9_000, 30_000, 8, 8, 100_000, 16]  # int64 counts: 64 B up to 800 kB (overflow)
+    count = 120
+    items = [{"seq": seq, "data": np.full(pattern[seq % len(pattern)], seq, dtype=np.int64)} for seq in range(count)]
+    start(procs, put_all, channel, items)
+    for seq in range(count):
+        item = channel.get(timeout=30)
+        assert item["seq"] == seq
+        assert item["data"].shape == (pattern[seq % len(pattern)],) and np.all(item["data"] == seq)
+    assert channel.stats()["lost"] == 0
+
+
+def test_getter_killed_inside_the_lock_leaves_a_small_item_for_the_next(name: str, procs: list[Any]) -> None:
+    channel = LocalDataChannel.create(name, capacity=4, slot_bytes=4096)
+    channel.put({"seq": 0})
+    channel.put({"seq": 1})
+    holding = CTX.Event()
+    victim = start(procs, hold_lock_at_head, channel, holding)
+    assert holding.wait(20)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+    channel.put({"seq": 2}, timeout=5)  # the kernel dropped the dead getter's lock
+    assert [channel.get(timeout=5)["seq"] for _ in range(3)] == [0, 1, 2]
+    assert channel.stats()["lost"] == 0
+
+
+def test_putter_killed_inside_the_lock_leaves_nothing_half_written(name: str, procs: list[Any]) -> None:
+    channel = LocalDataChannel.create(name, capacity=2, slot_bytes=4096)
+    channel.put("before")
+    holding = CTX.Event()
+    victim = start(procs, hold_lock_mid_small_put, channel, holding)
+    assert holding.wait(20)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+    assert channel.qsize() == 1  # its item was never published (its put never returned)
+    channel.put("after", timeout=5)  # into the slot it had half filled
+    assert [channel.get(timeout=5), channel.get(timeout=5)] == ["before", "after"]
+    assert channel.stats()["lost"] == 0
+
+
+def test_producer_sigkilled_while_streaming_small_items_leaves_the_channel_usable(name: str, procs: list[Any]) -> None:
+    channel = LocalDataChannel.create(name, capacity=4, slot_bytes=4096)
+    victim = start(procs, put_all, channel, [{"seq": seq, "pad": b"x" * 900} for seq in range(100_000)])
+    first = [channel.get(timeout=10)["seq"] for _ in range(50)]
+    os.kill(victim.pid, signal.SIGKILL)  # most likely inside put, often inside the lock
+    victim.join(10)
+    rest = [channel.get(timeout=10)["seq"] for _ in range(channel.qsize())]
+    received = first + rest
+    assert received == list(range(len(received))), "gaps or reordering after the kill"
+    for seq in range(10):  # the ring still takes and gives items
+        channel.put({"seq": seq}, timeout=5)
+        assert channel.get(timeout=5) == {"seq": seq}
+    assert channel.stats()["lost"] <= 1
+
+
+def test_waiting_counts_return_to_zero_after_wakes_and_timeouts(name: str) -> None:
+    channel = LocalDataChannel.create(name, capacity=1, slot_bytes=4096)
+    with pytest.raises(ChannelTimeoutError):
+        channel.get(timeout=0.3)  # longer than the spin: the getter registers and sleeps
+    assert channel.stats()["waiting_getters"] == 0
+    got: list[Any] = []
+    getter = threading.Thread(target=lambda: got.append(channel.get(timeout=30)))
+    getter.start()
+    wait_for(lambda: channel.stats()["waiting_getters"] == 1, what="a sleeping getter")
+    channel.put("wake")
+    getter.join(10)
+    assert got == ["wake"]
+    assert channel.stats()["waiting_getters"] == 0
+    channel.put("full")
+    putter = threading.Thread(target=channel.put, args=("second",), kwargs={"timeout": 30})
+    putter.start()
+    wait_for(lambda: channel.stats()["waiting_putters"] == 1, what="a sleeping putter")
+    assert channel.get(timeout=5) == "full"
+    putter.join(10)
+    assert channel.get(timeout=5) == "second"
+    assert channel.stats()["waiting_putters"] == 0 and channel.stats()["waiting_getters"] == 0
+
+
+def fork_child_round_trip(channel: LocalDataChannel, parent_fd: int) -> None:
+    # Runs in a forked child on the parent's handle: it must take its own lock (its own open file).
+    item = channel.get(timeout=10)
+    reopened = channel._ring._fd != parent_fd
+    channel.put({"echo": item, "reopened": reopened}, timeout=10)
+
+
+def test_a_forked_child_using_the_parents_handle_takes_its_own_lock(name: str) -> None:
+    channel = LocalDataChannel.create(name, capacity=2, slot_bytes=4096)
+    channel.put("ping")
+    child = mp.get_context("fork").Process(target=fork_child_round_trip, args=(channel, channel._ring._fd))
+    child.start()
+    try:
+        wait_for(lambda: channel.qsize() == 1 and channel.stats()["head"] == 1, what="the child's reply")
+        assert channel.get(timeout=10) == {"echo": "ping", "reopened": True}
+    finally:
+        child.join(10)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0

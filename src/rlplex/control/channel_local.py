@@ -7,12 +7,13 @@ straight into its slot: a 1 MB array costs one memcpy in and one out, never a pi
 pipe. Items larger than a slot go to a per-item overflow segment (`rlplex-ch-<name>@...`)
 whose name travels in the slot. The ring is guarded by `flock` on the channel file, which
 the kernel drops when its holder dies, so a SIGKILLed process never leaves the lock held;
-blocked callers sleep on Linux futexes in the shared header and are woken by the peer that
-changes the state (`close()` wakes all). There is no broker process: any process of the
-job can `attach(name)`, including unrelated ones started by a scheduler, and a channel
-passed to a `spawn` child re-attaches by name. Small items are copied under the lock; large
-ones reserve a slot (WRITING / READING, tagged with the pid), copy outside the lock, then
-publish or free it, so producers and consumers copy in parallel. This module is the queue's
+blocked callers poll briefly, then sleep on Linux futexes in the shared header and are
+woken by the peer that changes the state (`close()` wakes all). There is no broker process:
+any process of the job can `attach(name)`, including unrelated ones started by a scheduler,
+and a channel passed to a `spawn` child re-attaches by name. Small items (up to
+INLINE_BYTES) are copied in and out under the lock, one lock round trip per call; large ones
+reserve a slot (WRITING / READING, tagged with the pid), copy outside the lock, then publish
+or free it, so producers and consumers copy in parallel. This module is the queue's
 protocol; the file's layout, lock and waits are `channel_ring`'s, the copying of items into
 shared-memory files `shm_transport`'s, and futexes and pid liveness `shm_sync`'s.
 
@@ -25,8 +26,9 @@ Which failures lose what (the lesson of DLRover's queue, which died with its own
 - A consumer killed while copying a large item out loses that item; the slot is reclaimed
   when a producer reaches it. Items it had already returned from `get()` are its
   application's to lose; the channel has no acknowledgements (no redelivery).
-- A process killed inside the lock (a few header writes) leaves at worst the item it was
-  moving; every partial state is recovered as one of the two cases above.
+- A process killed inside the lock leaves at worst the item it was moving; every partial
+  state is recovered as one of the two cases above. A getter killed while it decodes a small
+  item (under the lock) leaves that item at the head for the next getter.
 Each lost item is counted in `stats()["lost"]`. Pids are checked in this pid namespace only;
 the channel is for processes of one machine (use `RayDataChannel` across machines).
 Linux only (/dev/shm, flock, futex); elsewhere `create` raises `ChannelError`.
@@ -87,6 +89,7 @@ class LocalDataChannel:
         self._ring = ring
         self._created = created
         self._overflow_ids = count()
+        self._inline_limit = min(INLINE_BYTES, ring.slot_bytes)  # items copied under the lock
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -204,22 +207,24 @@ class LocalDataChannel:
         ring = self._ring
         encoded = encode_item(item)
         size = encoded.size
-        overflow = self._write_overflow(encoded) if size > ring.slot_bytes else None
         deadline = None if timeout is None else time.monotonic() + timeout
+        if size <= self._inline_limit:  # the common case (control messages, small rollouts): one lock round trip
+            ring.acquire()
+            try:
+                index, tail = self._reserve_tail(deadline, timeout)
+                encoded.write(ring.data(index, size))
+                ring.publish(index, tail, INLINE, size)
+            finally:
+                ring.release()
+            return
+        overflow = self._write_overflow(encoded) if size > ring.slot_bytes else None
         ring.acquire()
         try:
-            index = self._reserve(deadline, timeout)
-            tail = ring.u64(TAIL)
-            if overflow is not None or size <= INLINE_BYTES:
-                if overflow is not None:
-                    segment = overflow.encode()
-                    ring.data(index, len(segment))[:] = segment
-                    ring.set_slot(index, READY, 0, OVERFLOW, len(segment))
-                else:
-                    encoded.write(ring.data(index, size))
-                    ring.set_slot(index, READY, 0, INLINE, size)
-                ring.set(TAIL, tail + 1)
-                ring.bump(PUT_SEQ, WAIT_GET)
+            index, tail = self._reserve_tail(deadline, timeout)
+            if overflow is not None:
+                segment = overflow.encode()
+                ring.data(index, len(segment))[:] = segment
+                ring.publish(index, tail, OVERFLOW, len(segment))
                 return
             ring.set_slot(index, WRITING, os.getpid())
             ring.set(TAIL, tail + 1)
@@ -243,35 +248,44 @@ class LocalDataChannel:
 
     def _reserve(self, deadline: float | None, timeout: float | None) -> int:
         """With the lock held: wait for the slot at the tail to be free; return its index."""
+        return self._reserve_tail(deadline, timeout)[0]
+
+    def _reserve_tail(self, deadline: float | None, timeout: float | None) -> tuple[int, int]:
+        """With the lock held: wait for the slot at the tail to be free; return its index and the tail."""
         ring = self._ring
+        capacity = ring.capacity
         while True:
-            if ring.u64(CLOSED):
+            closed, head, tail = ring.positions()
+            if closed:
                 raise ChannelClosedError(f"channel {self._name!r} is closed; cannot put")
-            head, tail = ring.u64(HEAD), ring.u64(TAIL)
-            index = tail % ring.capacity
+            index = tail % capacity
             state, pid, _, _ = ring.slot(index)
             if state == FREE:
-                return index
+                return index, tail
             # A busy slot behind the head belongs to a reader copying out. Anything else there
             # (a dead reader's slot, a claim or reserve cut short) is reclaimed: that item is lost.
-            behind_head = tail - head < ring.capacity
+            behind_head = tail - head < capacity
             if behind_head and not (state in (READING, WRITING) and pid_alive(pid)):
                 ring.lose(index)
                 continue
-            ring.wait(GET_SEQ, WAIT_PUT, deadline, f"put timed out after {timeout} s: full ({ring.capacity} items)")
+            ring.wait(GET_SEQ, WAIT_PUT, deadline, f"put timed out after {timeout} s: full ({capacity} items)")
 
     def get(self, timeout: float | None = None) -> Any:
         ring = self._ring
         deadline = None if timeout is None else time.monotonic() + timeout
         ring.acquire()
         try:
-            index, kind, total = self._claim(deadline, timeout)
+            head, index, kind, total = self._ready(deadline, timeout)
             if kind == INLINE and total <= INLINE_BYTES:
+                # Decoded under the lock, the item never needs the READING state: a death here
+                # leaves it READY at the head for the next getter.
                 try:
                     return decode_item(ring.data(index, total))
                 finally:
-                    ring.set_slot(index, FREE, 0)
-                    ring.bump(GET_SEQ, WAIT_PUT)
+                    ring.dequeue(index, head)
+            # Marked ours before the head moves, so a death in between leaves a dead reader's slot.
+            ring.set_slot(index, READING, os.getpid(), kind, total)
+            ring.set(HEAD, head + 1)
         finally:
             ring.release()
         try:
@@ -288,21 +302,26 @@ class LocalDataChannel:
 
     def _claim(self, deadline: float | None, timeout: float | None) -> tuple[int, int, int]:
         """With the lock held: wait for a ready item at the head, take it off the ring (head + 1)."""
+        head, index, kind, total = self._ready(deadline, timeout)
+        self._ring.set_slot(index, READING, os.getpid(), kind, total)
+        self._ring.set(HEAD, head + 1)
+        return index, kind, total
+
+    def _ready(self, deadline: float | None, timeout: float | None) -> tuple[int, int, int, int]:
+        """With the lock held: wait for a ready item at the head; return (head, index, kind, total)."""
         ring = self._ring
+        capacity = ring.capacity
         while True:
-            head, tail = ring.u64(HEAD), ring.u64(TAIL)
+            closed, head, tail = ring.positions()
             if head == tail:
-                if ring.u64(CLOSED):
+                if closed:
                     raise ChannelClosedError(f"channel {self._name!r} is closed and drained")
                 ring.wait(PUT_SEQ, WAIT_GET, deadline, f"get timed out after {timeout} s: empty")
                 continue
-            index = head % ring.capacity
+            index = head % capacity
             state, pid, kind, total = ring.slot(index)
             if state == READY and kind != ABANDONED:
-                # Marked ours before the head moves, so a death in between leaves a dead reader's slot.
-                ring.set_slot(index, READING, os.getpid(), kind, total)
-                ring.set(HEAD, head + 1)
-                return index, kind, total
+                return head, index, kind, total
             if state == WRITING and pid_alive(pid):
                 ring.wait(PUT_SEQ, WAIT_GET, deadline, f"get timed out after {timeout} s: waiting for a writer")
                 continue

@@ -6,6 +6,15 @@ from rlplex.dataflow.executor import FunctionExecutor, MFCExecutionError
 from rlplex.dataflow.job_worker import JobModelWorker, ModelWorkerNode
 from rlplex.dataflow.mfc import GraphError, MFCDef, MFCGraph, ModelInterfaceType, build_graph, grpo_graph, ppo_graph
 from rlplex.dataflow.process_worker import ModelServer, ProcessModelWorker
+from rlplex.dataflow.stream import (
+    RolloutWorker,
+    StalenessController,
+    StreamClosedError,
+    StreamDataset,
+    Trajectory,
+    WaitCounters,
+    WeightBroadcaster,
+)
 from rlplex.dataflow.workers import LocalModelWorker, ModelInterface, ModelWorker
 
 __all__ = [
@@ -26,8 +35,15 @@ __all__ = [
     "ModelWorker",
     "ModelWorkerNode",
     "ProcessModelWorker",
+    "RolloutWorker",
     "SequenceBuffer",
+    "StalenessController",
+    "StreamClosedError",
+    "StreamDataset",
     "TensorStore",
+    "Trajectory",
+    "WaitCounters",
+    "WeightBroadcaster",
     "build_graph",
     "grpo_graph",
     "ppo_graph",
