@@ -133,14 +133,28 @@ def test_a_refused_adapter_evicts_its_run_and_another_run_carries_on(served: Ser
     bad, good = RunDir(runs, "run_bad"), RunDir(runs, "run_good")
     corrupt = _stable_adapter(served.model_dir, bad.broadcast_step(0), seed=1)
     (corrupt / "adapter_model.safetensors").write_bytes(b"not safetensors at all")
-    for step in (0, 1):  # step 1 stands for the trainer's answer to the one step
-        _stable_adapter(served.model_dir, good.broadcast_step(step), seed=2)
+    _stable_adapter(served.model_dir, good.broadcast_step(0), seed=2)
     wait = WaitOptions(timeout_s=60.0)
     with pytest.raises(RunEvictedError, match="refused adapter"):
         run_orchestrator(runs, "run_bad", _run_config(served, endpoint_dir, 1), wait, tensorboard=False)
     reason = bad.eviction_reason() or ""
     assert "refused adapter" in reason and "2 tries" in reason and str(corrupt) in reason
-    assert run_orchestrator(runs, "run_good", _run_config(served, endpoint_dir, 2), wait, tensorboard=False) == 1
+
+    stop = threading.Event()
+
+    def trainer_answer() -> None:  # stands for the trainer: broadcast step 1 once rollouts 0 are in
+        while not stop.is_set() and not rollouts_ready(good, 0):
+            stop.wait(0.05)
+        if not stop.is_set():
+            _stable_adapter(served.model_dir, good.broadcast_step(1), seed=2)
+
+    answer = threading.Thread(target=trainer_answer, daemon=True)
+    answer.start()
+    try:
+        assert run_orchestrator(runs, "run_good", _run_config(served, endpoint_dir, 2), wait, tensorboard=False) == 1
+    finally:
+        stop.set()
+        answer.join(10)
     assert rollouts_ready(good, 0) and not good.is_evicted()
 
 

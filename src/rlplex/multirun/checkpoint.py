@@ -120,9 +120,14 @@ def latest_stable_checkpoint_path(run: RunDir) -> Path | None:
     return found[-1][1] if found else None
 
 
+def _run_root(step_dir: Path) -> Path:
+    """`run_x/checkpoints/step_N` (or `broadcast/step_N`) -> `run_x`: no read may lead out of it."""
+    return step_dir.parent.parent
+
+
 def read_checkpoint_progress(path: Path) -> RunProgress:
     try:
-        return RunProgress.from_state_dict(json.loads(read_regular_file(path / PROGRESS_FILE)))
+        return RunProgress.from_state_dict(json.loads(read_regular_file(path / PROGRESS_FILE, within=_run_root(path))))
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{path / PROGRESS_FILE}: unreadable progress: {error}") from None
 
@@ -130,7 +135,7 @@ def read_checkpoint_progress(path: Path) -> RunProgress:
 def _check_tensor_file(path: Path, max_bytes: int) -> None:
     """Raise unless `path` is a regular safetensors file whose header fits its size (not truncated)."""
     try:
-        check_regular_file(path, max_bytes)
+        check_regular_file(path, max_bytes, within=_run_root(path.parent))
         # Opening parses the header and checks that the data covers the file exactly.
         with safe_open(str(path), framework="pt"):
             pass
@@ -143,7 +148,7 @@ def check_checkpoint(path: Path) -> RunProgress:
     progress = read_checkpoint_progress(path)
     _check_tensor_file(path / "tensors.safetensors", MAX_SNAPSHOT_BYTES)
     try:
-        json.loads(read_regular_file(path / "state.json", MAX_SNAPSHOT_BYTES))
+        json.loads(read_regular_file(path / "state.json", MAX_SNAPSHOT_BYTES, within=_run_root(path)))
     except (OSError, ValueError) as error:
         raise CheckpointError(f"{path / 'state.json'}: unreadable ({error})") from None
     return progress
