@@ -17,7 +17,12 @@ from rich.table import Table
 from rlplex.cli_mainjob import check_file_kind, print_error
 from rlplex.errors import RlplexError
 
-app = typer.Typer(help="rlplex: reinforcement-learning training jobs.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    rich_markup_mode=None,
+    help="rlplex: reinforcement-learning training jobs.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 console = Console()
 EXIT_USER_ERROR = 2
 
@@ -109,7 +114,9 @@ def _train(
     console.print(table)
 
 
-job_app = typer.Typer(help="Control-plane jobs: run, watch and resume a job of roles.", no_args_is_help=True)
+job_app = typer.Typer(
+    rich_markup_mode=None, help="Control-plane jobs: run, watch and resume a job of roles.", no_args_is_help=True
+)
 app.add_typer(job_app, name="job")
 EXIT_JOB_FAILED = 1
 

@@ -64,7 +64,9 @@ def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
 
 
 def register(app: typer.Typer, console: Console) -> None:
-    runs_app = typer.Typer(help="Add runs to, or evict runs from, a running main job.", no_args_is_help=True)
+    runs_app = typer.Typer(
+        rich_markup_mode=None, help="Add runs to, or evict runs from, a running main job.", no_args_is_help=True
+    )
     app.add_typer(runs_app, name="runs")
 
     @app.command("run")
