@@ -19,7 +19,7 @@ from rich.live import Live
 from rlplex.config import validate_config
 from rlplex.control.master import PrimeMaster
 from rlplex.control.states import TERMINAL_JOB_STATES, JobState
-from rlplex.errors import ConfigError, RlplexError
+from rlplex.errors import ConfigError, RlplexError, WaitTimeoutError
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.vllm_server import ensure_api_key, require_vllm
 from rlplex.mainjob.build import build_job_spec
@@ -183,6 +183,32 @@ def request_stop(output_dir: Path, reason: str = "stopped by `rlplex stop`") -> 
     return path
 
 
+def stop_main_job(output_dir: Path, console: Console, timeout_s: float = 180.0) -> str:
+    """What `rlplex stop` does: ask the job's master to stop the job gracefully and wait until
+    it has (report written). A job whose master died is taken over by this process and stopped."""
+    read_saved_config(output_dir)  # a one-line error unless a main job is here
+    view = collect(output_dir)
+    if view.job_state in {s.value for s in TERMINAL_JOB_STATES} or view.job_state == "UNKNOWN":
+        return f"job {view.job_state}: nothing to stop"
+    if not view.master_alive:
+        master = PrimeMaster.resume(output_dir)
+        try:
+            master.stop("stopped by `rlplex stop` (its master was gone)")
+            state = master.state
+        finally:
+            master.close()
+        return f"job {state.value} (its master was gone); report: {write_report(output_dir, 0.0)}"
+    request = request_stop(output_dir)
+    deadline = time.monotonic() + timeout_s
+    while os.path.lexists(request):
+        if time.monotonic() > deadline:
+            raise WaitTimeoutError(f"{request}: the job's master did not stop the job within {timeout_s:g} s")
+        if not collect(output_dir).master_alive:
+            raise ConfigError(f"{output_dir}: the job's master (pid {view.master_pid}) died before stopping the job")
+        time.sleep(0.2)
+    return f"job {collect(output_dir).job_state}; report: {output_dir / 'report.md'}"
+
+
 def _stop_request(output_dir: Path) -> str | None:
     path = output_dir / STOP_REQUEST_FILE
     if not os.path.lexists(path):
@@ -261,9 +287,9 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
             master.stop(stopped_by or "master exiting")
             state = master.state
             master.close()
-            with contextlib.suppress(FileNotFoundError):
-                (output_dir / STOP_REQUEST_FILE).unlink()
             report = write_report(output_dir, time.monotonic() - started)
+            with contextlib.suppress(FileNotFoundError):  # last: `rlplex stop` waits for it to go
+                (output_dir / STOP_REQUEST_FILE).unlink()
             console.print(f"job {state.value}; report: {report}", highlight=False)
     if stopped_by is not None:
         left = [run.run_id for run in collect(output_dir).runs if run.state not in TERMINAL_RUN_STATES]

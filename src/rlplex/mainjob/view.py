@@ -292,7 +292,8 @@ def read_job(output_dir: Path) -> tuple[JobRecord, list[NodeRecord]] | None:
 
 def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
     runs_dir = runs_dir or output_dir / "runs"
-    job_state, cause, nodes, created, master_pid = "UNKNOWN", "", [], None, 0
+    job_state, cause, created, master_pid = "UNKNOWN", "", None, 0
+    nodes: list[NodeRecord] = []
     if (found := read_job(output_dir)) is not None:
         record, nodes = found
         job_state, cause, created, master_pid = record.state, record.cause, record.created_at, record.master_pid
