@@ -55,7 +55,7 @@ def check_file_kind(path: Path, expected: str) -> None:
 
 
 def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
-    from rlplex.mainjob.driver import JobInterruptedError
+    from rlplex.errors import JobInterruptedError
 
     try:
         code = body()

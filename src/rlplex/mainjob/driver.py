@@ -19,7 +19,7 @@ from rich.live import Live
 from rlplex.config import validate_config
 from rlplex.control.master import PrimeMaster
 from rlplex.control.states import TERMINAL_JOB_STATES, JobState
-from rlplex.errors import ConfigError, RlplexError, WaitTimeoutError
+from rlplex.errors import ConfigError, JobInterruptedError, RlplexError, WaitTimeoutError
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.vllm_server import ensure_api_key, require_vllm
 from rlplex.mainjob.build import build_job_spec
@@ -217,14 +217,6 @@ def _stop_request(output_dir: Path) -> str | None:
         return read_regular_text(path).strip() or "stopped by `rlplex stop`"
     except OSError as error:  # still a stop request, whatever was put there
         return f"stopped by a stop request ({error})"
-
-
-class JobInterruptedError(RlplexError):
-    """The job was stopped by a signal; its report is written and `rlplex resume` continues it."""
-
-    def __init__(self, message: str, signum: int) -> None:
-        super().__init__(message)
-        self.signum = signum
 
 
 class _StopSignals:

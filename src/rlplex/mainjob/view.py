@@ -149,7 +149,7 @@ class JobView:
     def state_line(self) -> str:
         """The job's state as the store has it, and whether a master is there to carry it on:
         a master killed with SIGKILL leaves RUNNING behind."""
-        if self.job_state in ("RUNNING", "READY", "INIT", "STOPPING") and not self.master_alive:
+        if self.job_state in ("RUNNING", "READY", "INIT", "STOPPING") and self.master_pid and not self.master_alive:
             return (
                 f"{self.job_state}, but its master (pid {self.master_pid}) is gone: `rlplex resume {self.output_dir}`"
             )
