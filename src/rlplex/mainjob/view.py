@@ -322,12 +322,14 @@ def render(view: JobView) -> Group:
             _fmt(run.tokens_per_s, ".0f"), run.reason[:60],
         )  # fmt: skip
     nodes = Table(title="nodes", title_justify="left")
-    for column in ("role", "rank", "state", "restarts", "heartbeat age", "progress"):
+    for column in ("role", "rank", "run", "state", "restarts", "heartbeat age", "progress"):
         nodes.add_column(column)
     for node in view.nodes:
         age = f"{view.read_at - node.last_heartbeat:.1f} s" if node.last_heartbeat else "-"
         progress = ", ".join(f"{k}={v:g}" for k, v in list(node.progress.items())[:4]) or "-"
-        nodes.add_row(node.role, str(node.rank), node.state, str(node.restarts), age, progress)
+        # Orchestrator rank r serves entry r of the registry, the order of `view.runs`.
+        serves = view.runs[node.rank].run_id if node.role == "orchestrator" and node.rank < len(view.runs) else ""
+        nodes.add_row(node.role, str(node.rank), serves, node.state, str(node.restarts), age, progress)
     parts: list[Table | str] = [runs, nodes, *view.rendezvous]
     if view.inference is not None:
         parts.append(view.inference.describe(view.runs))
