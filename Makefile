@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-cartpole test lint bench bench-quick clean
+.PHONY: setup demo demo-cartpole keep-earlier test lint bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -22,14 +22,27 @@ $(STAMP): pyproject.toml requirements.txt requirements-dev.txt requirements-vllm
 
 # The main job: three LLM runs on one elastic trainer, a fourth added, one evicted, on the tiny
 # Hugging Face checkpoint (built once, then cached). Each `make demo` starts the job afresh
-# (the job refuses a folder that already holds one).
+# (the job refuses a folder that already holds one); the earlier results are kept, moved to
+# a dated folder beside it (outputs/multirun-demo-YYYYmmdd-HHMMSS).
+DEMO_OUT ?= outputs/multirun-demo
+CARTPOLE_OUT ?= outputs/demo-cartpole-ppo
+
 demo: $(STAMP)
 	$(VENV)/bin/rlplex model tiny outputs/models/tiny-reverse --task reverse --warmup-steps 110 --replace
-	rm -rf outputs/multirun-demo
+	$(MAKE) --no-print-directory keep-earlier KEEP=$(DEMO_OUT)
 	$(VENV)/bin/rlplex run examples/multirun_demo.toml
 
 demo-cartpole: $(STAMP)
-	$(VENV)/bin/rlplex train examples/cartpole_ppo.toml --output outputs/demo-cartpole-ppo
+	$(MAKE) --no-print-directory keep-earlier KEEP=$(CARTPOLE_OUT)
+	$(VENV)/bin/rlplex train examples/cartpole_ppo.toml --output $(CARTPOLE_OUT)
+
+# Move the folder $(KEEP), if there is one, to $(KEEP)-<its date>; never delete results.
+keep-earlier:
+	@if [ -e "$(KEEP)" ]; then \
+		dest="$(KEEP)-$$(date -r "$(KEEP)" +%Y%m%d-%H%M%S)"; n=1; \
+		while [ -e "$$dest" ]; do dest="$(KEEP)-$$(date -r "$(KEEP)" +%Y%m%d-%H%M%S)-$$n"; n=$$((n + 1)); done; \
+		mv "$(KEEP)" "$$dest" && echo "earlier results kept in $$dest"; \
+	fi
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -6,6 +6,7 @@ traceback instead. Exit code 1 is an unexpected failure.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any
@@ -17,7 +18,12 @@ from rich.table import Table
 from rlplex.cli_mainjob import check_file_kind, print_error
 from rlplex.errors import RlplexError
 
-app = typer.Typer(help="rlplex: reinforcement-learning training jobs.", no_args_is_help=True, add_completion=False)
+app = typer.Typer(
+    rich_markup_mode=None,
+    help="rlplex: reinforcement-learning training jobs.",
+    no_args_is_help=True,
+    add_completion=False,
+)
 console = Console()
 EXIT_USER_ERROR = 2
 
@@ -47,6 +53,9 @@ def train(
     config_file: Annotated[Path, typer.Argument(help="TOML file with [env], [sampler], [agent], [algo], [runner]")],
     output: Annotated[Path | None, typer.Option(help="output folder (default outputs/<file stem>)")] = None,
     resume: Annotated[bool, typer.Option(help="continue from the latest snapshot in the output folder")] = False,
+    overwrite: Annotated[
+        bool, typer.Option(help="start afresh in an output folder that holds an earlier run (its files are replaced)")
+    ] = False,
     seed: Annotated[int | None, typer.Option(help="override runner.seed")] = None,
     n_steps: Annotated[int | None, typer.Option(help="override runner.n_steps")] = None,
     progress: Annotated[bool, typer.Option(help="show a live progress line")] = True,
@@ -54,7 +63,7 @@ def train(
 ) -> None:
     """Train a classic RL agent with the runners (MinibatchRl, SyncRl, AsyncRl, ...)."""
     try:
-        _train(config_file, output, resume, seed, n_steps, progress)
+        _train(config_file, output, resume, overwrite, seed, n_steps, progress)
     except RlplexError as error:
         if debug:
             raise
@@ -62,18 +71,48 @@ def train(
         raise typer.Exit(EXIT_USER_ERROR) from None
 
 
+# What a finished or interrupted `rlplex train` leaves in its output folder.
+TRAIN_OUTPUTS = ("progress.csv", "snapshots", "config.json", "learning_curve.png", "tb")
+
+
 def _train(
-    config_file: Path, output: Path | None, resume: bool, seed: int | None, n_steps: int | None, progress: bool
+    config_file: Path,
+    output: Path | None,
+    resume: bool,
+    overwrite: bool,
+    seed: int | None,
+    n_steps: int | None,
+    progress: bool,
 ) -> None:
+    import shutil
+
+    import psutil
+
     from rlplex.diagnostics.metrics import read_metrics_csv
     from rlplex.diagnostics.plots import plot_learning_curves
-    from rlplex.runners.config import build_runner, load_train_config
+    from rlplex.envs import probe_spaces
+    from rlplex.errors import ConfigError
+    from rlplex.runners.config import build_runner, check_fits_in_memory, load_train_config
     from rlplex.runners.snapshot import latest_snapshot
+    from rlplex.safe_files import ensure_output_dir
 
+    if resume and overwrite:
+        raise ConfigError("--resume and --overwrite: choose one")
     check_file_kind(config_file, "train")
     config = _override(load_train_config(config_file), seed, n_steps)
+    check_fits_in_memory(config, probe_spaces(config.env), psutil.virtual_memory().total, str(config_file))
     output = output or Path("outputs") / config_file.stem
-    output.mkdir(parents=True, exist_ok=True)
+    earlier = [name for name in TRAIN_OUTPUTS if os.path.lexists(output / name)] if output.is_dir() else []
+    if earlier and not resume and not overwrite:
+        raise ConfigError(
+            f"{output}: holds an earlier run ({', '.join(earlier)}); continue it with --resume, "
+            "replace it with --overwrite, or choose another --output"
+        )
+    ensure_output_dir(output, "--output")
+    if overwrite:
+        for name in earlier:
+            target = output / name
+            shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
     (output / "config.json").write_text(config.model_dump_json(indent=2))
     runner = build_runner(config, output, show_progress=progress)
     if resume:
@@ -109,7 +148,9 @@ def _train(
     console.print(table)
 
 
-job_app = typer.Typer(help="Control-plane jobs: run, watch and resume a job of roles.", no_args_is_help=True)
+job_app = typer.Typer(
+    rich_markup_mode=None, help="Control-plane jobs: run, watch and resume a job of roles.", no_args_is_help=True
+)
 app.add_typer(job_app, name="job")
 EXIT_JOB_FAILED = 1
 
@@ -231,18 +272,13 @@ def job_status(
 def _print_status(output_dir: Path) -> None:
     import time
 
-    from rlplex.control.store import SqliteStateStore
     from rlplex.errors import ConfigError
+    from rlplex.mainjob.view import read_job
 
-    store = SqliteStateStore.in_dir(output_dir, create=False)
-    try:
-        job_id = store.latest_job_id()
-        if job_id is None:
-            raise ConfigError(f"{output_dir}: no job recorded")
-        job = store.job(job_id)
-        nodes = store.nodes(job_id)
-    finally:
-        store.close()
+    found = read_job(output_dir)  # a corrupt or odd job.sqlite is a one-line error
+    if found is None:
+        raise ConfigError(f"{output_dir}: no job recorded")
+    job, nodes = found
     cause = f"; cause: {job.cause}" if job.cause else ""
     console.print(
         f"job {job.job_id} ({job.name}): [bold]{job.state}[/], restarts {job.restarts}{cause}", highlight=False

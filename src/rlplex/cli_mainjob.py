@@ -22,9 +22,12 @@ DEBUG_HELP = "show tracebacks for user errors"
 
 
 def print_error(console: Console, label: str, message: object) -> None:
-    """One line, whatever the terminal width; the message is escaped because error texts
-    quote TOML sections like [roles.w], which rich would otherwise take for markup and drop."""
-    console.print(f"[bold red]{label}:[/] {escape(str(message))}", highlight=False, soft_wrap=True)
+    """One line, whatever the terminal width (one per problem when the error lists several);
+    the message is escaped because error texts quote TOML sections like [roles.w], which rich
+    would otherwise take for markup and drop."""
+    lines = getattr(message, "problems", None) or [str(message)]
+    for line in lines:
+        console.print(f"[bold red]{label}:[/] {escape(str(line))}", highlight=False, soft_wrap=True)
 
 
 # The top-level keys that tell the four kinds of TOML file apart, and the command for each.
@@ -52,8 +55,15 @@ def check_file_kind(path: Path, expected: str) -> None:
 
 
 def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
+    from rlplex.errors import JobInterruptedError
+
     try:
         code = body()
+    except JobInterruptedError as error:
+        if debug:
+            raise
+        print_error(console, "stopped", error)
+        raise typer.Exit(128 + error.signum) from None
     except RlplexError as error:
         if debug:
             raise
@@ -64,25 +74,43 @@ def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
 
 
 def register(app: typer.Typer, console: Console) -> None:
-    runs_app = typer.Typer(help="Add runs to, or evict runs from, a running main job.", no_args_is_help=True)
+    runs_app = typer.Typer(
+        rich_markup_mode=None, help="Add runs to, or evict runs from, a running main job.", no_args_is_help=True
+    )
     app.add_typer(runs_app, name="runs")
 
     @app.command("run")
     def run(
-        job_file: Annotated[Path, typer.Argument(help="main job TOML: [trainer], [[runs]], [[events]]")],
+        job_file: Annotated[
+            Path,
+            typer.Argument(help="main job TOML: [trainer], [[runs]], [[events]] (--continue: or its folder)"),
+        ],
         backend: Annotated[str | None, typer.Option(help="local or ray (default: the file's)")] = None,
         ray_address: Annotated[str | None, typer.Option(help="an existing Ray cluster (default: a local Ray)")] = None,
         live: Annotated[bool, typer.Option(help="show the live view")] = True,
+        continue_: Annotated[
+            bool,
+            typer.Option(
+                "--continue", help="continue the job in the file's output folder (stopped, failed or masterless)"
+            ),
+        ] = False,
         debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
     ) -> None:
-        """Run many RL runs on one trainer under the PrimeMaster; writes report.md at the end."""
+        """Run many RL runs on one trainer under the PrimeMaster; writes report.md at the end.
+
+        Ctrl-C, SIGTERM and SIGHUP (and `rlplex stop OUT`) stop the job gracefully: the trainer
+        checkpoints, the report is written; `--continue` (or `rlplex resume OUT`) goes on."""
 
         def body() -> int:
             from rlplex.config import validate_config
             from rlplex.control.states import JobState
             from rlplex.mainjob.config import MainJobConfig, load_main_job
-            from rlplex.mainjob.driver import run_main_job
+            from rlplex.mainjob.driver import resume_main_job, run_main_job
 
+            if continue_:
+                folder = job_file if job_file.is_dir() else load_main_job(job_file).output_dir
+                state = resume_main_job(folder, console, live=live)
+                return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
             check_file_kind(job_file, "main")
             config = load_main_job(job_file)
             updates = {
@@ -98,11 +126,12 @@ def register(app: typer.Typer, console: Console) -> None:
 
     @app.command("resume")
     def resume(
-        output_dir: Annotated[Path, typer.Argument(help="the output folder of a main job whose `rlplex run` died")],
+        output_dir: Annotated[Path, typer.Argument(help="the output folder of a main job")],
         live: Annotated[bool, typer.Option(help="show the live view")] = True,
         debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
     ) -> None:
-        """Reattach to a main job's running nodes after its master died, and see it to the end."""
+        """Continue a main job and see it to the end: reattach to its nodes if its master died;
+        if it was stopped or failed, start it again from its checkpoints (unfinished runs only)."""
 
         def body() -> int:
             from rlplex.control.states import JobState
@@ -110,6 +139,23 @@ def register(app: typer.Typer, console: Console) -> None:
 
             state = resume_main_job(output_dir, console, live=live)
             return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
+
+        _guard(console, debug, body)
+
+    @app.command("stop")
+    def stop(
+        output_dir: Annotated[Path, typer.Argument(help="the main job's output folder")],
+        timeout_s: Annotated[float, typer.Option(help="wait this long for the job to stop")] = 180.0,
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Stop a main job gracefully: the trainer checkpoints, the report is written; continue
+        it later with `rlplex resume OUT`. A job whose master died is taken over and stopped."""
+
+        def body() -> int:
+            from rlplex.mainjob.driver import stop_main_job
+
+            console.print(stop_main_job(output_dir.resolve(), console, timeout_s), highlight=False, soft_wrap=True)
+            return 0
 
         _guard(console, debug, body)
 
@@ -142,13 +188,15 @@ def register(app: typer.Typer, console: Console) -> None:
         """Ask the running job to add a run; prints the master's answer."""
 
         def body() -> int:
-            from rlplex.config import read_toml
+            from rlplex.config import read_toml, validate_config
             from rlplex.mainjob.config import RunEntry
             from rlplex.mainjob.driver import read_job_model
             from rlplex.mainjob.registry import submit_add, wait_for_answer
 
             check_file_kind(config, "orch")
-            entry = RunEntry(id=run_id or f"run_{config.stem}", config=read_toml(config))
+            entry = validate_config(
+                RunEntry, {"id": run_id or f"run_{config.stem}", "config": read_toml(config)}, source="--id"
+            )
             model = read_job_model(output_dir)
             (entry.with_model(model) if model else entry).orch_config(str(config))
             accepted, text = wait_for_answer(submit_add(output_dir, entry), timeout_s)
@@ -172,11 +220,20 @@ def register(app: typer.Typer, console: Console) -> None:
         def body() -> int:
             from rlplex.errors import ConfigError
             from rlplex.mainjob.conductor import evict
-            from rlplex.multirun.rundir import RunDir
+            from rlplex.mainjob.view import collect
+            from rlplex.multirun.rundir import RunDir, is_valid_run_name
 
             runs_dir = output_dir / "runs"
-            if not RunDir(runs_dir, run_id).exists():
+            if not is_valid_run_name(run_id) or not RunDir(runs_dir, run_id).exists():
                 raise ConfigError(f"{runs_dir / run_id}: no such run")
+            if not reason.strip():
+                raise ConfigError("--reason: empty; say why the run is evicted")
+            current = {run.run_id: run for run in collect(output_dir).runs}.get(run_id)
+            if current is not None and current.state in ("finished", "evicted", "rejected"):
+                # An end is final: evicting again would overwrite the first reason, and a
+                # finished run would turn into an evicted one.
+                why = f" ({current.reason})" if current.reason else ""
+                raise ConfigError(f"{runs_dir / run_id}: the run is already {current.state}{why}; not evicted")
             evict(runs_dir, run_id, reason)
             console.print(f"{run_id}: evicted ({reason})", highlight=False)
             return 0

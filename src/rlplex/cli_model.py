@@ -19,7 +19,9 @@ from rlplex.cli_mainjob import DEBUG_HELP, _guard
 
 
 def register(app: typer.Typer, console: Console) -> None:
-    model_app = typer.Typer(help="Build the language models rlplex trains.", no_args_is_help=True)
+    model_app = typer.Typer(
+        rich_markup_mode=None, help="Build the language models rlplex trains.", no_args_is_help=True
+    )
     app.add_typer(model_app, name="model")
 
     @model_app.command("tiny")

@@ -21,7 +21,8 @@ M = TypeVar("M", bound=BaseModel)
 class StrictModel(BaseModel):
     """Base for rlplex configs: unknown fields are errors (a typo must not be silently ignored)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # allow_inf_nan=False: `learning_rate = inf` or `nan` must fail at load, not at step 1.
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 def _field_path(loc: tuple[int | str, ...]) -> str:

@@ -42,6 +42,15 @@ class JobFailedError(RlplexError):
     """A control-plane job failed (prepare, restart budget, ...); the message carries the cause."""
 
 
+class JobInterruptedError(RlplexError):
+    """A job was stopped by a signal (SIGINT, SIGTERM, SIGHUP); its report is written and it can
+    be continued. `signum` gives the command its exit code, 128 + signum."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum
+
+
 class NodeFailedError(RlplexError):
     """A control-plane node failed or a call to it failed; the message names the node."""
 

@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from rlplex.errors import UnsafeFileError
+from rlplex.errors import ConfigError, UnsafeFileError
 
 SMALL_FILE_BYTES = 1 << 20
 """Cap of control files (markers, reasons, JSON records, configs)."""
@@ -93,3 +93,21 @@ def check_regular_file(path: str | os.PathLike[str], max_bytes: int, within: Pat
     info = os.lstat(path)
     _check_mode(path, info, max_bytes)
     return info.st_size
+
+
+def ensure_output_dir(path: Path, what: str) -> Path:
+    """Make `path` a folder rlplex can write into, or raise a one-line `ConfigError` naming
+    it and `what` (the field or flag that named it): a file there, or a folder that is not
+    writable, would otherwise fail deep inside a run with a traceback."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        # A real write: os.access says yes to root on a read-only file system.
+        probe = path / f".rlplex-write-check-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        reason = error.strerror or str(error)
+        if os.path.exists(path) and not os.path.isdir(path):
+            reason = "it is a file, not a folder"
+        raise ConfigError(f"{path}: cannot be the output folder ({what}): {reason}") from None
+    return path

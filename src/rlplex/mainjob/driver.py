@@ -5,8 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import signal
+import threading
 import time
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 from rich.console import Console
 from rich.live import Live
@@ -14,16 +19,21 @@ from rich.live import Live
 from rlplex.config import validate_config
 from rlplex.control.master import PrimeMaster
 from rlplex.control.states import TERMINAL_JOB_STATES, JobState
-from rlplex.errors import ConfigError, RlplexError
+from rlplex.errors import ConfigError, JobInterruptedError, RlplexError, WaitTimeoutError
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.vllm_server import ensure_api_key, require_vllm
 from rlplex.mainjob.build import build_job_spec
+from rlplex.mainjob.conductor import TERMINAL_RUN_STATES, TRAINER_STOP_FILE
 from rlplex.mainjob.config import JOB_CONFIG_FILE, MainJobConfig
-from rlplex.mainjob.registry import REGISTRY_FILE, answer, pending_requests, read_registry, write_registry
+from rlplex.mainjob.preflight import check_main_job, run_problems
+from rlplex.mainjob.registry import REGISTRY_FILE, REQUESTS_DIR, answer, pending_requests, read_registry, write_registry
 from rlplex.mainjob.report import write_report
 from rlplex.mainjob.view import collect, render
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir import write_file_atomic
+from rlplex.safe_files import ensure_output_dir, read_regular_text
+
+STOP_REQUEST_FILE = f"{REQUESTS_DIR}/stop"
 
 
 def accept_requests(
@@ -32,6 +42,7 @@ def accept_requests(
     model: ModelSpec,
     inference: InferenceConfig | None = None,
     endpoint_dir: Path | None = None,
+    job: MainJobConfig | None = None,
 ) -> list[str]:
     """Add the runs asked for since the last call (their model and engine fields filled from the
     job's); each request gets its answer file."""
@@ -48,6 +59,9 @@ def accept_requests(
             entry.orch_config(str(request.path))
         except RlplexError as error:
             answer(request.path, False, str(error))
+            continue
+        if job is not None and (problems := run_problems(entry, job, str(request.path))):
+            answer(request.path, False, "; ".join(problems))  # the trainer would never admit it
             continue
         write_registry(output_dir, [*registry, entry])
         master.scale_role("orchestrator", len(registry) + 1)
@@ -69,20 +83,33 @@ def check_model(config: MainJobConfig) -> None:
 def read_job_model(output_dir: Path) -> ModelSpec | None:
     """The `[model]` of the main job in `output_dir`, or None when there is none to read."""
     try:
-        data = json.loads((output_dir / JOB_CONFIG_FILE).read_text(encoding="utf-8"))
+        data = json.loads(read_regular_text(output_dir / JOB_CONFIG_FILE))
         return ModelSpec.model_validate(data["model"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
 
-def run_main_job(config: MainJobConfig, console: Console, live: bool = True, source: str = "<main job>") -> JobState:
+def run_main_job(
+    config: MainJobConfig,
+    console: Console,
+    live: bool = True,
+    source: str = "<main job>",
+    check_runs: bool = True,
+) -> JobState:
+    """Start the main job and see it to its end. `check_runs`: check every run against the
+    trainer first (`preflight`); off, the trainer judges each run when it discovers it."""
     output_dir = config.output_dir.resolve()
     config = config.model_copy(update={"output_dir": output_dir})
-    if (output_dir / REGISTRY_FILE).exists():
-        raise ConfigError(f"{output_dir}: already holds a main job; choose a new output_dir (or `rlplex resume`)")
-    output_dir.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(output_dir / REGISTRY_FILE):
+        raise ConfigError(
+            f"{output_dir}: already holds a main job; choose a new output_dir, or continue it with "
+            f"`rlplex resume {output_dir}`"
+        )
     console.print(f"checking the shared base model {config.model.name} ...")
     check_model(config)
+    if check_runs:
+        check_main_job(config, source)
+    ensure_output_dir(output_dir, f"{source}: field 'output_dir'")
     if config.inference.engine == "vllm":
         ensure_api_key(config.endpoint_dir)  # before any process starts: servers and clients read it
     write_registry(output_dir, list(config.runs))
@@ -93,47 +120,177 @@ def run_main_job(config: MainJobConfig, console: Console, live: bool = True, sou
     return _drive(master, config, console, live, start=True)
 
 
-def resume_main_job(output_dir: Path, console: Console, live: bool = True) -> JobState:
-    """Take over a main job whose `rlplex run` died: the nodes kept running; this reattaches a
-    master to them and carries on (requests, live view, report) where the dead one stopped."""
-    output_dir = output_dir.resolve()
+def read_saved_config(output_dir: Path) -> MainJobConfig:
+    """The main job saved in `output_dir` at its creation (`main_job.json`)."""
     path = output_dir / JOB_CONFIG_FILE
     try:
-        text = path.read_text()
-    except OSError as error:
-        raise ConfigError(f"{path}: no main job to resume here ({error.strerror})") from None
-    config = validate_config(MainJobConfig, json.loads(text) | {"output_dir": str(output_dir)}, source=str(path))
-    master = PrimeMaster.resume(output_dir)
-    console.print(f"job {master.job_id}: resumed in state {master.state.value}")
-    return _drive(master, config, console, live, start=False)
+        data = json.loads(read_regular_text(path))
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no main job here (no such file)") from None
+    except (OSError, ValueError) as error:
+        raise ConfigError(f"{path}: unreadable main job record ({error})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return validate_config(MainJobConfig, data | {"output_dir": str(output_dir)}, source=str(path))
+
+
+def resume_main_job(output_dir: Path, console: Console, live: bool = True) -> JobState:
+    """Carry on the main job in `output_dir`, whichever way its `rlplex run` ended.
+
+    - Its master died (SIGKILL, a crash) and the job is still RUNNING: the nodes kept running;
+      a new master reattaches to them and carries on (requests, live view, report).
+    - It was stopped (Ctrl-C, SIGTERM, SIGHUP, `rlplex stop`) or failed: a new control-plane job
+      starts in the same folder. Every run resumes from its checkpoints: the trainer from its
+      newest stable checkpoint, each orchestrator at its first step without stable rollouts;
+      finished, evicted and rejected runs stay as they are (their nodes end at once).
+    """
+    output_dir = output_dir.resolve()
+    config = read_saved_config(output_dir)
+    view = collect(output_dir)
+    if view.job_state not in {s.value for s in TERMINAL_JOB_STATES}:
+        if view.master_alive:
+            raise ConfigError(
+                f"{output_dir / 'job.sqlite'}: job {view.job_state} and its master (pid {view.master_pid}) is "
+                f"still running; stop it first with `rlplex stop {output_dir}`"
+            )
+        master = PrimeMaster.resume(output_dir)
+        console.print(f"job {master.job_id}: resumed in state {master.state.value}")
+        return _drive(master, config, console, live, start=False)
+    unfinished = [run.run_id for run in view.runs if run.state not in TERMINAL_RUN_STATES]
+    if not unfinished:
+        raise ConfigError(
+            f"{output_dir}: every run of this job is already done ({view.job_state}); nothing to continue"
+        )
+    registry = read_registry(output_dir)
+    added = {entry.id for entry in registry}
+    # Orchestrator rank r serves registry entry r, so the new job has a node for each entry.
+    config = config.model_copy(
+        update={"runs": registry, "later_runs": [e for e in config.later_runs if e.id not in added]}
+    )
+    for leftover in (config.runs_dir / TRAINER_STOP_FILE, output_dir / STOP_REQUEST_FILE):
+        with contextlib.suppress(FileNotFoundError):
+            leftover.unlink()
+    console.print(f"continuing {view.job_state} job in {output_dir}: runs {', '.join(unfinished)}")
+    master = PrimeMaster.create(build_job_spec(config, str(output_dir / JOB_CONFIG_FILE)))
+    return _drive(master, config, console, live, start=True)
+
+
+def request_stop(output_dir: Path, reason: str = "stopped by `rlplex stop`") -> Path:
+    """What `rlplex stop` does: the master's loop reads this file and stops the job gracefully."""
+    path = output_dir / STOP_REQUEST_FILE
+    path.parent.mkdir(exist_ok=True)
+    write_file_atomic(path, reason.encode())
+    return path
+
+
+def stop_main_job(output_dir: Path, console: Console, timeout_s: float = 180.0) -> str:
+    """What `rlplex stop` does: ask the job's master to stop the job gracefully and wait until
+    it has (report written). A job whose master died is taken over by this process and stopped."""
+    read_saved_config(output_dir)  # a one-line error unless a main job is here
+    view = collect(output_dir)
+    if view.job_state in {s.value for s in TERMINAL_JOB_STATES} or view.job_state == "UNKNOWN":
+        return f"job {view.job_state}: nothing to stop"
+    if not view.master_alive:
+        master = PrimeMaster.resume(output_dir)
+        try:
+            master.stop("stopped by `rlplex stop` (its master was gone)")
+            state = master.state
+        finally:
+            master.close()
+        return f"job {state.value} (its master was gone); report: {write_report(output_dir, 0.0)}"
+    request = request_stop(output_dir)
+    deadline = time.monotonic() + timeout_s
+    while os.path.lexists(request):
+        if time.monotonic() > deadline:
+            raise WaitTimeoutError(f"{request}: the job's master did not stop the job within {timeout_s:g} s")
+        if not collect(output_dir).master_alive:
+            raise ConfigError(f"{output_dir}: the job's master (pid {view.master_pid}) died before stopping the job")
+        time.sleep(0.2)
+    return f"job {collect(output_dir).job_state}; report: {output_dir / 'report.md'}"
+
+
+def _stop_request(output_dir: Path) -> str | None:
+    path = output_dir / STOP_REQUEST_FILE
+    if not os.path.lexists(path):
+        return None
+    try:
+        return read_regular_text(path).strip() or "stopped by `rlplex stop`"
+    except OSError as error:  # still a stop request, whatever was put there
+        return f"stopped by a stop request ({error})"
+
+
+class _StopSignals:
+    """SIGINT, SIGTERM and SIGHUP ask the master's loop to stop the job gracefully (checkpoints,
+    report) instead of killing `rlplex run` between two steps of the control loop; a second
+    SIGINT interrupts at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = self.received or signum
+
+    def __enter__(self) -> _StopSignals:
+        if threading.current_thread() is threading.main_thread():  # signal.signal works there only
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
 
 
 def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: bool, start: bool) -> JobState:
     output_dir = config.output_dir
     started = time.monotonic()
     state = master.state
-    try:
-        if start:
-            master.start()
-        display = Live(render(collect(output_dir)), console=console, auto_refresh=False) if live else None
-        with display or contextlib.nullcontext():
-            next_view = 0.0
-            while (state := master.monitor()) not in TERMINAL_JOB_STATES:
-                accept_requests(master, output_dir, config.model, config.inference, config.endpoint_dir)
-                now = time.monotonic()
-                if now - started > config.timeout_s:
-                    master.manager.fail(f"the job ran past its timeout_s of {config.timeout_s:g} s")
-                if display is not None and now >= next_view:
+    stopped_by: str | None = None
+    with _StopSignals() as signals:
+        try:
+            if start and signals.received is None:
+                master.start()
+            display = Live(render(collect(output_dir)), console=console, auto_refresh=False) if live else None
+            with display or contextlib.nullcontext():
+                next_view = 0.0
+                while (state := master.monitor()) not in TERMINAL_JOB_STATES:
+                    if signals.received is not None or (stopped_by := _stop_request(output_dir)) is not None:
+                        break
+                    accept_requests(master, output_dir, config.model, config.inference, config.endpoint_dir, config)
+                    now = time.monotonic()
+                    if now - started > config.timeout_s:
+                        master.manager.fail(f"the job ran past its timeout_s of {config.timeout_s:g} s")
+                    if display is not None and now >= next_view:
+                        display.update(render(collect(output_dir)), refresh=True)
+                        next_view = now + config.refresh_s
+                    time.sleep(master.manager.spec.monitor_interval_s)
+                if display is not None:
                     display.update(render(collect(output_dir)), refresh=True)
-                    next_view = now + config.refresh_s
-                time.sleep(master.manager.spec.monitor_interval_s)
-            if display is not None:
-                display.update(render(collect(output_dir)), refresh=True)
-        if display is not None and not console.is_terminal:
-            console.print()  # a live view drawn to a file or pipe ends without a newline
-    finally:
-        master.stop("master exiting")
-        master.close()
-        report = write_report(output_dir, time.monotonic() - started)
-        console.print(f"job {state.value}; report: {report}")
+            if display is not None and not console.is_terminal:
+                console.print()  # a live view drawn to a file or pipe ends without a newline
+        finally:
+            if signals.received is not None:
+                stopped_by = f"stopped by {signal.Signals(signals.received).name}"
+            master.stop(stopped_by or "master exiting")
+            state = master.state
+            master.close()
+            report = write_report(output_dir, time.monotonic() - started)
+            with contextlib.suppress(FileNotFoundError):  # last: `rlplex stop` waits for it to go
+                (output_dir / STOP_REQUEST_FILE).unlink()
+            console.print(f"job {state.value}; report: {report}", highlight=False)
+    if stopped_by is not None:
+        left = [run.run_id for run in collect(output_dir).runs if run.state not in TERMINAL_RUN_STATES]
+        if left:
+            console.print(
+                f"{stopped_by}; unfinished runs: {', '.join(left)}; continue with `rlplex resume {output_dir}`",
+                highlight=False,
+                soft_wrap=True,
+            )
+        if signals.received is not None:
+            raise JobInterruptedError(f"job {stopped_by}; report: {report}", signals.received)
     return state

@@ -2,9 +2,14 @@
 
 The run's orchestrator (`rlplex.multirun.orchestrator`) runs inside the node's process, so a
 node killed with SIGKILL takes its orchestrator with it, and the control plane's restart
-resumes the run from its first step whose rollouts are not stable. A run evicted (by the
-trainer, by `rlplex runs evict`, or by itself) ends its node normally: eviction is the
-run's end, not a fault for the control plane to heal.
+resumes the run from its first step whose rollouts are not stable. Two ends of a run are not
+faults for the control plane to heal, and end the node normally:
+- eviction (by the trainer, by `rlplex runs evict`, or by the run itself);
+- rejection: a user error of this run (the trainer refused its config, or the config cannot
+  be used: exit code 2 of a standalone orchestrator). Restarting would fail the same way until
+  the role's restart budget, which counts crashes, was spent and the whole job failed. The run
+  is marked rejected with its reason (`rejected/<run id>.txt` in the job folder, beside the
+  trainer's `control/config_validation_error.txt`), and the other runs go on.
 """
 
 from __future__ import annotations
@@ -12,13 +17,12 @@ from __future__ import annotations
 import logging
 
 from rlplex.control.worker import WorkerContext, WorkerLoad
-from rlplex.mainjob.registry import run_for_rank
+from rlplex.errors import ConfigError
+from rlplex.mainjob.registry import rejection_reason, run_for_rank, write_rejection
 from rlplex.multirun.orch_config import orch_config_to_toml
-from rlplex.multirun.rundir import RunDir, write_file_atomic
+from rlplex.multirun.rundir import RunDir, write_eviction, write_file_atomic
 
 log = logging.getLogger(__name__)
-
-EXIT_EVICTED = 3
 
 
 class OrchestratorNode(WorkerLoad):
@@ -31,25 +35,32 @@ class OrchestratorNode(WorkerLoad):
         self.entry.orch_config(str(self.context.output_dir / "runs.json"))  # a bad config fails prepare
 
     def run(self) -> None:
-        from rlplex.multirun.orchestrator import main as orchestrator_main
+        from rlplex.multirun.orchestrator import RunEvictedError, run_orchestrator
 
-        config = self.entry.orch_config(str(self.context.output_dir / "runs.json"))
-        config_dir = self.context.output_dir / "orch_configs"
-        config_dir.mkdir(exist_ok=True)
-        path = config_dir / f"{self.entry.id}.toml"
-        write_file_atomic(path, orch_config_to_toml(config).encode())
-        self.runs_dir.mkdir(exist_ok=True)
+        run = RunDir(self.runs_dir, self.entry.id)
+        if rejection_reason(self.context.output_dir, self.entry.id) is not None or run.is_finished():
+            return  # a job continued after a stop: this run's end is already final
         self.context.report_progress(run_index=self.context.rank)
         try:
-            code = orchestrator_main([str(self.runs_dir), self.entry.id, str(path)])
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else 1
+            config = self.entry.orch_config(str(self.context.output_dir / "runs.json"))
+            # For the record: the config this node runs, as a standalone orchestrator would take it.
+            config_dir = self.context.output_dir / "orch_configs"
+            config_dir.mkdir(exist_ok=True)
+            write_file_atomic(config_dir / f"{self.entry.id}.toml", orch_config_to_toml(config).encode())
+            self.runs_dir.mkdir(exist_ok=True)
+            run_orchestrator(self.runs_dir, self.entry.id, config)
+        except RunEvictedError:
+            log.warning("run %s evicted: %s", self.entry.id, run.eviction_reason())
+        except ConfigError as error:
+            self._reject(run, str(error))
         except RuntimeError:
-            if not RunDir(self.runs_dir, self.entry.id).is_evicted():
+            if not run.is_evicted():
                 raise
-            code = EXIT_EVICTED
-        if code == EXIT_EVICTED:
-            log.warning("run %s evicted: %s", self.entry.id, RunDir(self.runs_dir, self.entry.id).eviction_reason())
-            return
-        if code:
-            raise RuntimeError(f"orchestrator of {self.entry.id} exited with code {code}")
+            log.warning("run %s evicted: %s", self.entry.id, run.eviction_reason())
+
+    def _reject(self, run: RunDir, reason: str) -> None:
+        log.warning("run %s rejected (final, not restarted): %s", self.entry.id, reason)
+        write_rejection(self.context.output_dir, self.entry.id, reason)
+        if run.exists() and not run.is_evicted() and not run.config_error.exists():
+            # The trainer may hold a slot for it: eviction is how a slot is given back.
+            write_eviction(run, f"rejected: {reason}")

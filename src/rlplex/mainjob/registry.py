@@ -17,26 +17,39 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from rlplex.errors import ConfigError, WaitTimeoutError
 from rlplex.mainjob.config import RunEntry
 from rlplex.multirun.rundir import write_file_atomic
+from rlplex.safe_files import read_regular_text
 
 REGISTRY_FILE = "runs.json"
 REQUESTS_DIR = "requests"
+REJECTIONS_DIR = "rejected"  # a run's user error, final for that run: `<run id>.txt` holds the reason
 MAX_REQUEST_BYTES = 1_000_000
 
 
 def read_registry(output_dir: Path) -> list[RunEntry]:
     path = output_dir / REGISTRY_FILE
     try:
-        data = json.loads(path.read_text())
+        # A FIFO or a link to a device here would freeze the master's loop and `rlplex status`.
+        data = json.loads(read_regular_text(path, MAX_REQUEST_BYTES * 64))
     except FileNotFoundError:
         return []
     except (OSError, ValueError) as error:
         raise ConfigError(f"{path}: unreadable run registry ({error})") from None
     if not isinstance(data, list):
         raise ConfigError(f"{path}: expected a JSON list of runs, got {type(data).__name__}")
-    return [RunEntry.model_validate(item) for item in data]
+    entries = []
+    for number, item in enumerate(data):
+        try:
+            entries.append(RunEntry.model_validate(item))
+        except ValidationError as error:
+            first = error.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "<entry>"
+            raise ConfigError(f"{path}: entry {number}, field {where!r}: {first['msg']}") from None
+    return entries
 
 
 def write_registry(output_dir: Path, entries: list[RunEntry]) -> None:
@@ -76,9 +89,8 @@ def pending_requests(output_dir: Path) -> list[AddRequest | tuple[Path, str]]:
     out: list[AddRequest | tuple[Path, str]] = []
     for path in sorted(requests.glob("add-*.json")):
         try:
-            if path.stat().st_size > MAX_REQUEST_BYTES:
-                raise ValueError(f"{path.stat().st_size} bytes, more than {MAX_REQUEST_BYTES}")
-            out.append(AddRequest(path, RunEntry.model_validate(json.loads(path.read_text()))))
+            text = read_regular_text(path, MAX_REQUEST_BYTES)  # a FIFO here must not freeze the master
+            out.append(AddRequest(path, RunEntry.model_validate(json.loads(text))))
         except (OSError, ValueError) as error:  # pydantic's ValidationError is a ValueError
             out.append((path, f"{path}: malformed request: {error}"))
     return out
@@ -100,6 +112,26 @@ def wait_for_answer(request: Path, timeout_s: float) -> tuple[bool, str]:
         for accepted, suffix in ((True, ".accepted"), (False, ".rejected")):
             reply = request.with_suffix(suffix)
             if reply.exists():
-                return accepted, reply.read_text()
+                try:
+                    return accepted, read_regular_text(reply, MAX_REQUEST_BYTES)
+                except OSError as error:
+                    raise ConfigError(f"{reply}: unreadable answer ({error})") from None
         time.sleep(0.1)
     raise WaitTimeoutError(f"{request}: no answer from the job's master within {timeout_s:g} s (is it running?)")
+
+
+def write_rejection(output_dir: Path, run_id: str, reason: str) -> None:
+    folder = output_dir / REJECTIONS_DIR
+    folder.mkdir(exist_ok=True)
+    write_file_atomic(folder / f"{run_id}.txt", (reason.strip() + "\n").encode())
+
+
+def rejection_reason(output_dir: Path, run_id: str) -> str | None:
+    """Why the job's orchestrator node rejected `run_id` (None: it did not)."""
+    path = output_dir / REJECTIONS_DIR / f"{run_id}.txt"
+    try:
+        return read_regular_text(path, within=output_dir / REJECTIONS_DIR).strip()
+    except FileNotFoundError:
+        return None
+    except OSError as error:
+        return f"({path} unreadable: {error})"

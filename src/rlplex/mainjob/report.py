@@ -7,9 +7,8 @@ import math
 import time
 from pathlib import Path
 
-from rlplex.control.store import SqliteStateStore
 from rlplex.diagnostics.plots import plot_learning_curves
-from rlplex.mainjob.view import REWARD_WINDOW, JobView, RunView, collect
+from rlplex.mainjob.view import REWARD_WINDOW, JobView, RunView, collect, open_job_store
 
 REPORT_FILE = "report.md"
 
@@ -28,12 +27,9 @@ def write_tensorboard(run: RunView, directory: Path) -> None:
 def _decisions(output_dir: Path) -> list[str]:
     if not (output_dir / "job.sqlite").exists():
         return []
-    store = SqliteStateStore.in_dir(output_dir, create=False)
-    try:
+    with open_job_store(output_dir) as store:
         job_id = store.latest_job_id()
         return [] if job_id is None else [f"{d.old} {d.entity}: {d.cause}" for d in store.decisions(job_id)]
-    finally:
-        store.close()
 
 
 def write_report(output_dir: Path, fallback_wall_time_s: float) -> Path:

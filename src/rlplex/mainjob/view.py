@@ -11,24 +11,31 @@ before that a run whose last broadcast is out is still `running`.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
+import os
+import sqlite3
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 from rich.console import Group
 from rich.table import Table
 
 from rlplex.control.elastic import rendezvous_summaries
-from rlplex.control.store import NodeRecord, SqliteStateStore
+from rlplex.control.store import STORE_FILE, JobRecord, NodeRecord, SqliteStateStore
+from rlplex.errors import ConfigError
 from rlplex.mainjob.config import INFERENCE_DIR, JOB_CONFIG_FILE, RunEntry
-from rlplex.mainjob.registry import read_registry
+from rlplex.mainjob.registry import read_registry, rejection_reason
 from rlplex.multirun.rundir import RunDir, read_unwritten_evictions, stable_steps
-from rlplex.safe_files import read_regular_text
+from rlplex.safe_files import check_regular_file, read_regular_text
 
 MAX_PROGRESS_BYTES = 256 << 20
+MAX_STORE_BYTES = 64 << 30
 
 REWARD_COLUMNS = ("reward_mean", "charts/reward_mean", "reward")
 # Start and end rewards are means over this many steps: one step's reward is a noisy sample.
@@ -104,13 +111,13 @@ class InferenceView:
 def read_inference(output_dir: Path) -> InferenceView | None:
     """The engine of the job in `output_dir` (its main_job.json) and its endpoint, if any."""
     try:
-        job = json.loads((output_dir / JOB_CONFIG_FILE).read_text(encoding="utf-8"))
+        job = json.loads(read_regular_text(output_dir / JOB_CONFIG_FILE))
         settings = job.get("inference") or {}
         view = InferenceView(str(settings.get("engine", "hf")), int(settings.get("replicas", 1)), [], None)
     except (OSError, ValueError, TypeError, AttributeError):
         return None
     try:
-        endpoint = json.loads((output_dir / INFERENCE_DIR / "endpoint.json").read_text(encoding="utf-8"))
+        endpoint = json.loads(read_regular_text(output_dir / INFERENCE_DIR / "endpoint.json"))
         view.urls, view.incarnation = [str(u) for u in endpoint["urls"]], int(endpoint["incarnation"])
     except (OSError, ValueError, TypeError, KeyError):
         pass
@@ -128,6 +135,25 @@ class JobView:
     rendezvous: list[str] = field(default_factory=list)  # the trainer's elastic restarts
     created_at: float | None = None  # when the job was created (wall clock), across master restarts
     inference: InferenceView | None = None
+    master_pid: int = 0
+
+    @property
+    def master_alive(self) -> bool:
+        """Whether the process recorded as the job's master still runs (pid reuse aside)."""
+        try:
+            return psutil.Process(self.master_pid).status() != psutil.STATUS_ZOMBIE if self.master_pid > 0 else False
+        except psutil.Error:
+            return False
+
+    @property
+    def state_line(self) -> str:
+        """The job's state as the store has it, and whether a master is there to carry it on:
+        a master killed with SIGKILL leaves RUNNING behind."""
+        if self.job_state in ("RUNNING", "READY", "INIT", "STOPPING") and self.master_pid and not self.master_alive:
+            return (
+                f"{self.job_state}, but its master (pid {self.master_pid}) is gone: `rlplex resume {self.output_dir}`"
+            )
+        return self.job_state
 
     @property
     def trained_tokens(self) -> int:
@@ -217,7 +243,9 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
         view.tokens_per_s = _pick(rows[-1], TOKENS_COLUMNS)
         view.adapter_loads_s = [row[ADAPTER_LOAD_COLUMN] for row in rows if ADAPTER_LOAD_COLUMN in row]
         view.rollout_tokens_per_s = [rate for row in rows if (rate := _pick(row, TOKENS_COLUMNS)) is not None]
-    if run.is_evicted():
+    if (rejected := rejection_reason(runs_dir.parent, entry.id)) is not None:
+        view.state, view.reason = "rejected", rejected
+    elif run.is_evicted():
         view.state, view.reason = "evicted", run.eviction_reason() or ""
     elif (unmarked := unwritten_eviction(runs_dir, entry.id)) is not None:
         view.state, view.reason = "evicted", unmarked
@@ -230,23 +258,49 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
     return view
 
 
+@contextlib.contextmanager
+def open_job_store(output_dir: Path) -> Iterator[SqliteStateStore]:
+    """The job's state store, read-only use; a file there that is not a SQLite database (or not
+    a regular file: SQLite would block on a FIFO) is a one-line `ConfigError` naming it."""
+    path = output_dir / STORE_FILE
+    try:
+        check_regular_file(path, MAX_STORE_BYTES)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no job state here (is this a job's output folder?)") from None
+    except OSError as error:
+        raise ConfigError(f"{path}: not a job state database ({error})") from None
+    try:
+        store = SqliteStateStore.in_dir(output_dir, create=False)
+    except sqlite3.DatabaseError as error:
+        raise ConfigError(f"{path}: not a job state database ({error})") from None
+    try:
+        yield store
+    except sqlite3.DatabaseError as error:
+        raise ConfigError(f"{path}: not a job state database ({error})") from None
+    finally:
+        store.close()
+
+
+def read_job(output_dir: Path) -> tuple[JobRecord, list[NodeRecord]] | None:
+    """The newest job recorded in `output_dir` and its nodes (None: no store, or no job in it)."""
+    if not os.path.lexists(output_dir / STORE_FILE):
+        return None
+    with open_job_store(output_dir) as store:
+        job_id = store.latest_job_id()
+        return None if job_id is None else (store.job(job_id), store.nodes(job_id))
+
+
 def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
     runs_dir = runs_dir or output_dir / "runs"
-    job_state, cause, nodes, created = "UNKNOWN", "", [], None
-    if (output_dir / "job.sqlite").exists():
-        store = SqliteStateStore.in_dir(output_dir, create=False)
-        try:
-            job_id = store.latest_job_id()
-            if job_id is not None:
-                record = store.job(job_id)
-                job_state, cause, nodes = record.state, record.cause, store.nodes(job_id)
-                created = record.created_at
-        finally:
-            store.close()
+    job_state, cause, created, master_pid = "UNKNOWN", "", None, 0
+    nodes: list[NodeRecord] = []
+    if (found := read_job(output_dir)) is not None:
+        record, nodes = found
+        job_state, cause, created, master_pid = record.state, record.cause, record.created_at, record.master_pid
     runs = [run_view(runs_dir, entry) for entry in read_registry(output_dir)]
     rendezvous = rendezvous_summaries(output_dir)
     inference = read_inference(output_dir)
-    return JobView(output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created, inference)
+    return JobView(output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created, inference, master_pid)
 
 
 def _fmt(value: float | None, spec: str = ".3f") -> str:
@@ -259,7 +313,7 @@ def render(view: JobView) -> Group:
     rate = view.trainer_tokens_per_s()
     window = f"last {THROUGHPUT_WINDOW_S:.0f} s"
     trainer = f"trainer: {_fmt(rate, '.0f')} tokens/s ({window}), {view.trained_tokens} tokens trained"
-    runs = Table(title=f"runs: job {view.job_state}; {trainer}", title_justify="left")
+    runs = Table(title=f"runs: job {view.state_line}; {trainer}", title_justify="left")
     for column in ("run", "state", "step", "reward", "reward at start", "rollout tokens/s", "note"):
         runs.add_column(column)
     for run in view.runs:
@@ -268,12 +322,14 @@ def render(view: JobView) -> Group:
             _fmt(run.tokens_per_s, ".0f"), run.reason[:60],
         )  # fmt: skip
     nodes = Table(title="nodes", title_justify="left")
-    for column in ("role", "rank", "state", "restarts", "heartbeat age", "progress"):
+    for column in ("role", "rank", "run", "state", "restarts", "heartbeat age", "progress"):
         nodes.add_column(column)
     for node in view.nodes:
         age = f"{view.read_at - node.last_heartbeat:.1f} s" if node.last_heartbeat else "-"
         progress = ", ".join(f"{k}={v:g}" for k, v in list(node.progress.items())[:4]) or "-"
-        nodes.add_row(node.role, str(node.rank), node.state, str(node.restarts), age, progress)
+        # Orchestrator rank r serves entry r of the registry, the order of `view.runs`.
+        serves = view.runs[node.rank].run_id if node.role == "orchestrator" and node.rank < len(view.runs) else ""
+        nodes.add_row(node.role, str(node.rank), serves, node.state, str(node.restarts), age, progress)
     parts: list[Table | str] = [runs, nodes, *view.rendezvous]
     if view.inference is not None:
         parts.append(view.inference.describe(view.runs))

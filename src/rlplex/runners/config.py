@@ -7,6 +7,8 @@ error rather than silently ignored.
 
 from __future__ import annotations
 
+import itertools
+import math
 from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -34,7 +36,7 @@ class SamplerConfig(StrictModel):
 
 
 class AgentConfig(StrictModel):
-    hidden: tuple[int, ...] = (64, 64)
+    hidden: tuple[Annotated[int, Field(ge=1)], ...] = Field((64, 64), description="hidden layer widths")
     init_log_std: float = 0.0
 
 
@@ -78,6 +80,25 @@ class TrainConfig(StrictModel):
 
 def load_train_config(path: str | Path) -> TrainConfig:
     return load_config(TrainConfig, path)
+
+
+# Parameters, gradients and Adam's two moments, float32.
+BYTES_PER_PARAMETER = 16
+
+
+def check_fits_in_memory(config: TrainConfig, spaces: EnvSpaces, available_bytes: int, source: str) -> None:
+    """Refuse an agent whose networks cannot fit in memory, before anything is allocated (a
+    layer of 1e9 units would otherwise end in an allocator traceback)."""
+    outputs = spaces.n_actions if spaces.action_kind == "discrete" else math.prod(spaces.action_shape)
+    widths = [max(1, math.prod(spaces.obs_shape)), *config.agent.hidden, max(1, outputs)]
+    layer_params = sum((a + 1) * b for a, b in itertools.pairwise(widths))
+    # A policy and a value network (PPO), or a Q-network and its target (DQN), at least.
+    needed = 2 * layer_params * BYTES_PER_PARAMETER
+    if needed > available_bytes:
+        raise ConfigError(
+            f"{source}: field 'agent.hidden': {list(config.agent.hidden)} needs at least {needed / 2**30:,.1f} GiB "
+            f"for the networks' parameters and optimizer state; this machine has {available_bytes / 2**30:,.1f} GiB"
+        )
 
 
 def agent_factory(config: TrainConfig, spaces: EnvSpaces) -> AgentFactory:

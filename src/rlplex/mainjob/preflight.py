@@ -1,0 +1,160 @@
+"""Checks of a main job against its trainer before any process starts.
+
+The trainer judges each run when it discovers it (LoRA rank, base model, async level); a run
+it rejects there has cost a job start and, before this check, ended with nothing trained.
+Everything the files already tell is checked here instead, and every problem is reported at
+once, one line each: the trainer's own rules, and sizes that cannot fit in this machine's
+memory (a huge `batch_size` or `max_runs` would otherwise fail or stall long after start).
+
+The memory figures are lower bounds from the model's `config.json` (no weights are loaded):
+a job refused here could never run; one accepted may still be tight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rlplex.errors import ConfigError, RlplexError
+from rlplex.mainjob.config import MainJobConfig, RunEntry
+from rlplex.models.spec import ModelSpec
+from rlplex.multirun.orch_config import OrchestratorConfig
+
+# The trainer's default `max_off_policy_steps` (rlplex.multirun.trainer.TrainerConfig); the
+# main job does not set it, and importing the trainer here would import torch.
+TRAINER_MAX_OFF_POLICY_STEPS = 8
+FLOAT32_BYTES = 4
+# LoRA weights, their gradients and Adam's two moments, all float32.
+LORA_COPIES = 4
+GIB = 1 << 30
+
+
+class JobProblemsError(ConfigError):
+    """Every problem found in a main job before it starts; the CLI prints one line for each."""
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory bounds need of a causal LM, from its config.json."""
+
+    hidden: int
+    intermediate: int
+    layers: int
+    vocab: int
+    max_positions: int
+
+    @property
+    def parameters(self) -> int:
+        per_layer = 4 * self.hidden * self.hidden + 3 * self.hidden * self.intermediate
+        return self.layers * per_layer + self.vocab * self.hidden
+
+    def lora_floats_per_rank(self) -> int:
+        """LoRA weights of one adapter of rank 1 on the attention and MLP projections."""
+        return self.layers * (4 * 2 * self.hidden + 3 * (self.hidden + self.intermediate))
+
+
+def model_shape(spec: ModelSpec) -> ModelShape | None:
+    """The shape of `spec` from its config (None: a config without the usual fields)."""
+    from transformers import AutoConfig
+
+    from rlplex.models.hf import _from_pretrained
+
+    config: Any = _from_pretrained(AutoConfig, spec, "config")
+    try:
+        hidden = int(config.hidden_size)
+        return ModelShape(
+            hidden=hidden,
+            intermediate=int(getattr(config, "intermediate_size", None) or 4 * hidden),
+            layers=int(config.num_hidden_layers),
+            vocab=int(config.vocab_size),
+            max_positions=int(getattr(config, "max_position_embeddings", None) or 2048),
+        )
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def available_bytes(spec: ModelSpec) -> tuple[int, str]:
+    """Memory of the device the job's model runs on: the GPU's on CUDA, else the machine's RAM."""
+    if spec.device != "cpu":
+        import torch
+
+        if torch.cuda.is_available():
+            return int(torch.cuda.get_device_properties(0).total_memory), "GPU memory"
+    import psutil
+
+    return int(psutil.virtual_memory().total), "memory"
+
+
+def run_problems(entry: RunEntry, job: MainJobConfig, source: str) -> list[str]:
+    """What the trainer would reject this run for, one line per problem (the trainer's own rules)."""
+    where = f"{source}: run {entry.id!r}"
+    try:
+        config: OrchestratorConfig = entry.orch_config(source)
+    except RlplexError as error:
+        return [str(error)]
+    problems = []
+    if config.model.lora.rank > job.trainer.max_lora_rank:
+        problems.append(
+            f"{where}: field 'model.lora.rank': {config.model.lora.rank} is more than trainer.max_lora_rank "
+            f"{job.trainer.max_lora_rank}: the trainer would reject it"
+        )
+    if config.model.identity() != job.model.identity():
+        problems.append(
+            f"{where}: field 'model.name': {config.model.name!r} is not the job's model {job.model.name!r}: "
+            "every run trains an adapter of the one shared base model"
+        )
+    if config.max_async_level > TRAINER_MAX_OFF_POLICY_STEPS:
+        problems.append(
+            f"{where}: field 'max_async_level': {config.max_async_level} is more than the trainer's "
+            f"max_off_policy_steps {TRAINER_MAX_OFF_POLICY_STEPS}: the trainer would reject it"
+        )
+    return problems
+
+
+def memory_problems(job: MainJobConfig, shape: ModelShape, budget: int, what: str, source: str) -> list[str]:
+    """Sizes that cannot fit in `budget` bytes: the trainer's adapter slots, and each run's batch."""
+    problems = []
+    trainer = job.trainer
+    lora = trainer.max_runs * trainer.max_lora_rank * shape.lora_floats_per_rank() * FLOAT32_BYTES * LORA_COPIES
+    base = shape.parameters * FLOAT32_BYTES
+    if trainer.world_size * (base + lora) > budget:
+        problems.append(
+            f"{source}: field 'trainer.max_runs': {trainer.max_runs} adapter slots of rank {trainer.max_lora_rank} "
+            f"on {trainer.world_size} rank(s) need at least {_gib(trainer.world_size * (base + lora))}; "
+            f"this machine has {_gib(budget)} of {what}"
+        )
+    for entry in job.runs + job.later_runs:
+        try:
+            config = entry.orch_config(source)
+        except RlplexError:
+            continue  # reported by run_problems
+        length = min(shape.max_positions, 64 + (config.max_new_tokens or 64))
+        # One generation pass over the whole batch: its KV cache and the last position's logits.
+        kv = config.batch_size * length * shape.layers * 2 * shape.hidden * FLOAT32_BYTES
+        logits = config.batch_size * shape.vocab * FLOAT32_BYTES
+        if base + kv + logits > budget:
+            problems.append(
+                f"{source}: run {entry.id!r}: field 'batch_size': {config.batch_size} samples of up to {length} "
+                f"tokens need at least {_gib(base + kv + logits)} to generate; this machine has {_gib(budget)} "
+                f"of {what}"
+            )
+    return problems
+
+
+def _gib(value: float) -> str:
+    return f"{value / GIB:,.1f} GiB"
+
+
+def check_main_job(job: MainJobConfig, source: str) -> None:
+    """Raise one `ConfigError` listing every problem of `job` found without starting anything."""
+    problems = [line for entry in job.runs + job.later_runs for line in run_problems(entry, job, source)]
+    shape = model_shape(job.model)
+    if shape is not None:
+        budget, what = available_bytes(job.model)
+        problems += memory_problems(job, shape, budget, what, source)
+    if problems:
+        raise JobProblemsError(problems)

@@ -1,0 +1,209 @@
+"""Issue 18, the command line: bad input is one line (exit 2) found before anything starts, odd
+files (FIFOs, corrupt databases) never freeze a command, and nothing is overwritten silently."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from rlplex.control.store import SqliteStateStore
+from rlplex.mainjob.config import RunEntry
+from rlplex.mainjob.registry import write_registry
+from rlplex.multirun.rundir import RunDir, write_eviction
+
+TRAIN = """
+[env]
+id = "CartPole-v1"
+[sampler]
+batch_T = 16
+batch_B = 2
+[agent]
+hidden = {hidden}
+[algo]
+name = "ppo"
+learning_rate = {lr}
+n_epochs = 1
+[runner]
+kind = "minibatch"
+n_steps = 64
+log_interval_steps = 32
+"""
+ORCH = 'env = { name = "reverse" }\nmax_steps = 2\nbatch_size = 8\ngroup_size = 4\n'
+
+
+def rlplex(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """The real command in a child process; a regression that blocks fails on the timeout."""
+    env = {**os.environ, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "rlplex.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def assert_one_line_error(done: subprocess.CompletedProcess[str], *words: str) -> None:
+    output = done.stdout + done.stderr
+    assert done.returncode == 2, output
+    assert "Traceback" not in output, output
+    lines = [line for line in output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), output
+    for word in words:
+        assert word in lines[0], (word, output)
+
+
+def test_help_keeps_bracketed_words() -> None:
+    def help_text(*command: str) -> str:
+        return " ".join(rlplex(*command, "--help").stdout.split())  # the lines as one, however wrapped
+
+    assert "[env], [sampler], [agent], [algo], [runner]" in help_text("train")
+    assert "[trainer], [[runs]], [[events]]" in help_text("run")
+    assert "[roles.<name>]" in help_text("job", "run")
+
+
+@pytest.mark.parametrize(
+    ("hidden", "lr", "field"),
+    [("[64]", "inf", "algo.ppo.learning_rate"), ("[0]", "1e-3", "agent.hidden.0"), ("[1e9]", "1e-3", "agent.hidden")],
+)
+def test_train_refuses_values_that_cannot_work_before_it_starts(
+    tmp_path: Path, hidden: str, lr: str, field: str
+) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(TRAIN.format(hidden=hidden, lr=lr))
+    done = rlplex("train", str(config), "--output", str(tmp_path / "out"), "--no-progress")
+    assert_one_line_error(done, field)
+    assert not (tmp_path / "out" / "progress.csv").exists()
+
+
+def test_train_keeps_an_earlier_run_unless_told_to_resume_or_overwrite(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(TRAIN.format(hidden="[8]", lr="1e-3"))
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "progress.csv").write_text("step,charts/online_return_mean\n64,12.5\n")
+    done = rlplex("train", str(config), "--output", str(out), "--no-progress")
+    assert_one_line_error(done, str(out), "--resume", "--overwrite")
+    assert (out / "progress.csv").read_text() == "step,charts/online_return_mean\n64,12.5\n"
+    done = rlplex("train", str(config), "--output", str(out), "--no-progress", "--overwrite", timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "12.5" not in (out / "progress.csv").read_text()
+    assert list((out / "snapshots").glob("itr_*"))
+
+
+def test_train_into_a_file_is_one_line(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text(TRAIN.format(hidden="[8]", lr="1e-3"))
+    (tmp_path / "taken").write_text("keep me")
+    done = rlplex("train", str(config), "--output", str(tmp_path / "taken"), "--no-progress")
+    assert_one_line_error(done, str(tmp_path / "taken"), "--output")
+    assert (tmp_path / "taken").read_text() == "keep me"
+    done = rlplex("train", str(config), "--output", str(tmp_path / "taken" / "below"), "--no-progress")
+    assert_one_line_error(done, "--output")
+
+
+def test_config_files_that_are_fifos_fail_at_once(tmp_path: Path) -> None:
+    fifo = tmp_path / "config.toml"
+    os.mkfifo(fifo)
+    job = make_job_folder(tmp_path / "job")
+    for args in (("train", str(fifo)), ("run", str(fifo)), ("runs", "add", str(job), "--config", str(fifo))):
+        assert_one_line_error(rlplex(*args, timeout=30), str(fifo), "not a regular file")
+
+
+def make_job_folder(out: Path, run_ids: tuple[str, ...] = ("run_a",)) -> Path:
+    """A main job's folder as `rlplex run` leaves it, without its processes: the run registry,
+    the run folders and a state store."""
+    out.mkdir(parents=True)
+    write_registry(out, [RunEntry(id=run_id, config={"max_steps": 2}) for run_id in run_ids])
+    for run_id in run_ids:
+        RunDir(out / "runs", run_id).control.mkdir(parents=True)
+    store = SqliteStateStore.in_dir(out)
+    store.create_job("mj-1", "mj", "{}")
+    store.close()
+    return out
+
+
+@pytest.mark.parametrize("odd", ["fifo_registry", "bad_registry", "fifo_store", "corrupt_store", "fifo_reason"])
+def test_status_of_a_folder_with_odd_files_is_one_line_or_a_view(tmp_path: Path, odd: str) -> None:
+    out = make_job_folder(tmp_path / "job")
+    if odd == "fifo_registry":
+        (out / "runs.json").unlink()
+        os.mkfifo(out / "runs.json")
+    elif odd == "bad_registry":
+        (out / "runs.json").write_text(json.dumps([{"id": "run_a", "config": {}}, {"id": "../../x", "config": {}}]))
+    elif odd == "fifo_store":
+        (out / "job.sqlite").unlink()
+        os.mkfifo(out / "job.sqlite")
+    elif odd == "corrupt_store":
+        for extra in ("job.sqlite-wal", "job.sqlite-shm"):
+            if (out / extra).exists():
+                (out / extra).unlink()
+        (out / "job.sqlite").write_bytes(b"not a database at all" * 100)
+    else:
+        os.mkfifo(RunDir(out / "runs", "run_a").config_error)
+    done = rlplex("status", str(out), timeout=30)
+    if odd == "fifo_reason":  # the view comes up (the reason, not read, is a note)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert "rejected" in done.stdout
+        return
+    file = "job.sqlite" if "store" in odd else "runs.json"
+    assert_one_line_error(done, str(out / file))
+    if odd == "bad_registry":
+        assert "entry 1" in done.stdout and "'id'" in done.stdout
+
+
+def test_runs_add_with_an_escaping_id_is_one_line(tmp_path: Path) -> None:
+    out = make_job_folder(tmp_path / "job")
+    config = tmp_path / "orch.toml"
+    config.write_text(ORCH)
+    done = rlplex("runs", "add", str(out), "--config", str(config), "--id", "../../escape", "--timeout-s", "1")
+    assert_one_line_error(done, "--id", "../../escape")
+    assert not (tmp_path / "escape").exists() and not list((out / "requests").glob("*"))
+
+
+def test_an_ended_run_cannot_be_evicted(tmp_path: Path) -> None:
+    out = make_job_folder(tmp_path / "job", ("run_done", "run_gone", "run_live"))
+    (RunDir(out / "runs", "run_done").finished).write_text(json.dumps({"step": 2, "time": time.time()}))
+    write_eviction(RunDir(out / "runs", "run_gone"), "the first reason")
+    done = rlplex("runs", "evict", str(out), "run_done", "--reason", "late")
+    assert_one_line_error(done, "run_done", "already finished")
+    assert not RunDir(out / "runs", "run_done").is_evicted()
+    done = rlplex("runs", "evict", str(out), "run_gone", "--reason", "a second reason")
+    assert_one_line_error(done, "already evicted", "the first reason")
+    assert RunDir(out / "runs", "run_gone").eviction_reason() == "the first reason"
+    done = rlplex("runs", "evict", str(out), "run_live", "--reason", "bad rollouts")
+    assert done.returncode == 0, done.stdout
+    assert RunDir(out / "runs", "run_live").eviction_reason() == "bad rollouts"
+
+
+def test_status_tells_a_dead_master_from_a_live_one(tmp_path: Path) -> None:
+    out = make_job_folder(tmp_path / "job")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    store = SqliteStateStore.in_dir(out)
+    store.set_master("mj-1", "", int(dead.stdout))
+    store.close()
+    done = rlplex("status", str(out))
+    assert done.returncode == 0, done.stdout
+    assert f"master (pid {int(dead.stdout)}) is gone" in done.stdout and "rlplex resume" in done.stdout
+    store = SqliteStateStore.in_dir(out)
+    store.set_master("mj-1", "", os.getpid())  # this process: alive
+    store.close()
+    assert "is gone" not in rlplex("status", str(out)).stdout
+
+
+def test_make_keeps_earlier_demo_results_in_a_dated_folder(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    earlier = tmp_path / "multirun-demo"
+    earlier.mkdir()
+    (earlier / "report.md").write_text("the first demo")
+    for _ in range(2):
+        done = subprocess.run(
+            ["make", "-s", "-C", str(root), "keep-earlier", f"KEEP={earlier}"], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stderr
+        earlier.mkdir()
+        (earlier / "report.md").write_text("the second demo")
+    kept = sorted(p for p in tmp_path.iterdir() if p.name.startswith("multirun-demo-"))
+    assert [p.joinpath("report.md").read_text() for p in kept] == ["the first demo", "the second demo"]
