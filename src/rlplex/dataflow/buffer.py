@@ -173,16 +173,15 @@ class SequenceBuffer:
                 self._check_open()
         finally:
             self._waiting.pop(name, None)
-        bit = self._consumer_bit[name]
-        ids, seqlens, births = [], [], []
-        for _ in range(n):
-            birth, datapoint_id = heapq.heappop(heap)
-            entry = self._entries[datapoint_id]
+        bit, entries, pop = self._consumer_bit[name], self._entries, heapq.heappop
+        popped = [pop(heap) for _ in range(n)]
+        ids = tuple(datapoint_id for _, datapoint_id in popped)
+        seqlens = []
+        for datapoint_id in ids:
+            entry = entries[datapoint_id]
             entry.read |= bit
-            ids.append(datapoint_id)
             seqlens.append(entry.seqlen)
-            births.append(birth)
-        return BatchMeta(tuple(ids), tuple(seqlens), tuple(births))
+        return BatchMeta(ids, tuple(seqlens), tuple(birth for birth, _ in popped))
 
     def finish(self, mfc: MFCDef | str, ids: Sequence[int]) -> list[int]:
         """Mark `ids` finished by `mfc`; returns the ids freed because every consumer is done.
