@@ -24,14 +24,17 @@ GRAPH = build_graph(
 
 
 class Generator:
-    """Generates arange sequences; with `block_first_call_in`, the first call of the first
-    process writes its pid there and blocks, so a test can kill it mid-call."""
+    """Generates arange sequences; with `block_first_call_in`, call number `block_on_call`
+    (the first by default) of the first process to reach it writes its pid there and blocks,
+    so a test can kill it mid-call (after earlier calls left outputs in its store)."""
 
-    def __init__(self, block_first_call_in: str | None = None) -> None:
+    def __init__(self, block_first_call_in: str | None = None, block_on_call: int = 1) -> None:
         self.block = Path(block_first_call_in) if block_first_call_in else None
+        self.block_on_call, self.calls = block_on_call, 0
 
     def generate(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        if self.block is not None and self._claim_block(self.block):
+        self.calls += 1
+        if self.block is not None and self.calls == self.block_on_call and self._claim_block(self.block):
             threading.Event().wait(120)  # killed long before this returns
         return {"seq": [np.arange(int(p) % 5 + 1, dtype=np.int64) + int(p) for p in inputs["prompt"]]}
 
@@ -65,3 +68,32 @@ class Trainer:
                 assert float(reward) == float(seq.sum())
                 handle.write(f"{int(seq[0])}\n")
         return {}
+
+
+# Two MFCs of one model, ready at the same moment: both run on the same worker at once.
+SHARED_GRAPH = build_graph(
+    [
+        MFCDef("gen", "shared", GEN, ("prompt",), ("seq",), 8),
+        MFCDef("score", "shared", INF, ("prompt",), ("score",), 8),
+        MFCDef("train", "trainer", TRAIN, ("seq", "score"), (), 8),
+    ],
+    dataset_keys=("prompt",),
+)
+
+
+class Shared:
+    """Generate and score on one model; the work is sized so the two calls overlap."""
+
+    def generate(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        work = np.random.default_rng(0).random((200, 200))
+        for _ in range(20):
+            work = work @ work / 200
+        return {"seq": [np.arange(int(p) % 5 + 1, dtype=np.int64) + int(p) for p in inputs["prompt"]]}
+
+    def inference(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        return {"score": [np.float32(sum(range(int(p), int(p) + int(p) % 5 + 1))) for p in inputs["prompt"]]}
+
+
+class ScoreTrainer(Trainer):
+    def train_step(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        return super().train_step(mfc, {"seq": inputs["seq"], "reward": inputs["score"]})

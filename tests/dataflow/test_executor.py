@@ -18,7 +18,7 @@ import pytest
 from rlplex.dataflow import MFCDef, ModelInterfaceType, build_graph
 from rlplex.dataflow.executor import FunctionExecutor, MFCExecutionError
 from rlplex.dataflow.workers import LocalModelWorker, split_by_tokens
-from rlplex.errors import WaitTimeoutError
+from rlplex.errors import RlplexError, WaitTimeoutError
 
 GEN, INF, TRAIN = ModelInterfaceType.GENERATE, ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
 
@@ -167,3 +167,92 @@ def test_unknown_model_and_indivisible_batches_refused() -> None:
     )
     with pytest.raises(MFCExecutionError, match="does not divide"):
         FunctionExecutor(bad, {"actor": [LocalModelWorker("a", Actor())]}, prompts())
+
+
+# ----- issue 17: faults and asynchrony ----------------------------------------------------
+def wait_until(condition: Any, timeout: float, what: str) -> None:
+    done = threading.Event()
+    deadline = threading.Timer(timeout, done.set)
+    deadline.start()
+    try:
+        while not condition():
+            if done.wait(0.01):
+                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+    finally:
+        deadline.cancel()
+
+
+class FailFirstCall(Reward):
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def inference(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("transient reward failure")
+        return super().inference(mfc, inputs)
+
+
+def test_failed_step_cancels_its_mfcs_frees_its_data_and_the_next_step_runs_clean() -> None:
+    actor = Actor()
+    workers = {"actor": [LocalModelWorker("a", actor)], "reward": [LocalModelWorker("r", FailFirstCall())]}
+    executor = FunctionExecutor(graph(), workers, prompts(), capacity=32, step_timeout=5)
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(MFCExecutionError, match="transient reward failure"):
+            loop.run_until_complete(asyncio.wait_for(executor.execute_step(), 30))
+        # Every MFC loop of the failed step was cancelled and awaited: nothing is left running.
+        assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
+        assert executor.buffer.size == 0 and executor.plane.n_values == 0
+        # A generate call the failure interrupted runs on in its thread; what it stores is dropped.
+        wait_until(lambda: all(len(s) == 0 for s in executor.plane.stores.values()), 10, "stores to empty")
+        loop.run_until_complete(asyncio.wait_for(executor.execute_step(), 30))
+    finally:
+        loop.close()
+        for group in workers.values():
+            for worker in group:
+                worker.close()
+    assert sorted(actor.trained) == list(range(8, 16))  # step 2's batch, trained once, by step 2
+    assert executor.buffer.size == 0 and all(len(s) == 0 for s in executor.plane.stores.values())
+
+
+def test_exhausted_dataset_ends_the_step_at_once() -> None:
+    workers = {"actor": [LocalModelWorker("a", Actor())], "reward": [LocalModelWorker("r", Reward())]}
+    dataset = ({"prompt": i} for i in range(12))  # one full step of 8, then 4
+    executor = FunctionExecutor(graph(), workers, dataset, capacity=32, step_timeout=600)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(asyncio.wait_for(executor.execute_step(), 30))
+        with pytest.raises(RlplexError, match="exhausted: 4 datapoints left for a step of 8") as info:
+            loop.run_until_complete(asyncio.wait_for(executor.execute_step(), 10))
+        assert info.typename == "DatasetExhaustedError"
+        assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
+        assert executor.buffer.size == 0 and executor.plane.n_values == 0
+    finally:
+        loop.close()
+
+
+def test_empty_worker_group_refused_by_name() -> None:
+    workers: dict[str, list[LocalModelWorker]] = {"actor": [LocalModelWorker("a", Actor())], "reward": []}
+    with pytest.raises(MFCExecutionError, match=r"empty worker groups for models \['reward'\]"):
+        FunctionExecutor(graph(), workers, prompts())
+
+
+class Recorder(Actor):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generated: list[list[int]] = []
+
+    def generate(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        self.generated.append(sorted(inputs["prompt"]))
+        return super().generate(mfc, inputs)
+
+
+def test_load_data_orders_by_the_datapoints_birth_times() -> None:
+    actor = Recorder()
+    workers = {"actor": [LocalModelWorker("a", actor)], "reward": [LocalModelWorker("r", Reward())]}
+    # Prompt i was born at 100 - i: the last to arrive is the oldest and is generated first.
+    dataset = ({"prompt": i, "born": 100.0 - i} for i in itertools.count())
+    executor = FunctionExecutor(graph(), workers, dataset, capacity=32, birth_key="born")
+    run(executor.execute_step())
+    assert actor.generated == [[4, 5, 6, 7], [0, 1, 2, 3]]

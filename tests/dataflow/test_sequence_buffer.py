@@ -158,3 +158,59 @@ def test_unknown_keys_and_consumers_refused() -> None:
             await buf.get_batch_for_rpc("nobody")
 
     run(scenario())
+
+
+# ----- issue 17: misuse is refused by name, with no partial effect --------------------------
+def test_closed_buffer_hands_out_nothing_even_when_ready() -> None:
+    async def scenario() -> None:
+        buf = make()
+        await buf.put_batch(["prompt"], [1, 1, 1, 1])
+        buf.close()
+        with pytest.raises(BufferClosedError):
+            await buf.get_batch_for_rpc(GEN, timeout=1)
+        with pytest.raises(BufferClosedError):
+            await buf.put_batch(["prompt"], [1], timeout=1)
+
+    run(scenario())
+
+
+def test_finish_is_all_or_nothing_and_names_unknown_mfcs() -> None:
+    async def scenario() -> None:
+        buf = SequenceBuffer([GEN], KEYS, capacity=8)
+        await buf.put_batch(["prompt"], [1, 1])
+        batch = await buf.get_batch_for_rpc(GEN)
+        with pytest.raises(BufferError_, match=r"never read datapoint"):
+            buf.finish(GEN, [batch.ids[0], 99, batch.ids[1]])
+        assert buf.size == 2  # the valid ids before the bad one were not freed
+        with pytest.raises(BufferError_, match="'nobody' is not a consumer"):
+            buf.finish("nobody", batch.ids)
+        assert sorted(buf.finish(GEN, batch.ids)) == list(batch.ids) and buf.size == 0
+
+    run(scenario())
+
+
+def test_batch_size_below_one_refused() -> None:
+    async def scenario() -> None:
+        buf = make()
+        await buf.put_batch(["prompt"], [1, 1, 1, 1])
+        for n in (0, -1):
+            with pytest.raises(BufferError_, match=f"asks for {n} datapoints"):
+                await buf.get_batch_for_rpc(GEN, n=n, timeout=1)
+        assert buf.ready_count("gen") == 4  # nothing was taken
+
+    run(scenario())
+
+
+def test_discard_forgets_ids_and_makes_room() -> None:
+    async def scenario() -> None:
+        buf = SequenceBuffer([GEN], KEYS, capacity=2)
+        ids = await buf.put_batch(["prompt"], [1, 1])
+        blocked = asyncio.create_task(buf.put_batch(["prompt"], [1, 1], timeout=5))
+        await asyncio.sleep(0)
+        assert buf.discard([ids[0], 12345]) == [ids[0]]
+        assert buf.ready_count("gen") == 1 and not blocked.done()
+        buf.discard(ids)
+        new = await asyncio.wait_for(blocked, 5)
+        assert (await buf.get_batch_for_rpc(GEN)).ids == tuple(new)
+
+    run(scenario())

@@ -2,7 +2,7 @@
 
 from rlplex.dataflow.buffer import BatchMeta, BufferClosedError, SequenceBuffer
 from rlplex.dataflow.dataplane import DataPlane, LocalTensorStore, TensorStore
-from rlplex.dataflow.executor import FunctionExecutor, MFCExecutionError
+from rlplex.dataflow.executor import DatasetExhaustedError, FunctionExecutor, MFCExecutionError
 from rlplex.dataflow.job_worker import JobModelWorker, ModelWorkerNode
 from rlplex.dataflow.mfc import GraphError, MFCDef, MFCGraph, ModelInterfaceType, build_graph, grpo_graph, ppo_graph
 from rlplex.dataflow.process_worker import ModelServer, ProcessModelWorker
@@ -21,6 +21,7 @@ __all__ = [
     "BatchMeta",
     "BufferClosedError",
     "DataPlane",
+    "DatasetExhaustedError",
     "FunctionExecutor",
     "GraphError",
     "JobModelWorker",

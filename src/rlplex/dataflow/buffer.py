@@ -27,7 +27,8 @@ from rlplex.errors import RlplexError, WaitTimeoutError
 
 
 class BufferError_(RlplexError):
-    """Misuse of the buffer: unknown ids or keys, a batch larger than the capacity."""
+    """Misuse of the buffer: unknown ids, keys or consumers, a batch size below 1 or above the
+    capacity. A call that raises it has changed nothing."""
 
 
 class BufferClosedError(RlplexError):
@@ -84,6 +85,12 @@ class SequenceBuffer:
                 heapq.heappush(self._ready[name], (entry.birth, datapoint_id))
                 self._data_event[name].set()
 
+    def _consumer(self, mfc: MFCDef | str, op: str) -> str:
+        name = mfc if isinstance(mfc, str) else mfc.name
+        if name not in self._consumers:
+            raise BufferError_(f"{op}: {name!r} is not a consumer of this buffer; consumers: {list(self._consumers)}")
+        return name
+
     def _check_open(self) -> None:
         if self._closed:
             raise BufferClosedError("the sequence buffer is closed")
@@ -91,6 +98,9 @@ class SequenceBuffer:
     @property
     def size(self) -> int:
         return len(self._entries)
+
+    def __contains__(self, datapoint_id: object) -> bool:
+        return datapoint_id in self._entries
 
     def ready_count(self, mfc_name: str) -> int:
         return len(self._ready[mfc_name])
@@ -104,7 +114,10 @@ class SequenceBuffer:
         birth_times: Sequence[float] | None = None,
     ) -> list[int]:
         """Add datapoints holding `keys`; waits for room (backpressure). Returns their ids."""
+        self._check_open()
         n = len(seqlens)
+        if birth_times is not None and len(birth_times) != n:
+            raise BufferError_(f"put_batch: {len(birth_times)} birth times for {n} datapoints")
         if n > self.capacity:
             raise BufferError_(f"a batch of {n} datapoints can never fit a buffer of capacity {self.capacity}")
         mask = self._mask(keys, "put_batch")
@@ -142,10 +155,12 @@ class SequenceBuffer:
         self, mfc: MFCDef | str, n: int | None = None, timeout: float | None = None
     ) -> BatchMeta:
         """Wait until `n` (default: the MFC's n_seqs) datapoints hold all its input keys; oldest first."""
-        name = mfc if isinstance(mfc, str) else mfc.name
-        if name not in self._consumers:
-            raise BufferError_(f"get_batch_for_rpc: {name!r} is not a consumer of this buffer")
-        n = n or self._consumers[name].n_seqs
+        name = self._consumer(mfc, "get_batch_for_rpc")
+        self._check_open()  # a closed buffer hands out nothing, even what is ready
+        if n is None:
+            n = self._consumers[name].n_seqs
+        if n < 1:
+            raise BufferError_(f"get_batch_for_rpc: MFC {name!r} asks for {n} datapoints; at least 1")
         if n > self.capacity:
             raise BufferError_(f"MFC {name!r} asks for {n} datapoints but the buffer holds at most {self.capacity}")
         heap, event = self._ready[name], self._data_event[name]
@@ -153,31 +168,34 @@ class SequenceBuffer:
         self._waiting[name] = (n, time.monotonic())
         try:
             while len(heap) < n:
-                self._check_open()
                 event.clear()
                 await self._wait(event, deadline, lambda: f"{n} datapoints ready for MFC {name!r}\n{self.dump()}")
+                self._check_open()
         finally:
             self._waiting.pop(name, None)
-        bit = self._consumer_bit[name]
-        ids, seqlens, births = [], [], []
-        for _ in range(n):
-            birth, datapoint_id = heapq.heappop(heap)
-            entry = self._entries[datapoint_id]
+        bit, entries, pop = self._consumer_bit[name], self._entries, heapq.heappop
+        popped = [pop(heap) for _ in range(n)]
+        ids = tuple(datapoint_id for _, datapoint_id in popped)
+        seqlens = []
+        for datapoint_id in ids:
+            entry = entries[datapoint_id]
             entry.read |= bit
-            ids.append(datapoint_id)
             seqlens.append(entry.seqlen)
-            births.append(birth)
-        return BatchMeta(tuple(ids), tuple(seqlens), tuple(births))
+        return BatchMeta(ids, tuple(seqlens), tuple(birth for birth, _ in popped))
 
     def finish(self, mfc: MFCDef | str, ids: Sequence[int]) -> list[int]:
-        """Mark `ids` finished by `mfc`; returns the ids freed because every consumer is done."""
-        name = mfc if isinstance(mfc, str) else mfc.name
+        """Mark `ids` finished by `mfc`; returns the ids freed because every consumer is done.
+
+        All or nothing: every id is checked before any is marked, so a bad id frees nothing."""
+        name = self._consumer(mfc, "finish")
         bit = self._consumer_bit[name]
+        entries = self._entries
+        bad = [i for i in ids if i not in entries or not entries[i].read & bit]
+        if bad:
+            raise BufferError_(f"finish: MFC {name!r} never read datapoints {bad[:10]} (freed or never given to it)")
         freed = []
         for datapoint_id in ids:
-            entry = self._entries.get(datapoint_id)
-            if entry is None or not entry.read & bit:
-                raise BufferError_(f"finish: MFC {name!r} never read datapoint {datapoint_id}")
+            entry = entries[datapoint_id]
             entry.finished |= bit
             if entry.finished == self._all_consumers:
                 del self._entries[datapoint_id]
@@ -185,6 +203,19 @@ class SequenceBuffer:
         if freed:
             self._space_event.set()
         return freed
+
+    def discard(self, ids: Sequence[int]) -> list[int]:
+        """Forget `ids` whatever their consumers' state (a failed step); returns those that were held."""
+        gone = [i for i in ids if self._entries.pop(i, None) is not None]
+        if gone:
+            dead = set(gone)
+            for heap in self._ready.values():
+                # Rare (failure path), so an O(n) rebuild keeps the hot path free of tombstones.
+                if any(i in dead for _, i in heap):
+                    heap[:] = [item for item in heap if item[1] not in dead]
+                    heapq.heapify(heap)
+            self._space_event.set()
+        return gone
 
     # ----- lifecycle and debugging --------------------------------------------------------
     def close(self) -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import importlib
 import threading
 import time
-from multiprocessing.connection import Client
 from typing import Any
 
 from rlplex.control.rpc import RpcClient, parse_address
@@ -149,7 +148,7 @@ class JobModelWorker(ProcessModelWorker):
             rpc.close()
         control = (str(addresses["control"][0]), int(addresses["control"][1]))
         store = (str(addresses["store"][0]), int(addresses["store"][1]))
-        self._conn = Client(control, authkey=self.authkey)
+        self._connect_control(control)
         self.store.connect(store, self.authkey)
         self.incarnation = record.incarnation
         return self
@@ -162,7 +161,9 @@ class JobModelWorker(ProcessModelWorker):
         self.start()
 
     def close(self) -> None:
+        self._closed = True
         if self._conn is not None:
             self._conn.close()
             self._conn = None
         self.store.reset()
+        self._calls.shutdown(wait=False, cancel_futures=True)

@@ -8,33 +8,41 @@ live in the child; the master sends ids and locations, never tensors.
 Inputs held by stores in the master process (the dataset's prompts) are sent inline; all
 others are fetched peer to peer. Connections are `multiprocessing.connection` on 127.0.0.1
 with a per-executor HMAC key; payloads are msgpack with raw array bytes (no pickle).
+Connecting has a timeout (the HMAC handshake of `Client` has none, and a stopped peer would
+block forever; see `rlplex.control.rpc.connect`). A worker handle keeps one request in flight
+on its connection (calls of several MFCs on one worker queue on one thread) and checks that
+each reply carries its request's id.
 
 A child that dies during a call (SIGKILL, OOM) is started again and the call is issued
 again, up to `max_restarts` times, so no datapoint is lost or run twice: a call's outputs
 are recorded only when it returns. Values the dead child held for other datapoints are
-gone; a later call needing them fails naming the keys. This handle restarts its child
-itself; under a control-plane job, `rlplex.dataflow.job_worker` leaves restarts to the
-job's restart policy.
+gone: the restart bumps the store's `incarnation`, and the executor recomputes them from
+the MFC that produced them. This handle restarts its child itself; under a control-plane
+job, `rlplex.dataflow.job_worker` leaves restarts to the job's restart policy.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import multiprocessing as mp
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from multiprocessing.connection import Client, Connection, Listener
+from multiprocessing.connection import Connection, Listener
 from typing import Any
 
 from rlplex.control.channel import decode_item, encode_item
+from rlplex.control.rpc import connect
 from rlplex.dataflow.dataplane import DataPlane, DataPlaneError, LocalTensorStore
 from rlplex.dataflow.mfc import MFCDef, MFCExecutionError, ModelInterfaceType
-from rlplex.dataflow.workers import Outputs
-from rlplex.errors import WorkerDiedError
+from rlplex.dataflow.workers import Outputs, drop_when_done
+from rlplex.errors import NodeFailedError, WaitTimeoutError, WorkerDiedError
 
 CONTEXT = mp.get_context("spawn")  # forking a process that runs torch threads can deadlock
+CONNECT_TIMEOUT_S = 30.0  # a live peer answers the handshake in milliseconds; a stopped one never
 
 InterfaceFactory = Callable[[], object]
 """Builds the model interface inside the child; must be picklable (a class or a partial)."""
@@ -129,6 +137,7 @@ class ModelServer:
                     import traceback
 
                     reply = {"error": "".join(traceback.format_exception(error))}
+                reply["rid"] = request.get("rid")
                 send(conn, reply)
 
     def close(self) -> None:
@@ -194,9 +203,13 @@ def _peer_get(
 ) -> list[Any]:
     label = f"{address[0]}:{address[1]}"
     if label not in peers:
-        peers[label] = Client(address, authkey=authkey)
-    send(peers[label], {"op": "get", "ids": ids, "key": key})
-    reply = receive(peers[label])
+        peers[label] = connect(address, authkey, CONNECT_TIMEOUT_S, f"peer store {label}")
+    try:
+        send(peers[label], {"op": "get", "ids": ids, "key": key})
+        reply = receive(peers[label])
+    except (OSError, EOFError) as error:
+        peers.pop(label).close()  # a dead peer's connection must not be reused
+        raise DataPlaneError(f"peer store {label} is gone ({error!r}); its {key!r} values are lost") from None
     if "error" in reply:
         raise DataPlaneError(reply["error"])
     return list(reply["values"])
@@ -206,9 +219,11 @@ def _peer_get(
 class RemoteTensorStore:
     """The master's view of a child's store: drop and size over the store connection."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, connect_timeout_s: float | None = None) -> None:
         self.name = name
         self.address: tuple[str, int] | None = None
+        self.incarnation = 0  # grows when the child is replaced: what the old one held is gone
+        self.connect_timeout_s = connect_timeout_s
         self._conn: Connection | None = None
         self._authkey = b""
         self._lock = threading.Lock()
@@ -221,7 +236,8 @@ class RemoteTensorStore:
             if self.address is None:
                 raise DataPlaneError(f"store {self.name!r} is not running")
             if self._conn is None:
-                self._conn = Client(self.address, authkey=self._authkey)
+                timeout = CONNECT_TIMEOUT_S if self.connect_timeout_s is None else self.connect_timeout_s
+                self._conn = connect(self.address, self._authkey, timeout, f"store {self.name!r}")
             send(self._conn, message)
             return receive(self._conn)
 
@@ -237,8 +253,8 @@ class RemoteTensorStore:
     def drop(self, ids: Iterable[int]) -> None:
         try:
             self._request({"op": "drop", "ids": list(ids)})
-        except (OSError, EOFError):
-            pass  # a dead worker's values are gone already
+        except (OSError, EOFError, NodeFailedError, WaitTimeoutError, DataPlaneError):
+            pass  # a dead or stopped worker's values are gone already (or will be with it)
 
     def __len__(self) -> int:
         return int(self._request({"op": "size"})["size"])
@@ -248,6 +264,7 @@ class RemoteTensorStore:
             if self._conn is not None:
                 self._conn.close()
             self._conn, self.address = None, None
+            self.incarnation += 1
 
 
 class ProcessModelWorker:
@@ -258,16 +275,28 @@ class ProcessModelWorker:
         authkey: bytes | None = None,
         max_restarts: int = 3,
         start_timeout_s: float = 120.0,
+        connect_timeout_s: float | None = None,
     ) -> None:
         self.name = name
         self.factory = factory
         self.authkey = authkey or os.urandom(32)
         self.max_restarts = max_restarts
         self.start_timeout_s = start_timeout_s
-        self.store = RemoteTensorStore(name)
+        self.connect_timeout_s = connect_timeout_s
+        self.store = RemoteTensorStore(name, connect_timeout_s)
         self.restarts = 0
         self.process: Any = None
         self._conn: Connection | None = None
+        # One thread per handle: calls of several MFCs on this worker queue here, so one
+        # request is in flight on the connection at a time (two threads on one connection
+        # read each other's replies).
+        self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"calls-{name}")
+        self._request_ids = itertools.count()
+        self._closed = False
+
+    def _connect_control(self, address: tuple[str, int]) -> None:
+        timeout = CONNECT_TIMEOUT_S if self.connect_timeout_s is None else self.connect_timeout_s
+        self._conn = connect(address, self.authkey, timeout, f"model worker {self.name!r}")
 
     def start(self) -> ProcessModelWorker:
         parent, child = CONTEXT.Pipe()
@@ -283,7 +312,7 @@ class ProcessModelWorker:
             self.close()
             raise WorkerDiedError(f"model worker {self.name!r} did not start within {self.start_timeout_s}s")
         control_address, store_address = parent.recv()
-        self._conn = Client(control_address, authkey=self.authkey)
+        self._connect_control(control_address)
         self.store.connect(store_address, self.authkey)
         return self
 
@@ -320,10 +349,17 @@ class ProcessModelWorker:
 
     def _call_blocking(self, request: dict[str, Any]) -> dict[str, Any]:
         while True:
+            if self._closed:
+                raise WorkerDiedError(f"model worker {self.name!r} is closed")
             try:
                 assert self._conn is not None
                 send(self._conn, request)
                 reply: dict[str, Any] = receive(self._conn)
+                if reply.get("rid") != request["rid"]:
+                    raise MFCExecutionError(
+                        f"model worker {self.name!r}: reply to request {reply.get('rid')} arrived for request "
+                        f"{request['rid']} (connection out of step)"
+                    )
                 return reply
             except (EOFError, OSError) as error:
                 if self.restarts >= self.max_restarts:
@@ -333,6 +369,21 @@ class ProcessModelWorker:
                 self.restarts += 1
                 self._restart()
 
+    async def revive(self) -> bool:
+        """Restart a child that died between calls (its store is gone); True if it was restarted.
+
+        Queued behind any call in flight, which restarts a child that dies under it itself."""
+        return await asyncio.wrap_future(self._calls.submit(self._revive_blocking))
+
+    def _revive_blocking(self) -> bool:
+        if self._closed or self.process is None or self.process.is_alive():
+            return False
+        if self.restarts >= self.max_restarts:
+            raise WorkerDiedError(f"model worker {self.name!r} died; restart budget of {self.max_restarts} spent")
+        self.restarts += 1
+        self._restart()
+        return True
+
     def _restart(self) -> None:
         if self.process is not None:
             self.process.join(timeout=5)
@@ -340,13 +391,19 @@ class ProcessModelWorker:
         self.start()
 
     async def run(self, mfc: MFCDef, ids: Sequence[int], plane: DataPlane) -> Outputs:
-        request = self._request(mfc, ids, plane)
-        reply = await asyncio.to_thread(self._call_blocking, request)
+        request = {**self._request(mfc, ids, plane), "rid": next(self._request_ids)}
+        future = self._calls.submit(self._call_blocking, request)
+        try:
+            reply = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            drop_when_done(future, self.store, ids)
+            raise
         if "error" in reply:
             raise MFCExecutionError(f"MFC {mfc.name!r} failed on worker {self.name!r}:\n{reply['error']}")
         return {key: [ValueInfo(d, n) for d, n in infos] for key, infos in reply["outputs"].items()}
 
     def close(self) -> None:
+        self._closed = True
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -355,3 +412,4 @@ class ProcessModelWorker:
             if self.process.is_alive():
                 self.process.kill()
                 self.process.join(timeout=5)
+        self._calls.shutdown(wait=False, cancel_futures=True)

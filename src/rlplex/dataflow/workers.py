@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 from rlplex.dataflow.dataplane import DataPlane, LocalTensorStore, TensorStore
 from rlplex.dataflow.mfc import MFCDef, MFCExecutionError
+from rlplex.errors import RlplexError
 
 Outputs = dict[str, list[Any]]
 
@@ -67,12 +68,31 @@ class LocalModelWorker:
         return outputs
 
     async def run(self, mfc: MFCDef, ids: Sequence[int], plane: DataPlane) -> Outputs:
-        loop = asyncio.get_running_loop()
-        outputs = await loop.run_in_executor(self._thread, self._call, mfc, ids, plane)
-        return outputs
+        future = self._thread.submit(self._call, mfc, ids, plane)
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            drop_when_done(future, self.store, ids)
+            raise
 
     def close(self) -> None:
         self._thread.shutdown(wait=True, cancel_futures=True)
+
+
+def drop_when_done(future: Future[Any], store: TensorStore, ids: Sequence[int]) -> None:
+    """A cancelled call's thread runs on: drop whatever it stores for `ids` once it ends, or the
+    abandoned step's values would outlive it (the step has already released `ids`)."""
+    if future.cancel():
+        return  # never started
+    ids = list(ids)
+
+    def drop(_: Future[Any]) -> None:
+        try:
+            store.drop(ids)
+        except RlplexError:
+            pass  # a worker that is gone holds nothing
+
+    future.add_done_callback(drop)
 
 
 def split_by_tokens(seqlens: Sequence[int], n_parts: int) -> list[list[int]]:
