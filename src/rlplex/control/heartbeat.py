@@ -1,6 +1,7 @@
 """The master's end of the heartbeats: a listener on 127.0.0.1 that nodes connect back to.
 
-One thread accepts (with the job token as HMAC key), one thread reads every connection through
+An `AuthListener` accepts (with the job token as HMAC key, each handshake off the accepting
+thread, so an idle client blocks nobody), one thread reads every connection through
 one epoll set, so the cost does not grow with a thread per node. Messages
 become `NodeEvent`s in arrival order; a connection's end becomes a 'closed' event, which is
 ordered after the node's last message (a dead node is seen within one read).
@@ -10,13 +11,12 @@ from __future__ import annotations
 
 import json
 import selectors
-import socket
 import threading
 import time
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
 
-from rlplex.control.rpc import format_address
+from rlplex.control.rpc import AuthListener, format_address
 from rlplex.control.scheduler import NodeEvent
 
 _POLL_S = 0.1
@@ -25,28 +25,19 @@ _COALESCE_S = 0.1
 
 class HeartbeatServer:
     def __init__(self, authkey: bytes, host: str = "127.0.0.1") -> None:
-        self._listener = Listener((host, 0), authkey=authkey)
-        self.address = format_address(self._listener.address)
         self._lock = threading.Lock()
         self._new: list[Connection] = []
         self._who: dict[Connection, tuple[str, int]] = {}
         self._events: list[NodeEvent] = []
         self._closed = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._accept_loop, name="heartbeat-accept", daemon=True),
-            threading.Thread(target=self._read_loop, name="heartbeat-read", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._listener = AuthListener(host, authkey, self._accepted, name="heartbeat")
+        self.address = format_address(self._listener.address)
+        self._reader = threading.Thread(target=self._read_loop, name="heartbeat-read", daemon=True)
+        self._reader.start()
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn = self._listener.accept()
-            except Exception:  # wrong key, or the listener closed
-                continue
-            with self._lock:
-                self._new.append(conn)
+    def _accepted(self, conn: Connection) -> None:
+        with self._lock:
+            self._new.append(conn)
 
     def _push(self, kind: str, who: tuple[str, int], payload: dict[str, Any]) -> None:
         with self._lock:
@@ -100,14 +91,7 @@ class HeartbeatServer:
 
     def close(self) -> None:
         self._closed.set()
-        # A blocked accept() does not wake when its socket closes: knock once so it returns.
-        host, _, port = self.address.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-        except OSError:
-            pass
-        for thread in self._threads:
-            thread.join(timeout=2.0)
         self._listener.close()
+        self._reader.join(timeout=2.0)
         for conn in list(self._who):
             conn.close()

@@ -23,11 +23,11 @@ import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from rlplex.control.rpc import connect, format_address, parse_address, send_json, serve
+from rlplex.control.rpc import AuthListener, connect, format_address, parse_address, send_json, serve
 from rlplex.control.store import SqliteStateStore
 from rlplex.control.worker import FAILED, FINISHED, SubMaster, Worker, WorkerContext, load_entrypoint
 
@@ -49,7 +49,8 @@ class NodeRuntime:
         self.interval = float(self.spec["heartbeat_interval_s"])
         self.stop_requested = threading.Event()
         self.worker: Worker | None = None
-        self.listener = Listener((host, 0), authkey=self.token)
+        # One thread per authenticated connection serves the control RPC (see AuthListener).
+        self.listener = AuthListener(host, self.token, lambda conn: serve(conn, self.handle), name="node-rpc")
         self.master: Connection | None = None
 
     def build_worker(self) -> Worker:
@@ -93,14 +94,6 @@ class NodeRuntime:
             return getattr(worker, name)(*rest, **kwargs)
         raise AttributeError(f"unknown control method '{method}'")
 
-    def serve_rpc(self) -> None:
-        while True:
-            try:
-                conn = self.listener.accept()
-            except Exception:  # a peer with the wrong key, or the listener closed at exit
-                continue
-            threading.Thread(target=serve, args=(conn, self.handle), daemon=True).start()
-
     def send(self, message: dict[str, Any]) -> bool:
         """Send to the master, (re)connecting first; False when no master can be reached now."""
         if self.master is None:
@@ -130,7 +123,6 @@ class NodeRuntime:
             return False
 
     def run(self) -> int:
-        threading.Thread(target=self.serve_rpc, name="rpc", daemon=True).start()
         try:
             self.worker = self.build_worker()
         except BaseException as error:
