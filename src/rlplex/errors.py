@@ -42,6 +42,10 @@ class JobFailedError(RlplexError):
     """A control-plane job failed (prepare, restart budget, ...); the message carries the cause."""
 
 
+class MasterRunningError(ConfigError):
+    """A job folder already has a live master; the message names it (pid, host, since when)."""
+
+
 class NodeFailedError(RlplexError):
     """A control-plane node failed or a call to it failed; the message names the node."""
 

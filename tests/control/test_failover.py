@@ -115,6 +115,33 @@ def test_master_failover_during_a_worker_failure(job_dir: Path, child_env: dict[
             master.wait()
 
 
+def test_a_second_master_for_a_live_job_is_refused(job_dir: Path, child_env: dict[str, str]) -> None:
+    """`rlplex job resume` or `run` while the job's master lives: exit 2, one line naming the live master;
+    the live job's token, store and nodes are untouched and it finishes alone."""
+    master, store, job_id = start_master(job_dir, child_env)
+    try:
+        token = (job_dir / "job.token").read_text()
+        before = {n.node_id: (n.pid, n.incarnation) for n in store.nodes(job_id)}
+        for args in (("resume", str(job_dir)), ("run", str(job_dir.parent / "job.toml"))):
+            second = subprocess.run(rlplex(*args, env=child_env), env={**child_env, "COLUMNS": "300"},
+                                    capture_output=True, text=True, timeout=30)  # fmt: skip
+            assert second.returncode == 2, (args, second.stdout, second.stderr)
+            lines = second.stdout.strip().splitlines()
+            assert len(lines) == 1 and "already has a live master" in lines[0], lines
+            assert f"pid {master.pid} on " in lines[0]
+        assert (job_dir / "job.token").read_text() == token
+        assert store.latest_job_id() == job_id and store.job(job_id).master_pid == master.pid
+        (job_dir / RELEASE).touch()
+        assert master.wait(timeout=60) == 0
+        assert store.job(job_id).state == "STOPPED"
+        assert {n.node_id: (n.pid, n.incarnation) for n in store.nodes(job_id)} == before
+        assert store.decisions(job_id) == []
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
+
+
 def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path: Path, child_env: dict[str, str]) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text(f'name = "x"\noutput_dir = "{tmp_path}"\n[roles.w]\ncount = -1\nentrypoint = "m:f"\n')
