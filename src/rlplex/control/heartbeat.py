@@ -5,6 +5,10 @@ thread, so an idle client blocks nobody), one thread reads every connection thro
 one epoll set, so the cost does not grow with a thread per node. Messages
 become `NodeEvent`s in arrival order; a connection's end becomes a 'closed' event, which is
 ordered after the node's last message (a dead node is seen within one read).
+
+A node's final message is acknowledged only when the manager says so (`acknowledge`), after it
+has stored what the message says: a node exits on the acknowledgement, so a master that dies
+between reading and storing must not have acknowledged (the node then tells the resumed master).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from rlplex.control.rpc import AuthListener, format_address
+from rlplex.control.rpc import AuthListener, format_address, send_json
 from rlplex.control.scheduler import NodeEvent
 
 _POLL_S = 0.1
@@ -28,6 +32,7 @@ class HeartbeatServer:
         self._lock = threading.Lock()
         self._new: list[Connection] = []
         self._who: dict[Connection, tuple[str, int]] = {}
+        self._conn_of: dict[tuple[str, int], Connection] = {}  # the latest connection of each node
         self._events: list[NodeEvent] = []
         self._closed = threading.Event()
         self._listener = AuthListener(host, authkey, self._accepted, name="heartbeat")
@@ -63,26 +68,43 @@ class HeartbeatServer:
                     self._drop(conn, selector)
                     continue
                 if message.get("type") == "hello":
-                    self._who[conn] = (str(message["node_id"]), int(message["incarnation"]))
-                who = self._who.get(conn)
-                if who is None:
+                    who = (str(message["node_id"]), int(message["incarnation"]))
+                    with self._lock:
+                        self._who[conn] = who
+                        self._conn_of[who] = conn
+                with self._lock:
+                    known = self._who.get(conn)
+                if known is None:
                     self._drop(conn, selector)
                     continue
-                self._push(str(message.get("type")), who, message)
-                if message.get("type") == "final":
-                    # Closing tells the node its final message was read.
-                    self._drop(conn, selector)
+                self._push(str(message.get("type")), known, message)
             # Let messages pile up a little: one wake-up then reads several heartbeats, which
             # keeps the idle master cheap with many nodes (costs at most this much latency).
             self._closed.wait(_COALESCE_S)
         selector.close()
 
     def _drop(self, conn: Connection, selector: selectors.BaseSelector) -> None:
-        who = self._who.pop(conn, None)
+        selector.unregister(conn)
+        # Closed under the lock: `acknowledge` sends under it, never to a descriptor closed (and reused) meanwhile.
+        with self._lock:
+            who = self._who.pop(conn, None)
+            if who is not None and self._conn_of.get(who) is conn:
+                del self._conn_of[who]
+            conn.close()
         if who is not None:
             self._push("closed", who, {})
-        selector.unregister(conn)
-        conn.close()
+
+    def acknowledge(self, node_id: str, incarnation: int) -> bool:
+        """Tell a node its final message is stored (it exits then); False when it is not connected."""
+        with self._lock:
+            conn = self._conn_of.get((node_id, incarnation))
+            if conn is None:
+                return False
+            try:
+                send_json(conn, {"type": "ack"})
+            except (OSError, ValueError):  # gone meanwhile: it sends its final again to whoever is master
+                return False
+        return True
 
     def events(self) -> list[NodeEvent]:
         with self._lock:
@@ -93,5 +115,7 @@ class HeartbeatServer:
         self._closed.set()
         self._listener.close()
         self._reader.join(timeout=2.0)
-        for conn in list(self._who):
+        with self._lock:
+            conns = list(self._who)
+        for conn in conns:
             conn.close()

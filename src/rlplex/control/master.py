@@ -204,9 +204,11 @@ class PrimeMaster:
             raise
         try:
             scheduler = make_scheduler(spec, job_id, read_token(output_dir))
-            store.set_master(job_id, scheduler.master_address, os.getpid())
             manager = PrimeManager(spec, job_id, store, scheduler, policy, state=state)
             manager.reattach()
+            # Named only now: a process of an incarnation that reattach() replaced must find this
+            # master after the store says it is stale (it checks on every reconnect), never before.
+            store.set_master(job_id, scheduler.master_address, os.getpid())
         except BaseException:
             store.close()
             lock.release()
