@@ -79,8 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     ckpt_path, result_path = ckpt_dir / "last.pt", Path(args.result or ckpt_dir / "result.json")
 
     torch.set_num_threads(1)
-    # The rendezvous store, explicit so that the shutdown below can still use it: rank 0 serves it.
-    store = dist.TCPStore(addr, port, world, rank == 0, timeout=timedelta(seconds=60))
+    # The rendezvous store, explicit so that the shutdown below can still use it. Rank 0 serves it,
+    # unless the launcher does (torchrun's agent store, rlplex's ElasticWorker): then all are clients.
+    serves = rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    store = dist.TCPStore(addr, port, world, serves, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     torch.manual_seed(0)  # the same initial weights on every rank
     model = nn.Sequential(nn.Linear(IN_DIM, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))

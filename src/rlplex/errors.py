@@ -51,6 +51,10 @@ class JobInterruptedError(RlplexError):
         self.signum = signum
 
 
+class MasterRunningError(ConfigError):
+    """A job folder already has a live master; the message names it (pid, host, since when)."""
+
+
 class NodeFailedError(RlplexError):
     """A control-plane node failed or a call to it failed; the message names the node."""
 

@@ -12,6 +12,7 @@ within a size cap, and reads at most one byte past the cap (the file may grow me
 from __future__ import annotations
 
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -19,6 +20,17 @@ from rlplex.errors import ConfigError, UnsafeFileError
 
 SMALL_FILE_BYTES = 1 << 20
 """Cap of control files (markers, reasons, JSON records, configs)."""
+
+# A name that becomes a path component (run ids, job names, role and node names): a slash, a NUL
+# or only dots cannot reach scandir, but such a name can reach an API that joins user names into
+# paths ("../../x"); refuse anything odd outright.
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,200}$")
+SAFE_NAME_RULE = "letters, digits, '_', '.', '-', starting with a letter or digit, no '..', at most 201 characters"
+
+
+def is_safe_name(name: str) -> bool:
+    """True when `name` can be used as one path component under a folder of ours."""
+    return bool(_SAFE_NAME.fullmatch(name)) and ".." not in name
 
 
 def _check_within(path: Path, within: Path | None) -> None:

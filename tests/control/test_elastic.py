@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,9 @@ from rlplex.control.elastic_rdzv import (
     ElasticConfig,
     RendezvousError,
     ScriptConfig,
+    dist_env,
     failed_checks,
+    local_layout,
     parse_role_config,
     rendezvous_endpoint,
     slow_nodes,
@@ -156,6 +159,53 @@ def test_elastic_job_trains_to_completion(job_dir: Path) -> None:
         ]
         nodes = master.store.nodes(master.job_id)
         assert {n.state for n in nodes} == {"FINISHED"} and all(n.restarts == 0 for n in nodes)
+
+
+def test_local_rank_counts_the_ranks_on_the_same_machine() -> None:
+    """Two machines, ranks interleaved: LOCAL_RANK picks the GPU on its own machine, not the global rank."""
+    hosts = ["10.0.0.1", "10.0.0.1", "10.0.0.2", "10.0.0.2", "10.0.0.1"]
+    layout = local_layout(hosts)
+    envs = [dist_env({"rank": i, "world": 5, "addr": "10.0.0.1", "port": 29500, **layout[i]}) for i in range(5)]
+    assert [e["RANK"] for e in envs] == ["0", "1", "2", "3", "4"]
+    assert [e["LOCAL_RANK"] for e in envs] == ["0", "1", "0", "1", "2"]
+    assert [e["LOCAL_WORLD_SIZE"] for e in envs] == ["3", "3", "2", "2", "3"]
+    assert [e["GROUP_RANK"] for e in envs] == ["0", "0", "1", "1", "0"]
+    assert all(e["TORCHELASTIC_USE_AGENT_STORE"] == "True" and "GLOO_SOCKET_IFNAME" not in e for e in envs)
+    one_machine = local_layout(["127.0.0.1"] * 2)
+    assert [(x["local_rank"], x["local_world"], x["group_rank"]) for x in one_machine] == [(0, 2, 0), (1, 2, 0)]
+
+
+def listening_sockets(processes: list[psutil.Process]) -> list[tuple[str, str, int]]:
+    """(process, address, port) of every listening TCP socket and bound UDP socket of `processes`."""
+    found = []
+    for process in processes:
+        try:
+            name = f"{process.pid} {' '.join(process.cmdline()[-3:])}"
+            connections = process.net_connections("inet")
+        except psutil.Error:
+            continue  # it ended meanwhile
+        for conn in connections:
+            if conn.status == psutil.CONN_LISTEN or (conn.type == socket.SOCK_DGRAM and conn.laddr):
+                found.append((name, conn.laddr.ip, conn.laddr.port))
+    return found
+
+
+def test_every_port_of_a_job_is_on_loopback(job_dir: Path) -> None:
+    """The master's listener, every node's RPC, the rendezvous store of the check and of the training
+    round, and gloo's own sockets: all on 127.0.0.1 on the local backend (the store authenticates no one)."""
+    with PrimeMaster.create(elastic_job(job_dir, step_delay=0.05)) as master:
+        master.start()  # prepare() ran the node check: a gloo group of its own
+        wait_for(lambda: progress(job_dir, "trainer-1").get("step", 0) >= 3, 40, "both ranks training")
+        nodes = node_processes(job_dir)
+        processes = [psutil.Process(), *nodes, *(c for n in nodes for c in n.children(recursive=True))]
+        assert sum(SCRIPT in " ".join(p.cmdline()) for p in processes) == 2  # both scripts are being looked at
+        found = listening_sockets(processes)
+        store_port = read_elastic_status(job_dir)["rounds"][-1]["port"]
+        assert any(port == store_port for _, _, port in found), found  # the round's store is among them
+        assert len(found) >= 1 + len(nodes) + 1
+        assert [f for f in found if f[1] not in ("127.0.0.1", "::1")] == []
+        assert master.wait(timeout=60) == JobState.STOPPED
+        assert result(job_dir)["steps"] == STEPS
 
 
 def test_sigkilled_script_then_node_rerendezvous_and_resume_from_checkpoints(job_dir: Path) -> None:

@@ -8,8 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+import pytest
+
 from node_helpers import node_processes, wait_for
-from rlplex.control import SqliteStateStore
+from rlplex.control import JobState, PrimeMaster, SqliteStateStore
+
+HERE = Path(__file__).resolve().parent
 
 JOB = """
 name = "failover"
@@ -33,12 +38,15 @@ def rlplex(*args: str, env: dict[str, str]) -> list[str]:
     return [sys.executable, "-m", "rlplex.cli", "job", *args]
 
 
-def start_master(job_dir: Path, env: dict[str, str]) -> tuple[subprocess.Popen[bytes], SqliteStateStore, str]:
-    """`rlplex job run` in a subprocess, returned once every node is RUNNING and has made progress."""
+def start_master(
+    job_dir: Path, env: dict[str, str], argv: list[str] | None = None
+) -> tuple[subprocess.Popen[bytes], SqliteStateStore, str]:
+    """`rlplex job run` (or `argv` + the job file) in a subprocess, returned once every node is RUNNING
+    and has made progress."""
     job_file = job_dir.parent / "job.toml"
     job_file.write_text(JOB.format(out=job_dir, hold=RELEASE))
-    master = subprocess.Popen(rlplex("run", str(job_file), env=env), env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    command = rlplex("run", str(job_file), env=env) if argv is None else [*argv, str(job_file)]
+    master = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_for(lambda: (job_dir / "job.sqlite").exists(), 30, "the job's store")
     store = SqliteStateStore.in_dir(job_dir, create=False)
 
@@ -109,6 +117,103 @@ def test_master_failover_during_a_worker_failure(job_dir: Path, child_env: dict[
         assert (action, target) == ("RESTART_WORKER", "counter-0") and "process exited" in cause
         done = {int(x) for f in (job_dir / "items").glob("*.txt") for x in f.read_text().split()}
         assert done == set(range(90))
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
+
+
+def test_a_second_master_for_a_live_job_is_refused(job_dir: Path, child_env: dict[str, str]) -> None:
+    """`rlplex job resume` or `run` while the job's master lives: exit 2, one line naming the live master;
+    the live job's token, store and nodes are untouched and it finishes alone."""
+    master, store, job_id = start_master(job_dir, child_env)
+    try:
+        token = (job_dir / "job.token").read_text()
+        before = {n.node_id: (n.pid, n.incarnation) for n in store.nodes(job_id)}
+        for args in (("resume", str(job_dir)), ("run", str(job_dir.parent / "job.toml"))):
+            second = subprocess.run(rlplex(*args, env=child_env), env={**child_env, "COLUMNS": "300"},
+                                    capture_output=True, text=True, timeout=30)  # fmt: skip
+            assert second.returncode == 2, (args, second.stdout, second.stderr)
+            lines = second.stdout.strip().splitlines()
+            assert len(lines) == 1 and "already has a live master" in lines[0], lines
+            assert f"pid {master.pid} on " in lines[0]
+        assert (job_dir / "job.token").read_text() == token
+        assert store.latest_job_id() == job_id and store.job(job_id).master_pid == master.pid
+        (job_dir / RELEASE).touch()
+        assert master.wait(timeout=60) == 0
+        assert store.job(job_id).state == "STOPPED"
+        assert {n.node_id: (n.pid, n.incarnation) for n in store.nodes(job_id)} == before
+        assert store.decisions(job_id) == []
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
+
+
+@pytest.mark.parametrize("point", ["in-decision", "before-launch"])
+def test_a_master_killed_halfway_through_a_restart_is_resumed_and_the_job_finishes(
+    job_dir: Path, child_env: dict[str, str], point: str
+) -> None:
+    """A restart decision is one transaction (killed inside it: nothing of it is stored, the resumed
+    master decides again); a decided restart whose launch was not recorded is re-done on resume."""
+    argv = [sys.executable, str(HERE / "dying_master.py"), point]
+    master, store, job_id = start_master(job_dir, child_env, argv=argv)
+    try:
+        victim = next(n for n in store.nodes(job_id) if n.node_id == "counter-1")
+        os.kill(victim.pid, signal.SIGKILL)
+        assert master.wait(timeout=30) == -signal.SIGKILL  # it died at `point`
+        (job_dir / RELEASE).touch()
+        with PrimeMaster.resume(job_dir) as resumed:
+            assert resumed.wait(timeout=40) == JobState.STOPPED
+        done = {int(x) for f in (job_dir / "items").glob("*.txt") for x in f.read_text().split()}
+        assert done == set(range(90))
+        nodes = {n.node_id: n for n in store.nodes(job_id)}
+        assert nodes["counter-1"].restarts == 1 and nodes["counter-1"].state == "FINISHED"
+        assert nodes["counter-0"].restarts == 0 and nodes["counter-2"].restarts == 0
+        assert store.job(job_id).restarts == 1  # one restart, paid once
+        ((action, target),) = [(d.old, d.entity) for d in store.decisions(job_id)]
+        assert (action, target) == ("RESTART_WORKER", "counter-1")
+        steps = [(r.old, r.new) for r in store.transitions(job_id) if r.entity == "counter-1"]
+        if point == "in-decision":  # nothing of the first decision was stored: the resumed master decided anew
+            assert steps[3:] == [("RUNNING", "FAILED"), ("FAILED", "PENDING"), ("PENDING", "CREATED"),
+                                 ("CREATED", "CHECKED"), ("CHECKED", "RUNNING"), ("RUNNING", "FINISHED")]  # fmt: skip
+            assert nodes["counter-1"].incarnation == 1
+        else:  # decided and stored; the resumed master launched it under a fresh incarnation
+            assert ("PENDING", "PENDING") in steps and nodes["counter-1"].incarnation == 2
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
+
+
+def test_a_finished_node_keeps_its_result_until_a_master_has_stored_it(
+    job_dir: Path, child_env: dict[str, str]
+) -> None:
+    """The nodes finish while their master is frozen (SIGSTOP), then the master is killed: they wait
+    for an acknowledgement, tell the resumed master, and nothing runs again."""
+    master, store, job_id = start_master(job_dir, child_env)
+    try:
+        before = {n.node_id: n.pid for n in store.nodes(job_id)}
+        os.kill(master.pid, signal.SIGSTOP)
+        (job_dir / RELEASE).touch()
+
+        def all_items() -> bool:
+            return sum(len(f.read_text().split()) for f in (job_dir / "items").glob("*.txt")) == 90
+
+        wait_for(all_items, 30, "every item processed")
+        # Their final messages sit unread in the frozen master's socket: no node may give up on them.
+        _gone, alive = psutil.wait_procs(node_processes(job_dir), timeout=3.0)
+        assert len(alive) == 3, "a node exited without an acknowledgement of its final message"
+        os.kill(master.pid, signal.SIGKILL)
+        master.wait(timeout=10)
+        resumed = subprocess.run(rlplex("resume", str(job_dir), env=child_env), env=child_env,
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        assert store.job(job_id).state == "STOPPED" and store.decisions(job_id) == []
+        after = store.nodes(job_id)
+        assert {n.node_id: n.pid for n in after} == before
+        assert all(n.state == "FINISHED" and n.restarts == 0 for n in after)
+        assert node_processes(job_dir) == []
     finally:
         if master.poll() is None:
             master.kill()

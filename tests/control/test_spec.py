@@ -93,3 +93,20 @@ def test_backend_precedence_file_then_environment_then_flags(monkeypatch: pytest
     assert backend_overrides("ray", "flag:3") == {"backend": "ray", "ray_address": "flag:3"}
     with pytest.raises(JobSpecError, match="backend"):
         JobBuilder("p", tmp_path, backend="slurm").role("r", entrypoint="control_workers:Counter").build()
+
+
+@pytest.mark.parametrize("bad", ["../../evil", "..", "a/b", ".hidden", "a..b", "", "x" * 300, "role\x00"])
+def test_role_and_job_names_that_could_leave_the_output_folder_are_refused(tmp_path: Path, bad: str) -> None:
+    """Names become log files and status files under the output folder: checked like run ids."""
+    with pytest.raises(JobSpecError) as info:
+        JobBuilder("t", tmp_path).role(bad, entrypoint="control_workers:Idle").build()
+    assert f"field 'roles': {bad!r} is not a valid role name" in str(info.value)
+    if bad:  # an empty job name is refused by pydantic's min_length first
+        with pytest.raises(JobSpecError) as info:
+            JobBuilder(bad, tmp_path).role("r", entrypoint="control_workers:Idle").build()
+        assert f"field 'name': {bad!r} is not a valid job name" in str(info.value)
+
+
+def test_ordinary_names_are_accepted(tmp_path: Path) -> None:
+    spec = JobBuilder("job-1.v2", tmp_path).role("trainer_0", entrypoint="control_workers:Idle").build()
+    assert list(spec.roles) == ["trainer_0"]

@@ -38,6 +38,7 @@ from rlplex.control.elastic_rdzv import (
     RendezvousError,
     RendezvousState,
     failed_checks,
+    local_layout,
     parse_role_config,
     rendezvous_endpoint,
     slow_nodes,
@@ -226,11 +227,12 @@ class ElasticMaster(SubMaster):
         epoch, world = self._new_epoch(), len(members)
         addr, port = self._endpoint(members[0])
         timeout = self.config.check_timeout_s
+        layout = self._layout(members)
         with self._lock:
             self._assign = {
                 m.node_id: {"epoch": epoch, "action": CHECK, "rank": i, "world": world, "addr": addr, "port": port,
                             "matmul_size": self.config.matmul_size, "check_timeout_s": timeout,
-                            "backend": self.config.dist_backend}
+                            "backend": self.config.dist_backend, **layout[i]}
                 for i, m in enumerate(members)
             }  # fmt: skip
         results: dict[str, dict[str, Any]] = {}
@@ -272,17 +274,24 @@ class ElasticMaster(SubMaster):
     def _launch(self, members: list[Member]) -> None:
         epoch, world = self._new_epoch(), len(members)
         addr, port = self._endpoint(members[0])
+        layout = self._layout(members)
         with self._lock:
             self._round = {m.node_id: m.incarnation for m in members}
             self._assign = {
                 m.node_id: {"epoch": epoch, "action": RUN, "rank": i, "world": world, "addr": addr, "port": port,
-                            "restarts": self.restarts}
+                            "restarts": self.restarts, **layout[i]}
                 for i, m in enumerate(members)
             }  # fmt: skip
         self.rounds.append({"epoch": epoch, "restarts": self.restarts, "world": world, "addr": addr, "port": port,
                             "ranks": {m.node_id: i for i, m in enumerate(members)}, "started_at": time.time(),
                             "resumed_from": None, "first_step_at": None})  # fmt: skip
         self._to(R.RUNNING, f"world {world}, rank 0 at {addr}:{port}, restart {self.restarts}")
+
+    def _layout(self, members: list[Member]) -> list[dict[str, int]]:
+        """LOCAL_RANK and friends: members reporting the same endpoint host share a machine."""
+        with self._lock:
+            hosts = [str((m.report.get("endpoint") or {}).get("host", "")) for m in members]
+        return local_layout(hosts)
 
     def _endpoint(self, rank0: Member) -> tuple[str, int]:
         with self._lock:

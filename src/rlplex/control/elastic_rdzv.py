@@ -24,8 +24,10 @@ assignment, so a lost message or a restarted master costs nothing but one interv
 
 from __future__ import annotations
 
+import os
 import socket
 import statistics
+import sys
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -122,23 +124,53 @@ def parse_role_config(model: type[StrictModel], data: dict[str, Any], role: str)
 LOCAL_HOST = "127.0.0.1"
 
 
+def serve_tcp_store(sock: socket.socket, timeout_s: float) -> Any:
+    """torch's TCPStore server on `sock` (bound, not yet listening), which it then owns and closes.
+
+    `TCPStore(host, port, is_master=True)` listens on every interface, IPv4 and IPv6, whatever
+    `host` says, and the store authenticates nobody; given a listening socket it serves that one,
+    so the store is reachable on the address the socket is bound to only (127.0.0.1 on one
+    machine). Torch is imported here, by the one process that serves a store."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    host, port = sock.getsockname()[:2]
+    sock.listen(128)
+    fd = sock.detach()
+    try:
+        return dist.TCPStore(
+            host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False, master_listen_fd=fd
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class PortReservation:
-    """A port held for a round's rendezvous store from the moment a node reports it until rank 0's
-    script serves it.
+    """A port held for a round's rendezvous store from the moment a node reports it until the
+    round ends; rank 0's node serves the store on it (`serve_store`).
 
     A port that was merely free when reported (bind, close) can be taken meanwhile by any connect()
-    on the machine, and rank 0's script then fails to listen: an extra re-rendezvous. The socket
-    here stays bound with SO_REUSEADDR and never listens, so the kernel hands the port to nobody
-    else, while torch's TCPStore (which also sets SO_REUSEADDR) can still bind and listen on it.
+    on the machine, and the store then cannot listen: an extra re-rendezvous. The socket here
+    stays bound and never listens until the round's store serves it.
     """
 
     def __init__(self, host: str = LOCAL_HOST) -> None:
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, 0))
         self.port = int(self._sock.getsockname()[1])
+        self._store: Any = None
+
+    def serve_store(self, timeout_s: float = 300.0) -> None:
+        """Serve the round's torch.distributed store here; the ranks join it as clients, as under
+        torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True in their environment)."""
+        if self._store is None:
+            self._store = serve_tcp_store(self._sock, timeout_s)
 
     def release(self) -> None:
+        self._store = None  # the store's server stops and closes the socket it owns
         self._sock.close()
 
 
@@ -150,6 +182,45 @@ def rendezvous_endpoint(rank0: str, report: dict[str, Any]) -> tuple[str, int]:
     if not isinstance(host, str) or not host or not isinstance(port, int) or not 0 < port < 65536:
         raise RendezvousError(f"member {rank0} (rank 0) reported no usable endpoint: {endpoint!r}")
     return host, port
+
+
+def local_layout(hosts: list[str]) -> list[dict[str, int]]:
+    """Per rank (the list is in rank order, one host per rank): its rank among the ranks on the same
+    machine (LOCAL_RANK, the GPU it takes), how many ranks that machine runs (LOCAL_WORLD_SIZE) and
+    the machine's index in order of first appearance (GROUP_RANK)."""
+    groups: dict[str, int] = {}
+    counts: dict[str, int] = {}
+    out = []
+    for host in hosts:
+        groups.setdefault(host, len(groups))
+        out.append({"local_rank": counts.get(host, 0), "group_rank": groups[host]})
+        counts[host] = counts.get(host, 0) + 1
+    for entry, host in zip(out, hosts, strict=True):
+        entry["local_world"] = counts[host]
+    return out
+
+
+def dist_env(assignment: dict[str, Any]) -> dict[str, str]:
+    """torchrun's environment of one rank for a check or a run assignment.
+
+    The ranks join the round's store as clients: rank 0's node serves it (`PortReservation`), as
+    torchrun's agent does. On one machine gloo and NCCL are kept on the loopback interface too
+    (their own listening sockets); a user's GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME still wins."""
+    env = {
+        "RANK": str(assignment["rank"]),
+        "LOCAL_RANK": str(assignment["local_rank"]),
+        "WORLD_SIZE": str(assignment["world"]),
+        "LOCAL_WORLD_SIZE": str(assignment["local_world"]),
+        "GROUP_RANK": str(assignment["group_rank"]),
+        "MASTER_ADDR": str(assignment["addr"]),
+        "MASTER_PORT": str(assignment["port"]),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    if sys.platform == "linux" and str(assignment["addr"]) in (LOCAL_HOST, "::1", "localhost"):
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if name not in os.environ:
+                env[name] = "lo"
+    return env
 
 
 def slow_nodes(results: dict[str, dict[str, Any]], factor: float) -> dict[str, str]:

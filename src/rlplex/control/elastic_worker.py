@@ -5,9 +5,11 @@ job store: the sub-master role whose `config.workers` names this role): it sends
 (script and check state, the script's progress) and reconciles towards the assignment it gets
 back: run the node check, start the script for an epoch, stop it, or finish.
 
-The script gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT
-(where rank 0 runs: its node's address, 127.0.0.1 on one machine or that machine's IP on a
-multi-machine Ray cluster, and a port rank 0's node holds for it), RLPLEX_RESTART_COUNT
+The script gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE (LOCAL_*: among the ranks on its
+machine), MASTER_ADDR and MASTER_PORT (where rank 0 runs: its node's address, 127.0.0.1 on one
+machine or that machine's IP on a multi-machine Ray cluster, and a port on which rank 0's node
+serves the round's store; the script joins it as a client, TORCHELASTIC_USE_AGENT_STORE=True,
+as under torchrun), RLPLEX_RESTART_COUNT
 (= TORCHELASTIC_RESTART_COUNT), RLPLEX_CHECKPOINT_DIR and RLPLEX_PROGRESS_FILE, where it may
 write a JSON object of numbers (e.g. {"step": 12, "loss": 0.3}); the worker reads it into its
 heartbeats and reports. The script stays in the node's
@@ -25,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from rlplex.control.elastic_rdzv import CHECK, FINISH, RUN, PortReservation, ScriptConfig, parse_role_config
+from rlplex.control.elastic_rdzv import CHECK, FINISH, RUN, PortReservation, ScriptConfig, dist_env, parse_role_config
 from rlplex.control.rpc import RpcClient, parse_address
 from rlplex.control.worker import FAILED, FINISHED, Worker, WorkerContext
 from rlplex.errors import JobSpecError, RlplexError
@@ -218,6 +220,7 @@ class ElasticWorker(Worker):
             if self._handed is not None:
                 self._handed.release()
             self._handed, self._offered = self._offered, None
+            self._handed.serve_store()
 
     def _release_ports(self) -> None:
         for reservation in (self._offered, self._handed):
@@ -271,7 +274,7 @@ class ElasticWorker(Worker):
         """Launch the check process; None while it runs (its outcome comes with a later report).
 
         A subclass may return a result at once instead (tests inject failing checks so)."""
-        env = {**os.environ, **self._dist_env(assignment), "OMP_NUM_THREADS": str(self.config.omp_num_threads)}
+        env = {**os.environ, **dist_env(assignment), "OMP_NUM_THREADS": str(self.config.omp_num_threads)}
         argv = python_argv("-m", "rlplex.control.elastic_check", "--size", str(assignment["matmul_size"]))
         argv += ["--timeout-s", str(assignment["check_timeout_s"]), "--backend", str(assignment.get("backend", "gloo"))]
         self._check = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
@@ -296,24 +299,13 @@ class ElasticWorker(Worker):
             self._check = None
 
     # ---- the script --------------------------------------------------------------------------
-    def _dist_env(self, assignment: dict[str, Any]) -> dict[str, str]:
-        return {
-            "RANK": str(assignment["rank"]),
-            "LOCAL_RANK": str(assignment["rank"]),
-            "WORLD_SIZE": str(assignment["world"]),
-            "LOCAL_WORLD_SIZE": str(assignment["world"]),
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": str(assignment["addr"]),
-            "MASTER_PORT": str(assignment["port"]),
-        }
-
     def _start_script(self, assignment: dict[str, Any]) -> None:
         restarts = str(assignment["restarts"])
         env = {
             **os.environ,
             "OMP_NUM_THREADS": str(self.config.omp_num_threads),
             **self.config.env,
-            **self._dist_env(assignment),
+            **dist_env(assignment),
             "RLPLEX_RESTART_COUNT": restarts,
             "TORCHELASTIC_RESTART_COUNT": restarts,
             "TORCHELASTIC_RUN_ID": self.context.job_id,

@@ -1,22 +1,26 @@
 """The master's end of the heartbeats: a listener on 127.0.0.1 that nodes connect back to.
 
-One thread accepts (with the job token as HMAC key), one thread reads every connection through
+An `AuthListener` accepts (with the job token as HMAC key, each handshake off the accepting
+thread, so an idle client blocks nobody), one thread reads every connection through
 one epoll set, so the cost does not grow with a thread per node. Messages
 become `NodeEvent`s in arrival order; a connection's end becomes a 'closed' event, which is
 ordered after the node's last message (a dead node is seen within one read).
+
+A node's final message is acknowledged only when the manager says so (`acknowledge`), after it
+has stored what the message says: a node exits on the acknowledgement, so a master that dies
+between reading and storing must not have acknowledged (the node then tells the resumed master).
 """
 
 from __future__ import annotations
 
 import json
 import selectors
-import socket
 import threading
 import time
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from typing import Any
 
-from rlplex.control.rpc import format_address
+from rlplex.control.rpc import AuthListener, format_address, send_json
 from rlplex.control.scheduler import NodeEvent
 
 _POLL_S = 0.1
@@ -25,28 +29,20 @@ _COALESCE_S = 0.1
 
 class HeartbeatServer:
     def __init__(self, authkey: bytes, host: str = "127.0.0.1") -> None:
-        self._listener = Listener((host, 0), authkey=authkey)
-        self.address = format_address(self._listener.address)
         self._lock = threading.Lock()
         self._new: list[Connection] = []
         self._who: dict[Connection, tuple[str, int]] = {}
+        self._conn_of: dict[tuple[str, int], Connection] = {}  # the latest connection of each node
         self._events: list[NodeEvent] = []
         self._closed = threading.Event()
-        self._threads = [
-            threading.Thread(target=self._accept_loop, name="heartbeat-accept", daemon=True),
-            threading.Thread(target=self._read_loop, name="heartbeat-read", daemon=True),
-        ]
-        for thread in self._threads:
-            thread.start()
+        self._listener = AuthListener(host, authkey, self._accepted, name="heartbeat")
+        self.address = format_address(self._listener.address)
+        self._reader = threading.Thread(target=self._read_loop, name="heartbeat-read", daemon=True)
+        self._reader.start()
 
-    def _accept_loop(self) -> None:
-        while not self._closed.is_set():
-            try:
-                conn = self._listener.accept()
-            except Exception:  # wrong key, or the listener closed
-                continue
-            with self._lock:
-                self._new.append(conn)
+    def _accepted(self, conn: Connection) -> None:
+        with self._lock:
+            self._new.append(conn)
 
     def _push(self, kind: str, who: tuple[str, int], payload: dict[str, Any]) -> None:
         with self._lock:
@@ -72,26 +68,43 @@ class HeartbeatServer:
                     self._drop(conn, selector)
                     continue
                 if message.get("type") == "hello":
-                    self._who[conn] = (str(message["node_id"]), int(message["incarnation"]))
-                who = self._who.get(conn)
-                if who is None:
+                    who = (str(message["node_id"]), int(message["incarnation"]))
+                    with self._lock:
+                        self._who[conn] = who
+                        self._conn_of[who] = conn
+                with self._lock:
+                    known = self._who.get(conn)
+                if known is None:
                     self._drop(conn, selector)
                     continue
-                self._push(str(message.get("type")), who, message)
-                if message.get("type") == "final":
-                    # Closing tells the node its final message was read.
-                    self._drop(conn, selector)
+                self._push(str(message.get("type")), known, message)
             # Let messages pile up a little: one wake-up then reads several heartbeats, which
             # keeps the idle master cheap with many nodes (costs at most this much latency).
             self._closed.wait(_COALESCE_S)
         selector.close()
 
     def _drop(self, conn: Connection, selector: selectors.BaseSelector) -> None:
-        who = self._who.pop(conn, None)
+        selector.unregister(conn)
+        # Closed under the lock: `acknowledge` sends under it, never to a descriptor closed (and reused) meanwhile.
+        with self._lock:
+            who = self._who.pop(conn, None)
+            if who is not None and self._conn_of.get(who) is conn:
+                del self._conn_of[who]
+            conn.close()
         if who is not None:
             self._push("closed", who, {})
-        selector.unregister(conn)
-        conn.close()
+
+    def acknowledge(self, node_id: str, incarnation: int) -> bool:
+        """Tell a node its final message is stored (it exits then); False when it is not connected."""
+        with self._lock:
+            conn = self._conn_of.get((node_id, incarnation))
+            if conn is None:
+                return False
+            try:
+                send_json(conn, {"type": "ack"})
+            except (OSError, ValueError):  # gone meanwhile: it sends its final again to whoever is master
+                return False
+        return True
 
     def events(self) -> list[NodeEvent]:
         with self._lock:
@@ -100,14 +113,9 @@ class HeartbeatServer:
 
     def close(self) -> None:
         self._closed.set()
-        # A blocked accept() does not wake when its socket closes: knock once so it returns.
-        host, _, port = self.address.rpartition(":")
-        try:
-            socket.create_connection((host, int(port)), timeout=1.0).close()
-        except OSError:
-            pass
-        for thread in self._threads:
-            thread.join(timeout=2.0)
         self._listener.close()
-        for conn in list(self._who):
+        self._reader.join(timeout=2.0)
+        with self._lock:
+            conns = list(self._who)
+        for conn in conns:
             conn.close()

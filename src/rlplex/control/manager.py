@@ -10,6 +10,16 @@
 
 A prepare that fails at any point cleans up everything it created. Every transition and
 decision goes to the store (and to `<output_dir>/master.log`) with its cause.
+
+Crash safety (a master may die at any line; `reattach()` in the resumed master picks up):
+- a restart decision is one store transaction: the decision, the budget spent, every chosen
+  node's FAILED/STOPPED -> PENDING with its new incarnation (and the job's READY for a job
+  restart). Processes are launched after the commit; each launch is recorded with its CREATED
+  transition in one transaction. `reattach()` relaunches PENDING nodes (decided, launch not
+  recorded) under a fresh incarnation, so that a process the dead master may have launched
+  is stale and stops itself; a FAILED node (failure recorded, restart not) is restarted.
+- a node's final message is acknowledged only after its FINISHED is stored: the node
+  exits on the acknowledgement, and otherwise tells the resumed master again.
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ class PrimeManager:
         self.job = job_machine(store, job_id, state)
         self.slots: dict[str, NodeSlot] = {}
         self._failover = False
+        self._finals: list[tuple[str, int, str]] = []  # (node, incarnation, status) read, not yet acknowledged
         self._spent: dict[str, int] | None = None
         self._last_flush = time.monotonic()
         self._log_file = open(spec.output_dir / "master.log", "a", buffering=1)
@@ -72,6 +83,17 @@ class PrimeManager:
     def _job_to(self, state: JobState, cause: str) -> None:
         self.job.transition(state, cause)
         self.log(f"job -> {state.value}: {cause}")
+
+    def _to_pending(self, slot: NodeSlot, cause: str) -> None:
+        """PENDING with the incarnation it will be launched under, in one transaction."""
+        with self.store.transaction():
+            if slot.state == NodeState.PENDING:  # a relaunch under a new incarnation (master failover)
+                self.store.record_transition(self.job_id, slot.node_id, "PENDING", "PENDING", cause)
+            else:
+                slot.to(NodeState.PENDING, cause)
+            self.store.update_node(
+                self.job_id, slot.node_id, incarnation=slot.incarnation, restarts=slot.restarts, pid=0, address=""
+            )
 
     def _register(self, member: Member) -> NodeSlot:
         slot = NodeSlot.new(self.store, self.job_id, member.role, member.rank, self.spec.roles[member.role].kind)
@@ -101,6 +123,7 @@ class PrimeManager:
             deadline = time.monotonic() + self.spec.start_timeout_s
             while any(s.state == NodeState.CREATED for s in self.slots.values()):
                 self._step_nodes()
+                self._acknowledge_finals()
                 for slot in self.slots.values():
                     cause = detect_failure(self._node_status(slot, time.monotonic()))
                     if cause is not None:
@@ -127,6 +150,7 @@ class PrimeManager:
         if self.job.state in TERMINAL_JOB_STATES:
             return self.job.state
         self._step_nodes()
+        self._acknowledge_finals()
         if self.job.state == JobState.READY and self._failover:
             self._finish_failover()
         decision = self.policy.decide(self.status())
@@ -172,6 +196,22 @@ class PrimeManager:
             slot = self.slots.get(event.node_id)
             if slot is not None and event.incarnation == slot.incarnation:
                 self._apply(slot, event)
+            if event.kind == "final":
+                self._finals.append((event.node_id, event.incarnation, str(event.payload.get("status"))))
+
+    def _acknowledge_finals(self) -> None:
+        """Acknowledge the final messages whose verdict is stored; a FINISHED one once the node is FINISHED.
+
+        (Other finals, and those of stale incarnations, carry nothing a restart would repeat.)"""
+        waiting = []
+        for node, incarnation, status in self._finals:
+            slot = self.slots.get(node)
+            current = slot is not None and slot.incarnation == incarnation
+            if current and status == "FINISHED" and slot is not None and slot.state in LIVE_NODE_STATES:
+                waiting.append((node, incarnation, status))
+                continue
+            self.scheduler.acknowledge(node, incarnation)
+        self._finals = waiting
 
     def _apply(self, slot: NodeSlot, event: NodeEvent) -> None:
         if event.kind == "hello":
@@ -233,8 +273,12 @@ class PrimeManager:
                     pass
         deadline = time.monotonic() + self.spec.stop_grace_s
         while time.monotonic() < deadline and any(self.scheduler.is_alive(s.handle) for s in live if s.handle):
+            self._drain()  # the nodes wait for the acknowledgement of their final message to exit
+            self._record_finished(live)
+            self._acknowledge_finals()
             time.sleep(0.02)
         self._drain()
+        self._record_finished(live)
         for slot in slots:
             if slot.handle is not None:
                 self.scheduler.kill(slot.handle)
@@ -244,13 +288,22 @@ class PrimeManager:
             if slot.state in LIVE_NODE_STATES or slot.state == NodeState.PENDING:
                 slot.to(NodeState.STOPPED, cause)
 
-    def _restart(self, slot: NodeSlot, cause: str) -> None:
+    def _record_finished(self, slots: list[NodeSlot]) -> None:
+        for slot in slots:
+            if slot.state in (NodeState.CHECKED, NodeState.RUNNING) and slot.reported == "FINISHED":
+                slot.to(NodeState.FINISHED, "the node reported FINISHED")
+
+    def _decide_restart(self, slot: NodeSlot, cause: str) -> None:
+        """The store side of a restart (inside the decision's transaction): the node PENDING, next incarnation."""
         if slot.state in LIVE_NODE_STATES:
             slot.to(NodeState.FAILED, cause)
         elif slot.state == NodeState.PENDING:
             slot.to(NodeState.STOPPED, cause)
         slot.reset_for_restart()
-        slot.to(NodeState.PENDING, f"restart #{slot.restarts}: {cause}")
+        self._to_pending(slot, f"restart #{slot.restarts}: {cause}")
+
+    def _relaunch(self, slot: NodeSlot) -> None:
+        """Launch a PENDING node under its incarnation (the process side of a restart)."""
         if slot.handle is not None:
             handle = self.scheduler.restart(slot.handle, slot.incarnation)
         else:
@@ -260,24 +313,30 @@ class PrimeManager:
 
     def _execute(self, decision: Decision) -> None:
         target = ",".join(decision.node_ids) or decision.role or "job"
-        self.store.record_decision(self.job_id, decision.action.value, target, decision.cause)
-        self.log(f"decision {decision.action.value} on {target}: {decision.cause}")
         if decision.action == Action.FAIL_JOB:
+            self.store.record_decision(self.job_id, decision.action.value, target, decision.cause)
+            self.log(f"decision {decision.action.value} on {target}: {decision.cause}")
             self.fail(decision.cause)
             return
-        self.store.spend_restart(self.job_id, decision.role or "")
-        self._spent = self.store.role_restarts(self.job_id)
         if decision.action == Action.RESTART_WORKER:
             chosen = [self.slots[n] for n in decision.node_ids]
         elif decision.action == Action.RESTART_ROLE:
             chosen = [s for s in self.slots.values() if s.role == decision.role and s.state != NodeState.FINISHED]
         else:
-            if self.job.state == JobState.RUNNING:
-                self._job_to(JobState.READY, f"failover (restart job): {decision.cause}")
-            self._failover = True
             chosen = [s for s in self.slots.values() if s.state not in (NodeState.FINISHED, NodeState.STOPPED)]
+        with self.store.transaction():
+            self.store.record_decision(self.job_id, decision.action.value, target, decision.cause)
+            self.store.spend_restart(self.job_id, decision.role or "")
+            if decision.action == Action.RESTART_JOB and self.job.state == JobState.RUNNING:
+                self._job_to(JobState.READY, f"failover (restart job): {decision.cause}")
+            for slot in chosen:
+                self._decide_restart(slot, decision.cause)
+        self.log(f"decision {decision.action.value} on {target}: {decision.cause}")
+        self._spent = self.store.role_restarts(self.job_id)
+        if decision.action == Action.RESTART_JOB:
+            self._failover = True
         for slot in chosen:
-            self._restart(slot, decision.cause)
+            self._relaunch(slot)
 
     def _finish_failover(self) -> None:
         live = [s for s in self.slots.values() if s.state in LIVE_NODE_STATES]
@@ -370,7 +429,7 @@ class PrimeManager:
                     self._register(member)
                 else:
                     slot.reset_for_restart(count=False)
-                    slot.to(NodeState.PENDING, f"role '{role}' scaled up to {count}")
+                    self._to_pending(slot, f"role '{role}' scaled up to {count}")
             self._launch([Bundle(-1, 0.0, 0.0, 0, (), tuple(new))])
         self.store.record_decision(self.job_id, "SCALE", role, f"role '{role}' scaled to {count}")
         self.log(f"role '{role}' scaled from {len(active)} to {count}")
@@ -379,9 +438,12 @@ class PrimeManager:
     def reattach(self) -> None:
         """Rebuild the node registry from the store after a master restart; lost nodes get restarted."""
         now = time.monotonic()
+        half_done: list[NodeSlot] = []
         for record in self.store.nodes(self.job_id):
             slot = NodeSlot.from_record(self.store, record, self.spec.roles[record.role].kind)
             self.slots[slot.node_id] = slot
+            if slot.state in (NodeState.PENDING, NodeState.FAILED):
+                half_done.append(slot)
             if slot.state not in LIVE_NODE_STATES:
                 continue
             slot.handle = self.scheduler.attach(
@@ -401,6 +463,14 @@ class PrimeManager:
         if self.job.state == JobState.RUNNING:
             self._job_to(JobState.READY, "master failover: the master restarted")
         self._failover = True
+        for slot in half_done:
+            # PENDING: a restart (or scale-up) decided, its launch not recorded; the previous master may
+            # have launched a process for that incarnation, so this one gets the next (the other is stale).
+            # FAILED: a failure recorded, the restart not decided; its budget was spent with the decision.
+            verb = "redone" if slot.state == NodeState.PENDING else "completed"
+            slot.reset_for_restart(count=slot.state == NodeState.FAILED)
+            self._to_pending(slot, f"master failover: a restart the previous master left half-done is {verb}")
+            self._relaunch(slot)
         self.log(f"re-attached: {self.summary()}")
 
     def summary(self) -> dict[str, Any]:

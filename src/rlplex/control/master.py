@@ -9,13 +9,20 @@
 `<output_dir>/job.sqlite`, re-attaches to the nodes that are alive (they kept running in
 their own sessions), restarts the lost ones and goes on. The job token (HMAC key of every
 control connection) lives in `<output_dir>/job.token`, readable by the owner only.
+
+One master per job folder: every master (`create`, `resume`, the Ray master actor through
+them) holds an exclusive `flock` on `<output_dir>/master.lock` for its whole life; a second
+one is refused with `MasterRunningError` naming the live one. The kernel drops the lock when
+the master's process dies however it dies, so a resumed master never waits for a stale lock.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import secrets
+import socket
 import time
 import uuid
 from pathlib import Path
@@ -28,9 +35,47 @@ from rlplex.control.slot import NodeInfo
 from rlplex.control.spec import JobSpec, load_job, parse_job
 from rlplex.control.states import TERMINAL_JOB_STATES, JobState
 from rlplex.control.store import SqliteStateStore
-from rlplex.errors import ConfigError, JobFailedError, JobSpecError, WaitTimeoutError
+from rlplex.errors import ConfigError, JobFailedError, JobSpecError, MasterRunningError, WaitTimeoutError
 
 TOKEN_FILE = "job.token"
+LOCK_FILE = "master.lock"
+
+
+class MasterLock:
+    """The lease of the one master of a job folder: an exclusive flock on `<output_dir>/master.lock`.
+
+    The file also says who holds it (pid, host, since), for the message that refuses a second master."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self._fd: int | None = fd
+        self.path = path
+
+    @classmethod
+    def acquire(cls, output_dir: Path) -> MasterLock:
+        path = output_dir / LOCK_FILE
+        # os.open's descriptors are not inherited: node processes must not hold the master's lease.
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 512, 0).decode(errors="replace").strip() or "holder unknown"
+            os.close(fd)
+            raise MasterRunningError(
+                f"{output_dir}: this job folder already has a live master ({holder}); "
+                f"watch it with 'rlplex job status {output_dir}', or stop it before starting another"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        since = time.strftime("%Y-%m-%d %H:%M:%S")
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
+        return cls(fd, path)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the last descriptor drops the flock
+            self._fd = None
 
 
 def write_token(output_dir: Path) -> bytes:
@@ -107,8 +152,8 @@ def resumable_spec(output_dir: str | Path) -> JobSpec:
 
 
 class PrimeMaster:
-    def __init__(self, manager: PrimeManager, store: SqliteStateStore) -> None:
-        self.manager, self.store = manager, store
+    def __init__(self, manager: PrimeManager, store: SqliteStateStore, lock: MasterLock | None = None) -> None:
+        self.manager, self.store, self.lock = manager, store, lock
 
     @property
     def job_id(self) -> str:
@@ -134,27 +179,41 @@ class PrimeMaster:
         }
         spec = parse_job(spec.model_dump(mode="json") | updates, f"job '{spec.name}'")
         spec.output_dir.mkdir(parents=True, exist_ok=True)
-        token = write_token(spec.output_dir)
-        store = SqliteStateStore.in_dir(spec.output_dir)
-        job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
-        store.create_job(job_id, spec.name, spec.model_dump_json())
-        scheduler = make_scheduler(spec, job_id, token)
-        store.set_master(job_id, scheduler.master_address, os.getpid())
-        return cls(PrimeManager(spec, job_id, store, scheduler, policy), store)
+        # The lease first: a live job's token, store and nodes must stay untouched by a second `run`.
+        lock = MasterLock.acquire(spec.output_dir)
+        try:
+            token = write_token(spec.output_dir)
+            store = SqliteStateStore.in_dir(spec.output_dir)
+            job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
+            store.create_job(job_id, spec.name, spec.model_dump_json())
+            scheduler = make_scheduler(spec, job_id, token)
+            store.set_master(job_id, scheduler.master_address, os.getpid())
+            return cls(PrimeManager(spec, job_id, store, scheduler, policy), store, lock)
+        except BaseException:
+            lock.release()
+            raise
 
     @classmethod
     def resume(cls, output_dir: str | Path, policy: FailurePolicy | None = None) -> PrimeMaster:
         output_dir = Path(output_dir).resolve()
         store, job_id, state, spec = _open_resumable(output_dir)
         try:
-            scheduler = make_scheduler(spec, job_id, read_token(output_dir))
+            lock = MasterLock.acquire(output_dir)
         except BaseException:
             store.close()
             raise
-        store.set_master(job_id, scheduler.master_address, os.getpid())
-        manager = PrimeManager(spec, job_id, store, scheduler, policy, state=state)
-        manager.reattach()
-        return cls(manager, store)
+        try:
+            scheduler = make_scheduler(spec, job_id, read_token(output_dir))
+            manager = PrimeManager(spec, job_id, store, scheduler, policy, state=state)
+            manager.reattach()
+            # Named only now: a process of an incarnation that reattach() replaced must find this
+            # master after the store says it is stale (it checks on every reconnect), never before.
+            store.set_master(job_id, scheduler.master_address, os.getpid())
+        except BaseException:
+            store.close()
+            lock.release()
+            raise
+        return cls(manager, store, lock)
 
     def start(self) -> None:
         """prepare() (place, create, check every node) then start(); raises if prepare fails."""
@@ -182,8 +241,12 @@ class PrimeMaster:
         self.manager.stop(cause)
 
     def close(self) -> None:
-        self.manager.close()
-        self.store.close()
+        try:
+            self.manager.close()
+            self.store.close()
+        finally:
+            if self.lock is not None:
+                self.lock.release()
 
     def get_nodes_by_role(self) -> dict[str, list[NodeInfo]]:
         return self.manager.get_nodes_by_role()

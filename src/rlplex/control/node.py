@@ -7,10 +7,13 @@ entry point's worker, serves the control RPC on `host` (127.0.0.1 unless a multi
 cluster needs the node's IP; authkey = the job token, from RLPLEX_JOB_TOKEN in a node process)
 and pushes heartbeats with the worker's status and progress to the master's listener. When the
 master goes away the node keeps working and reconnects to whatever address the store names next
-(a resumed master); it delivers its final message (FINISHED, FAILED, STOPPED) before exiting,
-and stops itself if no master shows up within `master_lost_timeout_s`.
+(a resumed master); it delivers its final message (FINISHED, FAILED, STOPPED) and exits once a
+master acknowledges it (the master stores it first), telling every new master again until one
+does; it stops itself if no master shows up within `master_lost_timeout_s`. A node whose
+incarnation the store has moved past (a resumed master relaunched it) is stale and stops itself.
 
 Messages to the master: hello {pid, address}, heartbeat {status, progress, error}, final.
+From the master: ack (of the final message).
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ import sys
 import threading
 import time
 import traceback
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from rlplex.control.rpc import connect, format_address, parse_address, send_json, serve
+from rlplex.control.rpc import AuthListener, connect, format_address, parse_address, send_json, serve
 from rlplex.control.store import SqliteStateStore
 from rlplex.control.worker import FAILED, FINISHED, SubMaster, Worker, WorkerContext, load_entrypoint
 
@@ -48,8 +51,10 @@ class NodeRuntime:
         self.role_spec: dict[str, Any] = self.spec["roles"][self.role]
         self.interval = float(self.spec["heartbeat_interval_s"])
         self.stop_requested = threading.Event()
+        self.superseded = False
         self.worker: Worker | None = None
-        self.listener = Listener((host, 0), authkey=self.token)
+        # One thread per authenticated connection serves the control RPC (see AuthListener).
+        self.listener = AuthListener(host, self.token, lambda conn: serve(conn, self.handle), name="node-rpc")
         self.master: Connection | None = None
 
     def build_worker(self) -> Worker:
@@ -93,18 +98,22 @@ class NodeRuntime:
             return getattr(worker, name)(*rest, **kwargs)
         raise AttributeError(f"unknown control method '{method}'")
 
-    def serve_rpc(self) -> None:
-        while True:
-            try:
-                conn = self.listener.accept()
-            except Exception:  # a peer with the wrong key, or the listener closed at exit
-                continue
-            threading.Thread(target=serve, args=(conn, self.handle), daemon=True).start()
+    def _check_superseded(self) -> bool:
+        """True (and stop) when the store names a newer incarnation of this node: this process is stale."""
+        current = next((n.incarnation for n in self.store.nodes(self.job_id) if n.node_id == self.node_id), None)
+        if current is not None and current > self.incarnation and not self.superseded:
+            print(f"{self.node_id}: incarnation {current} replaces this one ({self.incarnation}); stopping",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            self.superseded = True
+            self.stop_requested.set()
+        return self.superseded
 
     def send(self, message: dict[str, Any]) -> bool:
         """Send to the master, (re)connecting first; False when no master can be reached now."""
         if self.master is None:
             try:
+                if self._check_superseded():
+                    return False
                 address = self.store.job(self.job_id).master_address
                 if not address:
                     return False
@@ -130,7 +139,8 @@ class NodeRuntime:
             return False
 
     def run(self) -> int:
-        threading.Thread(target=self.serve_rpc, name="rpc", daemon=True).start()
+        if self._check_superseded():
+            return 5
         try:
             self.worker = self.build_worker()
         except BaseException as error:
@@ -159,14 +169,38 @@ class NodeRuntime:
             self.stop_requested.wait(self.interval)
 
     def finish(self, message: dict[str, Any], code: int) -> int:
-        """Deliver the final message, waiting for a (resumed) master up to the lost-master deadline."""
-        deadline = time.monotonic() + float(self.spec["master_lost_timeout_s"])
-        while not self.send(message) and time.monotonic() < deadline:
-            time.sleep(self.interval)
-        if self.master is not None:
-            # Wait for the master to close its side: it has read everything we sent.
-            self.master.poll(2.0)
+        """Deliver the final message until a master acknowledges it (it has stored it then).
+
+        A master that goes away unacknowledged gets it from the node again once resumed; only
+        `master_lost_timeout_s` without any master reachable (or a silent one) ends the wait."""
+        lost_timeout = float(self.spec["master_lost_timeout_s"])
+        deadline = time.monotonic() + lost_timeout
+        while time.monotonic() < deadline and not self.superseded:
+            if not self.send(message):
+                time.sleep(self.interval)
+                continue
+            deadline = time.monotonic() + lost_timeout
+            if self._acknowledged(deadline):
+                return code
         return code
+
+    def _acknowledged(self, deadline: float) -> bool:
+        """Wait for the master's ack on the open connection; False when it closes or the deadline passes."""
+        conn = self.master
+        while conn is not None and time.monotonic() < deadline:
+            try:
+                if not conn.poll(self.interval):
+                    continue
+                if json.loads(conn.recv_bytes()).get("type") == "ack":
+                    conn.close()
+                    self.master = None
+                    return True
+            except (EOFError, OSError, ValueError):
+                break
+        if conn is not None:
+            conn.close()
+        self.master = None
+        return False
 
 
 def main(argv: list[str] | None = None) -> None:

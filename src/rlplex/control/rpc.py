@@ -2,15 +2,20 @@
 
 Payloads are JSON (never pickle), sent with `send_bytes`. Every wait has a timeout; connecting
 runs in a helper thread because the HMAC handshake of `Client` has no timeout of its own and a
-stopped peer (SIGSTOP) would otherwise block the master forever.
+stopped peer (SIGSTOP) would otherwise block the master forever. For the same reason the
+serving side is `AuthListener`, not `multiprocessing.connection.Listener`: the listener's
+`accept()` runs the handshake on the accepting thread, so one client that connects and sends
+nothing would lock every other client out.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
 import threading
 from collections.abc import Callable
-from multiprocessing.connection import Client, Connection
+from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from typing import Any
 
 from rlplex.errors import NodeFailedError, WaitTimeoutError
@@ -106,3 +111,92 @@ def serve(conn: Connection, handler: Callable[[str, list[Any], dict[str, Any]], 
                 send_json(conn, {"ok": False, "error": f"reply not sendable: {error}"})
             except OSError:
                 return
+
+
+HANDSHAKE_TIMEOUT_S = 2.0
+MAX_PENDING_HANDSHAKES = 64
+
+
+class AuthListener:
+    """Accepts TCP connections on `host` and hands each one, once it passed the HMAC handshake of
+    `multiprocessing.connection` (the job token as key), to `on_connection(conn)`.
+
+    The handshake runs in a thread of its own with a deadline (`handshake_timeout_s`), so a peer
+    that connects and stalls, or sends garbage, costs one short-lived thread and never delays
+    another client. At most `MAX_PENDING_HANDSHAKES` run at once; connections beyond are closed.
+    `on_connection` runs in that thread and may keep it (to serve the connection)."""
+
+    def __init__(
+        self, host: str, authkey: bytes, on_connection: Callable[[Connection], None], name: str = "rpc",
+        handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
+    ) -> None:  # fmt: skip
+        self._authkey, self._on_connection, self._name = authkey, on_connection, name
+        self.handshake_timeout_s = handshake_timeout_s
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, 0), family=family, backlog=128)
+        bound_host, bound_port = self._sock.getsockname()[:2]
+        self.address: Address = (str(bound_host), int(bound_port))
+        self._closed = threading.Event()
+        self._pending = threading.BoundedSemaphore(MAX_PENDING_HANDSHAKES)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"{name}-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                if self._closed.is_set():
+                    return
+                continue  # e.g. ECONNABORTED, EMFILE: the next accept may work
+            if not self._pending.acquire(blocking=False):
+                sock.close()
+                continue
+            threading.Thread(target=self._handshake, args=(sock,), name=f"{self._name}-conn", daemon=True).start()
+
+    def _handshake(self, sock: socket.socket) -> None:
+        sock.setblocking(True)
+        # The Connection gets its own descriptor; `sock` keeps one so that the deadline can shut the
+        # socket down, which wakes the blocked read of the handshake (closing it would not).
+        conn = Connection(os.dup(sock.fileno()))
+        lock, state = threading.Lock(), {"done": False}
+
+        def expire() -> None:
+            with lock:
+                if not state["done"]:
+                    state["done"] = True  # a handshake that completes now is refused all the same
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        timer = threading.Timer(self.handshake_timeout_s, expire)
+        timer.daemon = True
+        timer.start()
+        try:
+            try:
+                deliver_challenge(conn, self._authkey)
+                answer_challenge(conn, self._authkey)
+            except Exception:  # a wrong key, garbage, a stalled or vanished peer
+                conn.close()
+                return
+            with lock:
+                ok = not state["done"] and not self._closed.is_set()
+                state["done"] = True
+            if not ok:
+                conn.close()
+                return
+        finally:
+            timer.cancel()
+            sock.close()
+            self._pending.release()
+        self._on_connection(conn)
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked accept() on Linux
+        except OSError:
+            pass
+        self._sock.close()
+        self._thread.join(timeout=2.0)

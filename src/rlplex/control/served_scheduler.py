@@ -27,5 +27,8 @@ class ServedScheduler:
     def events(self) -> list[NodeEvent]:
         return self._server.events()
 
+    def acknowledge(self, node_id: str, incarnation: int) -> bool:
+        return self._server.acknowledge(node_id, incarnation)
+
     def log_tail(self, handle: NodeHandle, lines: int = 5) -> str:
         return read_log_tail(self.log_dir, handle.node_id, lines)

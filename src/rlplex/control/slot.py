@@ -71,11 +71,13 @@ class NodeSlot:
 
     def launched(self, handle: NodeHandle, store: StateStore, job_id: str) -> None:
         self.handle = handle
-        store.update_node(
-            job_id, self.node_id, pid=handle.pid, create_time=handle.create_time, incarnation=self.incarnation,
-            restarts=self.restarts, address="",
-        )  # fmt: skip
-        self.to(NodeState.CREATED, f"process launched (pid {handle.pid}, incarnation {self.incarnation})")
+        # One transaction: a resumed master must never see CREATED without the pid to watch.
+        with store.transaction():
+            store.update_node(
+                job_id, self.node_id, pid=handle.pid, create_time=handle.create_time, incarnation=self.incarnation,
+                restarts=self.restarts, address="",
+            )  # fmt: skip
+            self.to(NodeState.CREATED, f"process launched (pid {handle.pid}, incarnation {self.incarnation})")
         self.last_heartbeat = self.progress_changed = time.monotonic()
 
     def heartbeat(self, payload: dict[str, Any], at: float) -> None:

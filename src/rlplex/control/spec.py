@@ -27,6 +27,7 @@ from pydantic import Field, ValidationError
 
 from rlplex.config import StrictModel, format_validation_error, read_toml
 from rlplex.errors import JobSpecError
+from rlplex.safe_files import SAFE_NAME_RULE, is_safe_name
 
 RoleKind = Literal["worker", "submaster", "driver"]
 RestartScope = Literal["worker", "role", "job", "never"]
@@ -102,9 +103,18 @@ def load_job(path: str | Path) -> JobSpec:
 
 
 def check_job(spec: JobSpec, source: str = "<job>") -> None:
-    """The checks pydantic cannot do field by field: entry points and colocation groups."""
+    """The checks pydantic cannot do field by field: names, entry points and colocation groups."""
     from rlplex.control.worker import load_entrypoint
 
+    # Job, role and node names become file names (node logs, elastic status files) and Ray actor
+    # names: a role named "../../x" must not write outside the output folder.
+    if not is_safe_name(spec.name):
+        raise JobSpecError(f"{source}: field 'name': {spec.name!r} is not a valid job name (expected {SAFE_NAME_RULE})")
+    for name in spec.roles:
+        if not is_safe_name(name):
+            raise JobSpecError(
+                f"{source}: field 'roles': {name!r} is not a valid role name (expected {SAFE_NAME_RULE})"
+            )
     for name, role in spec.roles.items():
         try:
             load_entrypoint(role.entrypoint, role.kind)

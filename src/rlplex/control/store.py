@@ -14,7 +14,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -87,6 +87,10 @@ class LogRecord:
 
 
 class StateStore(Protocol):
+    def transaction(self) -> AbstractContextManager[Any]:
+        """One atomic unit: every write inside (also through the methods below) commits together or not at all."""
+        ...
+
     def create_job(self, job_id: str, name: str, spec_json: str) -> None: ...
     def job(self, job_id: str) -> JobRecord: ...
     def latest_job_id(self) -> str | None: ...
@@ -122,6 +126,7 @@ class SqliteStateStore:
         # isolation_level=None: we open every transaction ourselves with BEGIN IMMEDIATE.
         self._db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
         self._lock = threading.RLock()
+        self._depth = 0  # nesting of transaction() in the thread that holds the lock
         self._db.execute("PRAGMA journal_mode=WAL")
         # In WAL mode NORMAL never corrupts, and avoids an fsync per heartbeat flush.
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -134,13 +139,25 @@ class SqliteStateStore:
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE ... COMMIT; nested calls join the outermost one, so that a caller can make
+        several of the methods below (a restart decision: decision, budget, node states) one unit."""
         with self._lock:
+            if self._depth:
+                self._depth += 1
+                try:
+                    yield self._db
+                finally:
+                    self._depth -= 1
+                return
             self._db.execute("BEGIN IMMEDIATE")
+            self._depth = 1
             try:
                 yield self._db
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+            finally:
+                self._depth = 0
             self._db.execute("COMMIT")
 
     def _query(self, sql: str, args: Sequence[Any] = ()) -> list[tuple[Any, ...]]:

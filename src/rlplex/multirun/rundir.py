@@ -40,20 +40,17 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rlplex.errors import MultiRunError, RunDirGoneError
-from rlplex.safe_files import read_regular_file, read_regular_text
+from rlplex.safe_files import is_safe_name, read_regular_file, read_regular_text
 
 RUN_PREFIX = "run_"
 IDENTITY_FILE = "identity"
 _IDENTITY = re.compile(r"^[0-9a-f]{32}$")
 STEP_PREFIX = "step_"
 STABLE_MARKER = "STABLE"
-# A name with a slash, a NUL or only dots cannot reach scandir, but a name such as
-# "run_../x" can reach an API that takes run ids from users; refuse anything odd outright.
-_RUN_NAME = re.compile(r"^run_[A-Za-z0-9][A-Za-z0-9_.\-]{0,200}$")
 
 
 def is_valid_run_name(name: str) -> bool:
-    return bool(_RUN_NAME.fullmatch(name)) and ".." not in name
+    return name.startswith(RUN_PREFIX) and is_safe_name(name[len(RUN_PREFIX) :])
 
 
 def step_dir_name(step: int) -> str:
