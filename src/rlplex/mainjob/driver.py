@@ -158,9 +158,9 @@ def resume_main_job(output_dir: Path, console: Console, live: bool = True) -> Jo
         return _drive(master, config, console, live, start=False)
     unfinished = [run.run_id for run in view.runs if run.state not in TERMINAL_RUN_STATES]
     if not unfinished:
-        raise ConfigError(
-            f"{output_dir}: every run of this job is already done ({view.job_state}); nothing to continue"
-        )
+        # Not an error: a stop can land as the last step is trained, and continuing is then done.
+        console.print(f"{output_dir}: every run of this job is already done ({view.job_state}); nothing to continue")
+        return JobState(view.job_state)
     registry = read_registry(output_dir)
     added = {entry.id for entry in registry}
     # Orchestrator rank r serves registry entry r, so the new job has a node for each entry.
