@@ -172,7 +172,8 @@ def train_grpo_lm(
         )
     if (resume or config.checkpoint_every is not None) and log_dir is None:
         raise RlplexError("checkpoints and resume need a log folder (log_dir)")
-    saved = read_snapshot(latest_snapshot(Path(log_dir) / "snapshots")) if resume and log_dir is not None else None
+    source = latest_snapshot(Path(log_dir) / "snapshots") if resume and log_dir is not None else None
+    saved = read_snapshot(source) if source is not None else None
     torch.manual_seed(config.seed)
     tokenizer, task = load_tokenizer(config.model), load_environment(config.env)
     model: torch.nn.Module = load_causal_lm(config.model).requires_grad_(True)
@@ -196,8 +197,8 @@ def train_grpo_lm(
     stream = StreamDataset(capacity=(config.eta + 1) * config.batch_size, waits=waits)
     weights = WeightBroadcaster()
     tracker = _StalenessTracker(actor, config.eta)
-    if saved is not None:
-        _restore(saved, config, actor, controller, stream, tracker, task)
+    if source is not None and saved is not None:
+        _restore(source, saved, config, actor, controller, stream, tracker, task)
     version = actor.version
 
     if served is None:
@@ -338,6 +339,7 @@ def _checkpoint(
 
 
 def _restore(
+    source: Path,
     state: dict[str, Any],
     config: GRPOLMConfig,
     actor: GRPOActor,
@@ -347,8 +349,8 @@ def _restore(
     task: Environment,
 ) -> None:
     if state.get("format") != "rlplex.grpo_lm/1":
-        raise SnapshotError(f"not a GRPO runner snapshot (format {state.get('format')!r})")
-    check_compatible(actor.model.state_dict(), state["model"], Path(str(state.get("__source__", "snapshot"))))
+        raise SnapshotError(f"{source}: not a GRPO runner snapshot (format {state.get('format')!r})")
+    check_compatible(actor.model.state_dict(), state["model"], source)
     actor.model.load_state_dict(state["model"])
     actor.optimizer.load_state_dict(state["optimizer"])
     actor.version = int(state["version"])
