@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -39,18 +37,12 @@ def run(gen_s: float, train_s: float, eta: int, steps: int, batch: int = 16, gro
     controller = StalenessController(batch, eta)
     stream = StreamDataset((eta + 1) * batch)
     weights = WeightBroadcaster()
-    counter = itertools.count()
-    lock = threading.Lock()
-
-    def next_group() -> int:
-        with lock:
-            return next(counter)
 
     def rollout(_: int) -> list[dict[str, Any]]:
         time.sleep(gen_s * group / batch)  # one batch of `batch` samples takes gen_s
         return [{"x": 1} for _ in range(group)]
 
-    worker = RolloutWorker("r0", rollout, lambda state: None, group, controller, stream, weights, next_group)
+    worker = RolloutWorker("r0", rollout, lambda state: None, group, controller, stream, weights)
 
     def data() -> Iterator[dict[str, Any]]:
         while True:

@@ -1,7 +1,9 @@
 """GRPO on a toy task with the tiny language model: synchronous (eta = 0) and asynchronous
-(eta = 1, 4) through the same dataflow path.
+(eta = 1, 4) through the same dataflow path, the asynchronous ones with plain PPO and with
+AReaL's decoupled PPO (proximal log-probs recomputed by the `actor_prox` MFC, behaviour
+importance weights capped at `--cap`), side by side in one run.
 
-    python -m benchmarks.grpo_learning [--quick] [--task reverse] [--engine vllm]
+    python -m benchmarks.grpo_learning [--quick] [--task reverse] [--engine vllm] [--max-steps N]
 
 `--engine vllm`: the rollouts run on a vLLM(-CPU) server the runner starts, and the policy is
 a LoRA adapter (rank `--lora-rank`) hot-loaded into it after every step (lr `--lr`).
@@ -31,12 +33,17 @@ def main() -> None:
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf", help="where rollouts are generated")
     parser.add_argument("--lora-rank", type=int, default=8, help="with --engine vllm: the trained adapter's rank")
     parser.add_argument("--lr", type=float, default=None, help="learning rate (default 1e-3; 5e-3 with vllm)")
+    parser.add_argument("--max-steps", type=int, default=None, help="steps per setting at most (default 400)")
+    parser.add_argument("--rollout-workers", type=int, default=1, help="rollout worker threads per setting")
+    parser.add_argument("--cap", type=float, default=5.0, help="decoupled PPO's behaviour importance weight cap")
     args = parser.parse_args()
     torch.set_num_threads(1)
     name = "grpo_learning" if args.engine == "hf" else "grpo_learning_vllm"
-    steps = 30 if args.quick else 400
+    steps = args.max_steps or (30 if args.quick else 400)
     runs, rows, curves = [], [], {}
-    for eta in (0, 1, 4):
+    settings = [(0, False), (1, False), (1, True), (4, False), (4, True)]
+    for eta, decoupled in settings:
+        label = f"eta={eta}" + (" decoupled" if decoupled else "")
         config = GRPOLMConfig(
             model={"name": str(tiny_checkpoint(tasks=(args.task,), warmup_steps=args.warmup_steps))},
             env={"name": args.task},
@@ -47,19 +54,23 @@ def main() -> None:
             inference={"engine": args.engine, "max_model_len": 128},
             lora_rank=args.lora_rank,
             lr=args.lr or (5e-3 if args.engine == "vllm" else 1e-3),
+            decoupled=decoupled,
+            behav_imp_weight_cap=args.cap,
+            rollout_workers=args.rollout_workers,
         )
         result = train_grpo_lm(config)
-        curves[f"eta={eta}"] = ([s for s, _, _ in result.curve], [r for _, r, _ in result.curve])
-        runs.append({"eta": eta, "config": config.model_dump(), **result.__dict__})
+        curves[label] = ([s for s, _, _ in result.curve], [r for _, r, _ in result.curve])
+        runs.append({"eta": eta, "decoupled": decoupled, "config": config.model_dump(), **result.__dict__})
         rows.append(
             (
-                eta,
+                label,
                 result.initial_reward,
                 result.final_reward,
                 result.steps,
                 result.wall_time_s,
                 result.target_reached_at_s if result.target_reached_at_s is not None else "not reached",
                 result.max_staleness,
+                result.dropped_stale,
             )
         )
     sync_time = runs[0]["target_reached_at_s"]
@@ -69,15 +80,16 @@ def main() -> None:
     png = plot_learning_curves(
         curves,
         RESULTS / f"{name}.png",
-        title=f"GRPO on '{args.task}'",
+        title=f"GRPO on '{args.task}': plain vs decoupled PPO",
         xlabel="train steps",
         ylabel="eval reward",
         hline=args.target,
     )
-    columns = ("eta", "warm-up reward", "final reward", "steps", "wall s", "s to target", "max staleness")
+    columns = ("setting", "warm-up reward", "final reward", "steps", "wall s", "s to target", "max staleness")
+    columns = (*columns, "dropped stale")
     report(
         name,
-        f"GRPO {args.task} ({args.engine}): sync vs async",
+        f"GRPO {args.task} ({args.engine}): sync vs async, plain vs decoupled PPO",
         columns,
         rows,
         {"runs": runs, "target": args.target, "curves_png": str(png)},

@@ -8,7 +8,13 @@ import threading
 import pytest
 
 from lm_models import untrained_tiny_model
-from rlplex.dataflow.stream import StalenessController, StreamClosedError, StreamDataset, Trajectory
+from rlplex.dataflow.stream import (
+    StalenessController,
+    StreamClosedError,
+    StreamDataset,
+    Trajectory,
+    fresh_trajectories,
+)
 from rlplex.errors import RlplexError, WaitTimeoutError
 from rlplex.runners.grpo_lm import GRPOLMConfig, train_grpo_lm
 
@@ -86,3 +92,42 @@ def test_no_trained_batch_older_than_eta(eta: int) -> None:
     assert result.max_staleness <= eta
     if eta == 0:
         assert result.max_staleness == 0
+
+
+def test_rejected_samples_give_their_admission_back() -> None:
+    controller = StalenessController(batch_size=4, eta=0)
+    controller.acquire(4, timeout=0)
+    with pytest.raises(WaitTimeoutError):
+        controller.acquire(4, timeout=0)
+    controller.set_version(2)
+    assert not controller.accepts(1) and controller.accepts(2)
+    controller.reject(4)  # a straggler's group, dropped: its replacement may start
+    assert controller.rejected == 4
+    controller.acquire(4, timeout=0)
+    with pytest.raises(RlplexError, match="give back"):
+        controller.reject(5)
+
+
+def test_stream_state_round_trip_generates_groups_in_flight_again() -> None:
+    stream = StreamDataset(capacity=8)
+    first, second, third = (stream.issue_group() for _ in range(3))
+    stream.put_group(second, [Trajectory({"x": i}, 0, 1) for i in range(2)])
+    state = stream.state_dict()
+    assert state["pending_groups"] == [first, third] and len(state["items"]) == 2
+    restored = StreamDataset(capacity=8)
+    restored.load_state_dict(state)
+    assert [restored.issue_group() for _ in range(3)] == [first, third, 3]
+    assert [restored.get(timeout=0).data for _ in range(2)] == [{"x": 0}, {"x": 1}]
+    assert restored.state_dict()["pending_groups"] == [first, third, 3]
+
+
+def test_fresh_trajectories_drop_what_started_more_than_eta_versions_ago() -> None:
+    controller, stream = StalenessController(batch_size=2, eta=1), StreamDataset(capacity=4)
+    for _ in range(4):
+        controller.acquire(1, timeout=0)
+    controller.set_version(3)
+    for version_start in (0, 2, 1, 3):  # FIFO by completion: a straggler first
+        stream.put(Trajectory({"v": version_start}, version_start, 3))
+    fresh = fresh_trajectories(stream, controller, timeout=0)
+    assert [next(fresh).version_start for _ in range(2)] == [2, 3]
+    assert controller.rejected == 2 and controller.started == 2

@@ -1,8 +1,11 @@
 """GRPO for language models: group-relative advantages and a clipped token-level objective.
 
 `grpo_loss` optionally takes a proximal policy's log-probs (the decoupled PPO objective of
-AReaL): the ratio is taken against the proximal policy and the behaviour policy only
-re-weights, so stale rollouts (sampled several versions ago) stay usable.
+AReaL): the ratio is taken against the proximal policy (the trainer's weights before this
+step) and the behaviour policy (the one that sampled, up to eta versions older) only
+re-weights, so stale rollouts stay usable without the clip trusting a stale anchor. Tokens
+whose behaviour importance weight exceeds `behav_imp_weight_cap` get weight 0, as AReaL
+does: a few tokens the sampler found very unlikely must not dominate the update.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ def grpo_loss(
     mask_B_L: torch.Tensor,
     clip: float = 0.2,
     proximal_logprobs_B_L: torch.Tensor | None = None,
+    behav_imp_weight_cap: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Mean over completion tokens of the clipped surrogate; returns (loss, stats).
 
@@ -36,12 +40,20 @@ def grpo_loss(
     ratio = torch.exp(logprobs_B_L - anchor)
     adv = advantages_B[:, None]
     surrogate = torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv)
-    if proximal_logprobs_B_L is not None:
-        # Importance weight of the behaviour policy against the proximal one (no gradient).
-        surrogate = surrogate * torch.exp(proximal_logprobs_B_L - old_logprobs_B_L).detach()
     tokens = mask.sum().clamp(min=1.0)
+    stats: dict[str, float] = {}
+    if proximal_logprobs_B_L is not None:
+        with torch.no_grad():
+            # Importance weight of the proximal policy against the behaviour one (no gradient).
+            weight = torch.exp(proximal_logprobs_B_L - old_logprobs_B_L)
+            no_cap = torch.zeros_like(weight, dtype=torch.bool)
+            capped = weight > behav_imp_weight_cap if behav_imp_weight_cap is not None else no_cap
+            stats["losses/behav_imp_weight"] = float((weight * mask).sum() / tokens)
+            stats["losses/behav_approx_kl"] = float((((weight - 1) - torch.log(weight)) * mask).sum() / tokens)
+            stats["losses/behav_capped_frac"] = float((capped.float() * mask).sum() / tokens)
+        surrogate = surrogate * torch.where(capped, 0.0, weight)
     loss = -(surrogate * mask).sum() / tokens
     with torch.no_grad():
         clipped = (((ratio - 1).abs() > clip).float() * mask).sum() / tokens
         approx_kl = (((ratio - 1) - torch.log(ratio)) * mask).sum() / tokens
-    return loss, {"losses/clipfrac": float(clipped), "losses/approx_kl": float(approx_kl)}
+    return loss, {"losses/clipfrac": float(clipped), "losses/approx_kl": float(approx_kl), **stats}

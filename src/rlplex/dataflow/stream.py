@@ -6,9 +6,20 @@
 
 Admission (AReaL's rule): a rollout of n samples may start only while
 `started + n <= (version + eta + 1) * batch_size`, where `version` is the trainer's policy
-version. Trajectories are trained in order of arrival, so a batch trained at version v holds
-only samples started at version >= v - eta. eta = 0 is synchronous RL: one batch is
-generated per version and the trainer waits for it; the same code serves both.
+version and `started` counts the admitted samples that were not given back. eta = 0 is
+synchronous RL: one batch is generated per version and the trainer waits for it; the same code
+serves both.
+
+Admission alone does not bound staleness: the stream is FIFO by completion, so with several
+rollout workers a slow one's group (started at version 0) can arrive while the others have
+kept the trainer fed for many versions. The trainer therefore takes its samples through
+`fresh_trajectories`, which drops every sample started more than eta versions before the
+trainer's current version, counts it, and gives its admission back (`reject`) so that a
+replacement is generated: the bound holds for any number of workers.
+
+For checkpoints the stream also issues the group numbers the workers generate (`issue_group`)
+and knows which are in flight: a group enters the stream whole (`put_group`), so a snapshot
+holds either all of a group or none of it, and in-flight groups are generated again on resume.
 
 Why each side waits is counted: rollout workers on `staleness` (admission) or `capacity`
 (the stream is full); the trainer on `data` (the stream is empty).
@@ -19,7 +30,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +76,7 @@ class StalenessController:
         self.batch_size, self.eta = batch_size, eta
         self.version = 0
         self.started = 0
+        self.rejected = 0  # samples admitted, then given back (too stale, or lost in flight)
         self.waits = waits or WaitCounters()
         self._cond = threading.Condition()
         self._closed = False
@@ -98,13 +110,33 @@ class StalenessController:
             self.version = version
             self._cond.notify_all()
 
+    def accepts(self, version_start: int) -> bool:
+        """Whether a sample generated from policy `version_start` may be trained now."""
+        with self._cond:
+            return self.version - version_start <= self.eta
+
+    def reject(self, n: int) -> None:
+        """`n` admitted samples will never be trained: free their admission for replacements.
+
+        Without this a dropped straggler would keep its slots forever and, once the drops
+        reached (eta + 1) * batch_size, admission and the trainer would wait on each other.
+        """
+        with self._cond:
+            if n > self.started:
+                raise RlplexError(f"cannot give back {n} samples: only {self.started} were admitted")
+            self.started -= n
+            self.rejected += n
+            self._cond.notify_all()
+
     def state_dict(self) -> dict[str, int]:
         """Counters to checkpoint, so staleness stays bounded after a restart (AReaL's hole)."""
-        return {"version": self.version, "started": self.started}
+        with self._cond:
+            return {"version": self.version, "started": self.started, "rejected": self.rejected}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         with self._cond:
             self.version, self.started = int(state["version"]), int(state["started"])
+            self.rejected = int(state.get("rejected", 0))
             self._cond.notify_all()
 
     def close(self) -> None:
@@ -114,7 +146,8 @@ class StalenessController:
 
 
 class StreamDataset:
-    """A bounded, thread-safe FIFO of finished trajectories."""
+    """A bounded, thread-safe FIFO of finished trajectories, and the ledger of the groups
+    (rollouts) issued to the workers: which are in flight, which come next."""
 
     def __init__(self, capacity: int, waits: WaitCounters | None = None) -> None:
         self.capacity = capacity
@@ -122,15 +155,40 @@ class StreamDataset:
         self._items: collections.deque[Trajectory] = collections.deque()
         self._cond = threading.Condition()
         self._closed = False
+        self._next_group = 0
+        self._reissue: collections.deque[int] = collections.deque()  # in flight at a checkpoint
+        self._in_flight: set[int] = set()
+
+    def issue_group(self) -> int:
+        """The number of the next group to generate (groups lost at a restart come first)."""
+        with self._cond:
+            if self._reissue:
+                group = self._reissue.popleft()
+            else:
+                group, self._next_group = self._next_group, self._next_group + 1
+            self._in_flight.add(group)
+            return group
 
     def put(self, trajectory: Trajectory, timeout: float | None = None) -> None:
+        self._put([trajectory], None, timeout)
+
+    def put_group(self, group: int, trajectories: list[Trajectory], timeout: float | None = None) -> None:
+        """Append a finished group in one piece and mark it no longer in flight."""
+        if len(trajectories) > self.capacity:
+            raise RlplexError(f"a group of {len(trajectories)} samples never fits a stream of {self.capacity}")
+        self._put(trajectories, group, timeout)
+
+    def _put(self, trajectories: list[Trajectory], group: int | None, timeout: float | None) -> None:
         t0 = time.monotonic()
+        n = len(trajectories)
         with self._cond:
-            if not self._cond.wait_for(lambda: self._closed or len(self._items) < self.capacity, timeout):
+            if not self._cond.wait_for(lambda: self._closed or len(self._items) + n <= self.capacity, timeout):
                 raise WaitTimeoutError(f"stream full ({self.capacity}) for {timeout}s")
             if self._closed:
                 raise StreamClosedError("stream closed")
-            self._items.append(trajectory)
+            self._items.extend(trajectories)
+            if group is not None:
+                self._in_flight.discard(group)
             self._cond.notify_all()
         self.waits.add("capacity", time.monotonic() - t0)
 
@@ -149,6 +207,33 @@ class StreamDataset:
     def __len__(self) -> int:
         with self._cond:
             return len(self._items)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The finished trajectories (oldest first) and the group ledger, taken in one piece.
+
+        `pending_groups` were issued but are not in the stream: a restart generates them again
+        (with the newer policy, so they are fresher than they would have been).
+        """
+        with self._cond:
+            return {
+                "next_group": self._next_group,
+                "pending_groups": sorted({*self._in_flight, *self._reissue}),
+                "items": [
+                    {"data": t.data, "version_start": t.version_start, "version_end": t.version_end}
+                    for t in self._items
+                ],
+            }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        items = [Trajectory(i["data"], int(i["version_start"]), int(i["version_end"])) for i in state["items"]]
+        if len(items) > self.capacity:
+            raise RlplexError(f"{len(items)} saved trajectories do not fit a stream of {self.capacity}")
+        with self._cond:
+            self._items = collections.deque(items)
+            self._next_group = int(state["next_group"])
+            self._reissue = collections.deque(int(g) for g in state["pending_groups"])
+            self._in_flight = set()
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
@@ -176,6 +261,24 @@ class WeightBroadcaster:
             return have, None
 
 
+def fresh_trajectories(
+    stream: StreamDataset, controller: StalenessController, timeout: float | None = None
+) -> Iterator[Trajectory]:
+    """The trainer's view of the stream: trajectories within eta versions of the trainer's
+    current version. Older ones are dropped and given back to admission (`reject`); the
+    count is `controller.rejected`.
+
+    Pull from it only between train steps (the executor loads a step's batch before it
+    trains it), so that the version checked is the version the sample is trained at.
+    """
+    while True:
+        trajectory = stream.get(timeout)
+        if controller.accepts(trajectory.version_start):
+            yield trajectory
+        else:
+            controller.reject(1)
+
+
 RolloutFn = Callable[[int], list[dict[str, Any]]]
 """Generates and scores one group of samples with the worker's current weights; the
 argument is the group's sequence number (to derive prompts and seeds)."""
@@ -193,13 +296,11 @@ class RolloutWorker(threading.Thread):
         controller: StalenessController,
         stream: StreamDataset,
         weights: WeightBroadcaster,
-        next_group: Callable[[], int],
     ) -> None:
         super().__init__(name=name, daemon=True)
         self.rollout, self.load_weights = rollout, load_weights
         self.group_size = group_size
         self.controller, self.stream, self.weights = controller, stream, weights
-        self.next_group = next_group
         self.version = 0
         self.error: BaseException | None = None
 
@@ -211,10 +312,10 @@ class RolloutWorker(threading.Thread):
                 self.version, state = self.weights.latest(self.version)
                 if state is not None:
                     self.load_weights(state)
-                samples = self.rollout(self.next_group())
+                group = self.stream.issue_group()
+                samples = self.rollout(group)
                 version_end = self.weights.version
-                for sample in samples:
-                    self.stream.put(Trajectory(sample, self.version, version_end))
+                self.stream.put_group(group, [Trajectory(sample, self.version, version_end) for sample in samples])
         except StreamClosedError:
             return
         except BaseException as error:  # surfaced to the trainer, which owns the failure

@@ -12,7 +12,6 @@ policy's log-probabilities, which are the behaviour log-probabilities of the GRP
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,11 +99,12 @@ def served_rollout_worker(
     controller: StalenessController,
     stream: StreamDataset,
     weights: WeightBroadcaster,
-    next_group: Callable[[], int],
+    version: int = 0,
 ) -> RolloutWorker:
-    """A rollout worker that samples each group on the server with its own adapter name."""
+    """A rollout worker that samples each group on the server with its own adapter name,
+    starting from the exported adapter of policy `version` (not 0 after a resume)."""
     client, name = policy.client(), f"policy-w{index}"
-    client.load_adapter(name, policy.adapters / "v0")
+    client.load_adapter(name, policy.adapters / f"v{version}")
     stops = tuple(model_stop_ids(policy.spec, tokenizer))
 
     def rollout(group: int) -> list[dict[str, Any]]:
@@ -121,4 +121,4 @@ def served_rollout_worker(
     def load(state: dict[str, Any]) -> None:
         client.load_adapter(name, Path(state["adapter_dir"]))
 
-    return RolloutWorker(f"rollout{index}", rollout, load, group_size, controller, stream, weights, next_group)
+    return RolloutWorker(f"rollout{index}", rollout, load, group_size, controller, stream, weights)
