@@ -7,6 +7,7 @@ DDPG has no goal; it is run for comparison. A seed stops at its target unless --
 (then it runs its whole budget and the final evaluation is at the budget's end).
 
     python -m benchmarks.classic_learning --algo sac --seeds 5
+    python -m benchmarks.classic_learning [--quick]      # every algorithm, 5 seeds (2 with --quick)
 
 Prints a table, writes bench_results/classic_<algo>.json and a PNG of the learning curves.
 """
@@ -61,17 +62,24 @@ def run_seed(algo: str, seed: int, n_steps: int | None, stop: bool) -> dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--algo", choices=sorted(SETTINGS), required=True)
+    parser.add_argument("--algo", choices=[*sorted(SETTINGS), "all"], default="all")
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 seeds")
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--n-steps", type=int, default=None, help="override the example's budget")
     parser.add_argument("--no-stop", action="store_true", help="run the whole budget, past the target")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per run: seeds or benchmarks can run side by side
-    example, target, goal = SETTINGS[args.algo]
+    n_seeds = 2 if args.quick else args.seeds
+    for algo in sorted(SETTINGS) if args.algo == "all" else [args.algo]:
+        run_algo(algo, range(args.first_seed, args.first_seed + n_seeds), args.n_steps, stop=not args.no_stop)
+
+
+def run_algo(algo: str, seeds: range, n_steps: int | None, stop: bool) -> None:
+    example, target, goal = SETTINGS[algo]
     results = []
-    for seed in range(args.first_seed, args.first_seed + args.seeds):
-        res = run_seed(args.algo, seed, args.n_steps, stop=not args.no_stop)
+    for seed in seeds:
+        res = run_seed(algo, seed, n_steps, stop)
         results.append(res)
         print(f"seed {seed}: reached={res['reached']} at={res['steps_to_target']} "
               f"final={res['final_eval_return']:.1f} wall={res['wall_s']:.0f}s", flush=True)  # fmt: skip
@@ -81,14 +89,14 @@ def main() -> None:
          f"{r['final_eval_return']:.1f}", f"{r['best_eval_return']:.1f}", f"{r['env_steps']:,}", f"{r['wall_s']:.0f}")
         for r in results
     ]  # fmt: skip
-    name = f"classic_{args.algo}"
-    figures = {"algo": args.algo, "example": example, "target": target, "passed": passed, "goal": goal,
-               "n_seeds": args.seeds, "seeds": results}  # fmt: skip
-    title = f"{args.algo.upper()} ({example}): {passed}/{args.seeds} seeds reached {target} (goal >= {goal})"
+    name = f"classic_{algo}"
+    figures = {"algo": algo, "example": example, "target": target, "passed": passed, "goal": goal,
+               "n_seeds": len(seeds), "seeds": results}  # fmt: skip
+    title = f"{algo.upper()} ({example}): {passed}/{len(seeds)} seeds reached {target} (goal >= {goal})"
     columns = ["seed", "reached", "steps to target", "final eval", "best eval", "env steps", "wall s"]
     report(name, title, columns, rows, figures)
     curves = {f"seed {r['seed']}": (r["curve"][0], r["curve"][1]) for r in results}
-    png = plot_learning_curves(curves, RESULTS / f"{name}.png", f"{args.algo.upper()} {example} (eval)", hline=target)
+    png = plot_learning_curves(curves, RESULTS / f"{name}.png", f"{algo.upper()} {example} (eval)", hline=target)
     print(f"wrote {png}")
 
 

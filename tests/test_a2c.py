@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -97,3 +101,17 @@ def test_a2c_learns_cartpole_beyond_random_in_a_small_budget() -> None:
     result = runner.train()
     returns = [row["charts/eval_return_mean"] for row in result.history]
     assert max(returns) >= 150.0 and np.isfinite(returns).all(), returns
+
+
+def test_classic_learning_benchmark_prints_a_table_and_writes_json_and_png(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'src'}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.classic_learning", "--algo", "a2c", "--seeds", "1", "--n-steps", "400"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "A2C (cartpole_a2c.toml): 0/1 seeds reached 475.0" in done.stdout
+    summary = json.loads((tmp_path / "bench_results" / "classic_a2c.json").read_text())
+    assert summary["passed"] == 0 and summary["seeds"][0]["env_steps"] == 400
+    assert (tmp_path / "bench_results" / "classic_a2c.png").read_bytes()[:4] == b"\x89PNG"
