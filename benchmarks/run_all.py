@@ -19,6 +19,7 @@ BENCHMARKS = [
     "learn_ppo",
     "ppo_vs_sb3",
     "learn_dqn_cartpole",
+    "classic_learning",
     "async_replay_ratio",
     "async_vs_minibatch",
     "sync_scaling",

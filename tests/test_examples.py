@@ -67,6 +67,26 @@ def test_cartpole_example_trains_through_the_cli(tmp_path: Path) -> None:
     assert used["runner"]["n_steps"] == 512 and used["algo"]["n_epochs"] == 20  # flag over file, rest from file
 
 
+@pytest.mark.parametrize(
+    ("name", "algo", "n_steps"),
+    # SAC's 150 steps pass its learning_starts (100), so its updates run; TD3/DDPG's 10k random
+    # steps are not reached in a tiny budget (their updates are tested in tests/test_sac_td3.py).
+    [("pendulum_sac.toml", "sac", 150), ("pendulum_td3.toml", "td3", 200), ("pendulum_ddpg.toml", "ddpg", 200),
+     ("cartpole_a2c.toml", "a2c", 400)],
+)  # fmt: skip
+def test_classic_example_trains_through_the_cli(name: str, algo: str, n_steps: int, tmp_path: Path) -> None:
+    out = tmp_path / algo
+    done = run("-m", "rlplex.cli", "train", f"examples/{name}", "--output", str(out),
+               "--n-steps", str(n_steps), "--no-progress")  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = read_csv(out / "progress.csv")
+    assert rows and rows[-1]["charts/env_steps"] == n_steps and "charts/eval_return_mean" in rows[-1]
+    assert json.loads((out / "config.json").read_text())["algo"]["name"] == algo
+    if algo in ("sac", "a2c"):
+        assert "losses/actor" in rows[-1] or "losses/policy" in rows[-1], rows[-1]
+    assert (out / "snapshots").is_dir() and (out / "learning_curve.png").read_bytes()[:8] == PNG_MAGIC
+
+
 # ----- the seed's PPO dataflow graph -------------------------------------------------------
 def test_ppo_dataflow_example_runs_the_four_mfcs(tmp_path: Path) -> None:
     out = tmp_path / "ppo"
@@ -102,6 +122,10 @@ def _load_job(path: Path) -> Any:
 LOADERS: dict[str, tuple[str, Callable[[Path], Any]]] = {  # file: (kind for the CLI, loader)
     "cartpole_ppo.toml": ("train", load_train_config),  # rlplex train
     "pendulum_ppo.toml": ("train", load_train_config),
+    "pendulum_sac.toml": ("train", load_train_config),
+    "pendulum_td3.toml": ("train", load_train_config),
+    "pendulum_ddpg.toml": ("train", load_train_config),
+    "cartpole_a2c.toml": ("train", load_train_config),
     "job_noop.toml": ("job", _load_job),  # rlplex job run
     "elastic_job.toml": ("job", _load_job),
     "multirun_demo.toml": ("main", load_main_job),  # rlplex run (checks every run's orchestrator config too)

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from rlplex.agents.pg import CategoricalPgAgent, GaussianPgAgent, PgAgent
-from rlplex.algos.ppo import PPO, PPOConfig, _clip_grad_norm, fused_update_supported, gae_advantages
+from rlplex.algos.pg_batch import clip_grad_norm, gae_advantages
+from rlplex.algos.ppo import PPO, PPOConfig, fused_update_supported
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.errors import RlplexError
 from rlplex.models import ActorCriticMlp, QMlp
@@ -57,7 +58,7 @@ def test_clip_grad_norm_equals_torch_clip_grad_norm() -> None:
     for p, g in zip(reference, expected, strict=True):
         p.grad = g
     torch.nn.utils.clip_grad_norm_(reference, 0.5, foreach=True)
-    _clip_grad_norm(params, 0.5)
+    clip_grad_norm(params, 0.5)
     assert float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))) > 0.5
     for p, r in zip(params, reference, strict=True):
         assert torch.equal(p.grad, r.grad)

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from rlplex.agents.pg import CategoricalPgAgent
-from rlplex.algos.ppo import PPO, PPOConfig, gae_advantages
+from rlplex.algos.pg_batch import gae_advantages
+from rlplex.algos.ppo import PPO, PPOConfig
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.samplers.batch import SampleBatch, allocate_batch
 

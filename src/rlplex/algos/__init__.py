@@ -1,8 +1,26 @@
-"""RL algorithms: PPO (on-policy) and DQN (off-policy)."""
+"""RL algorithms: PPO and A2C (on-policy), DQN, SAC and TD3/DDPG (off-policy), GRPO."""
 
+from rlplex.algos.a2c import A2C, A2CConfig
 from rlplex.algos.base import Algo
 from rlplex.algos.dqn import DQN, DQNConfig
 from rlplex.algos.grpo import group_advantages, grpo_loss
 from rlplex.algos.ppo import PPO, PPOConfig
+from rlplex.algos.sac import SAC, SACConfig
+from rlplex.algos.td3 import TD3, DDPGConfig, TD3Config
 
-__all__ = ["DQN", "PPO", "Algo", "DQNConfig", "PPOConfig", "group_advantages", "grpo_loss"]
+__all__ = [
+    "A2C",
+    "DQN",
+    "PPO",
+    "SAC",
+    "TD3",
+    "A2CConfig",
+    "Algo",
+    "DDPGConfig",
+    "DQNConfig",
+    "PPOConfig",
+    "SACConfig",
+    "TD3Config",
+    "group_advantages",
+    "grpo_loss",
+]

@@ -21,6 +21,7 @@ from pydantic import Field
 from torch import nn
 
 from rlplex.agents.dqn import DqnAgent
+from rlplex.algos.off_policy import transitions_of
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
 from rlplex.models import unwrap_model
@@ -109,13 +110,7 @@ class DQN:
 
     def sampler_to_buffer(self, samples: SampleBatch) -> dict[str, np.ndarray]:
         """What the replay keeps of a sampler batch. Runs in AsyncRl's copier processes too."""
-        return {
-            "observation": samples.observation,
-            "action": samples.action,
-            "reward": samples.reward,
-            "next_observation": samples.next_observation,
-            "terminated": samples.terminated,
-        }
+        return transitions_of(samples)
 
     def optimize_agent(self, itr: int, samples: SampleBatch | None, n_updates: int | None = None) -> dict[str, float]:
         """Store `samples` (None: someone else filled the replay), then do `n_updates` updates

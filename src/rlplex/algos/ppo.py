@@ -15,6 +15,7 @@ from pydantic import Field
 from torch.autograd.function import once_differentiable
 
 from rlplex.agents.pg import CategoricalPgAgent, GaussianPgAgent, PgAgent
+from rlplex.algos.pg_batch import advantages_and_returns, clip_grad_norm
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
 from rlplex.models import ActorCriticMlp, GaussianActorCriticMlp
@@ -35,41 +36,6 @@ class PPOConfig(StrictModel):
     max_grad_norm: float = Field(0.5, gt=0)
     normalize_advantage: bool = True
     target_kl: float | None = Field(None, gt=0, description="stop the epochs early past this approximate KL")
-
-
-def gae_advantages(
-    reward: np.ndarray,
-    value: np.ndarray,
-    next_value: np.ndarray,
-    terminated: np.ndarray,
-    truncated: np.ndarray,
-    gamma: float,
-    lam: float,
-) -> np.ndarray:
-    """GAE over [T, B] arrays. `next_value[t]` is V(next_observation[t]); zeroed where terminated."""
-    not_terminal = 1.0 - terminated.astype(np.float32)
-    not_done = 1.0 - (terminated | truncated).astype(np.float32)
-    delta = reward + gamma * next_value * not_terminal - value
-    advantage = np.zeros_like(reward, dtype=np.float32)
-    running = np.zeros(reward.shape[1], dtype=np.float32)
-    for t in range(reward.shape[0] - 1, -1, -1):
-        running = delta[t] + gamma * lam * not_done[t] * running
-        advantage[t] = running
-    return advantage
-
-
-def _clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> None:
-    """`torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)` for tensors on one device.
-
-    The same arithmetic (per-tensor norms, their norm, a coefficient clamped at 1, one fused
-    multiply), without the grouping by device and dtype that costs as much as the clipping
-    itself for a small MLP.
-    """
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return
-    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
-    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
 
 
 class Minibatch(NamedTuple):
@@ -206,13 +172,8 @@ class PPO:
 
         T, B = samples.T, samples.B
         obs_shape = samples.observation.shape[2:]
-        next_obs = torch.as_tensor(samples.next_observation.reshape(T * B, *obs_shape))
-        next_value = agent.value(next_obs).numpy().reshape(T, B)
         value = samples.agent_info["value"]
-        advantage = gae_advantages(
-            samples.reward, value, next_value, samples.terminated, samples.truncated, cfg.gamma, cfg.gae_lambda
-        )
-        returns = advantage + value
+        advantage, returns = advantages_and_returns(agent, samples, cfg.gamma, cfg.gae_lambda)
 
         n = T * B
         obs = torch.as_tensor(samples.observation.reshape(n, *obs_shape))
@@ -256,11 +217,11 @@ class PPO:
                     with torch.no_grad():
                         policy_loss, value_loss, entropy_mean, ratio, log_ratio = self._fused_gradients(minibatch, clip)
                         flat.grad = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-                        _clip_grad_norm([flat], cfg.max_grad_norm)
+                        clip_grad_norm([flat], cfg.max_grad_norm)
                 else:
                     self.optimizer.zero_grad(set_to_none=True)
                     policy_loss, value_loss, entropy_mean, ratio, log_ratio = self._autograd_gradients(minibatch, clip)
-                    _clip_grad_norm(params, cfg.max_grad_norm)
+                    clip_grad_norm(params, cfg.max_grad_norm)
                 self.optimizer.step()
                 self.update_count += 1
                 losses.append(torch.stack((policy_loss, value_loss, entropy_mean)))

@@ -16,10 +16,13 @@ from typing import Annotated, Any, Literal
 import torch
 from pydantic import Field
 
-from rlplex.agents import CategoricalPgAgent, DqnAgent, GaussianPgAgent
+from rlplex.agents import CategoricalPgAgent, DdpgAgent, DqnAgent, GaussianPgAgent, SacAgent
 from rlplex.agents.base import Agent, AgentFactory
+from rlplex.algos.a2c import A2C, A2CConfig
 from rlplex.algos.dqn import DQN, DQNConfig
 from rlplex.algos.ppo import PPO, PPOConfig
+from rlplex.algos.sac import SAC, SACConfig
+from rlplex.algos.td3 import TD3, DDPGConfig, TD3Config
 from rlplex.config import StrictModel, load_config
 from rlplex.envs import EnvConfig, EnvSpaces, probe_spaces
 from rlplex.errors import ConfigError
@@ -48,7 +51,29 @@ class DQNSection(DQNConfig):
     name: Literal["dqn"]
 
 
-AlgoSection = Annotated[PPOSection | DQNSection, Field(discriminator="name")]
+class A2CSection(A2CConfig):
+    name: Literal["a2c"]
+
+
+class SACSection(SACConfig):
+    name: Literal["sac"]
+
+
+class TD3Section(TD3Config):
+    name: Literal["td3"]
+
+
+class DDPGSection(DDPGConfig):
+    name: Literal["ddpg"]
+
+
+AlgoSection = Annotated[
+    PPOSection | DQNSection | A2CSection | SACSection | TD3Section | DDPGSection, Field(discriminator="name")
+]
+# Replay-based: they run under AsyncRl; SAC/TD3/DDPG critics live outside the agent's model,
+# so SyncRl's DDP would not keep them equal across ranks.
+OFF_POLICY = ("dqn", "sac", "td3", "ddpg")
+ACTOR_CRITIC_REPLAY = ("sac", "td3", "ddpg")
 
 
 class RunnerConfig(StrictModel):
@@ -104,8 +129,13 @@ def check_fits_in_memory(config: TrainConfig, spaces: EnvSpaces, available_bytes
 def agent_factory(config: TrainConfig, spaces: EnvSpaces) -> AgentFactory:
     """A picklable factory for the agent this config asks for (workers build their own copy)."""
     factory: AgentFactory
-    if config.algo.name == "dqn":
+    name = config.algo.name
+    if name == "dqn":
         factory = partial(DqnAgent, hidden=config.agent.hidden)
+    elif name == "sac":
+        factory = partial(SacAgent, hidden=config.agent.hidden)
+    elif name in ("td3", "ddpg"):
+        factory = partial(DdpgAgent, hidden=config.agent.hidden)
     elif spaces.action_kind == "discrete":
         factory = partial(CategoricalPgAgent, hidden=config.agent.hidden)
     else:
@@ -124,14 +154,33 @@ def build_sampler(config: TrainConfig) -> Sampler:
 
 
 def build_algo(config: TrainConfig) -> Any:
-    section = config.algo
+    section, seed = config.algo, config.runner.seed
+    fields = section.model_dump(exclude={"name"})
     if isinstance(section, DQNSection):
-        return DQN(DQNConfig(**section.model_dump(exclude={"name"})), seed=config.runner.seed)
-    return PPO(PPOConfig(**section.model_dump(exclude={"name"})))
+        return DQN(DQNConfig(**fields), seed=seed)
+    if isinstance(section, SACSection):
+        return SAC(SACConfig(**fields), seed=seed)
+    if isinstance(section, DDPGSection):
+        return TD3(DDPGConfig(**fields), seed=seed)
+    if isinstance(section, TD3Section):
+        return TD3(TD3Config(**fields), seed=seed)
+    if isinstance(section, A2CSection):
+        return A2C(A2CConfig(**fields))
+    return PPO(PPOConfig(**fields))
+
+
+def _refuse_sync_for_replay_actor_critics(config: TrainConfig) -> None:
+    kind = config.runner.kind
+    if kind in ("sync", "sync_eval") and config.algo.name in ACTOR_CRITIC_REPLAY:
+        raise ConfigError(
+            f"field 'runner.kind': {kind!r} is not supported for algo.name = {config.algo.name!r} (its critics "
+            "are outside the agent's model, so ranks would drift apart); use minibatch(_eval) or async(_eval)"
+        )
 
 
 def build_runner(config: TrainConfig, output_dir: str | Path | None, show_progress: bool = True) -> Any:
     r = config.runner
+    _refuse_sync_for_replay_actor_critics(config)
     if r.kind in ("sync", "sync_eval"):
         from rlplex.runners.sync import SyncLauncher
 
@@ -177,6 +226,7 @@ def build_rank_runner(
     if r.kind in ("sync", "sync_eval") and getattr(config.algo, "target_kl", None) is not None:
         # Ranks would stop their epochs after different numbers of backward passes: DDP deadlock.
         raise ConfigError("field 'algo.target_kl': not supported with runner.kind sync/sync_eval; leave it unset")
+    _refuse_sync_for_replay_actor_critics(config)
     spaces = probe_spaces(config.env)
     if r.kind in ("async", "async_eval"):
         return _build_async_runner(config, spaces, output_dir, show_progress)
@@ -209,8 +259,10 @@ def _build_async_runner(config: TrainConfig, spaces: EnvSpaces, output_dir: str 
     from rlplex.runners.async_ import AsyncRl, AsyncRlEval
 
     r = config.runner
-    if config.algo.name != "dqn":
-        raise ConfigError(f"field 'runner.kind': {r.kind!r} needs an off-policy algorithm (algo.name = 'dqn')")
+    if config.algo.name not in OFF_POLICY:
+        raise ConfigError(
+            f"field 'runner.kind': {r.kind!r} needs an off-policy algorithm (algo.name one of {', '.join(OFF_POLICY)})"
+        )
     args: dict[str, Any] = dict(
         algo=build_algo(config),
         agent_factory=agent_factory(config, spaces),

@@ -1,0 +1,104 @@
+"""SAC, TD3, DDPG (Pendulum-v1) and A2C (CartPole-v1) learn, with the settings of their example
+files (rl-zoo's where rl-zoo has them), one seed after another.
+
+Goals (issue 15): SAC and TD3 reach a deterministic evaluation return >= -200 on Pendulum-v1
+within 20k environment steps, and A2C >= 475 on CartPole-v1, each in at least 4 of 5 seeds.
+DDPG has no goal; it is run for comparison. A seed stops at its target unless --no-stop
+(then it runs its whole budget and the final evaluation is at the budget's end).
+
+    python -m benchmarks.classic_learning --algo sac --seeds 5
+    python -m benchmarks.classic_learning [--quick]      # every algorithm, 5 seeds (2 with --quick)
+
+Prints a table, writes bench_results/classic_<algo>.json and a PNG of the learning curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import RESULTS, override, report
+from rlplex.diagnostics import plot_learning_curves
+from rlplex.runners.config import build_runner, load_train_config
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+SETTINGS: dict[str, tuple[str, float, int]] = {  # algo: (example file, target return, goal in 5 seeds)
+    "sac": ("pendulum_sac.toml", -200.0, 4),
+    "td3": ("pendulum_td3.toml", -200.0, 4),
+    "ddpg": ("pendulum_ddpg.toml", -200.0, 0),
+    "a2c": ("cartpole_a2c.toml", 475.0, 4),
+}
+
+
+def run_seed(algo: str, seed: int, n_steps: int | None, stop: bool) -> dict[str, Any]:
+    example, target, _ = SETTINGS[algo]
+    config = load_train_config(EXAMPLES / example)
+    runner_updates: dict[str, Any] = {"seed": seed, "snapshot_mode": "none", "stop_at_return": target if stop else None}
+    if n_steps is not None:
+        runner_updates["n_steps"] = n_steps
+    config = override(config, "runner", **runner_updates)
+    runner = build_runner(config, None, show_progress=False)
+    t0 = time.perf_counter()
+    result = runner.train()
+    wall = time.perf_counter() - t0
+    steps = [row["charts/env_steps"] for row in result.history]
+    returns = [row["charts/eval_return_mean"] for row in result.history]
+    reached = [s for s, r in zip(steps, returns, strict=True) if r >= target]
+    return {
+        "seed": seed,
+        "reached": bool(reached),
+        "steps_to_target": int(reached[0]) if reached else None,
+        "final_eval_return": returns[-1],
+        "best_eval_return": max(returns),
+        "env_steps": result.env_steps,
+        "wall_s": wall,
+        "curve": [steps, returns],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--algo", choices=[*sorted(SETTINGS), "all"], default="all")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="2 seeds")
+    parser.add_argument("--first-seed", type=int, default=0)
+    parser.add_argument("--n-steps", type=int, default=None, help="override the example's budget")
+    parser.add_argument("--no-stop", action="store_true", help="run the whole budget, past the target")
+    args = parser.parse_args()
+    torch.set_num_threads(1)  # one core per run: seeds or benchmarks can run side by side
+    n_seeds = 2 if args.quick else args.seeds
+    for algo in sorted(SETTINGS) if args.algo == "all" else [args.algo]:
+        run_algo(algo, range(args.first_seed, args.first_seed + n_seeds), args.n_steps, stop=not args.no_stop)
+
+
+def run_algo(algo: str, seeds: range, n_steps: int | None, stop: bool) -> None:
+    example, target, goal = SETTINGS[algo]
+    results = []
+    for seed in seeds:
+        res = run_seed(algo, seed, n_steps, stop)
+        results.append(res)
+        print(f"seed {seed}: reached={res['reached']} at={res['steps_to_target']} "
+              f"final={res['final_eval_return']:.1f} wall={res['wall_s']:.0f}s", flush=True)  # fmt: skip
+    passed = sum(r["reached"] for r in results)
+    rows = [
+        (r["seed"], str(r["reached"]), "-" if r["steps_to_target"] is None else f"{r['steps_to_target']:,}",
+         f"{r['final_eval_return']:.1f}", f"{r['best_eval_return']:.1f}", f"{r['env_steps']:,}", f"{r['wall_s']:.0f}")
+        for r in results
+    ]  # fmt: skip
+    name = f"classic_{algo}"
+    figures = {"algo": algo, "example": example, "target": target, "passed": passed, "goal": goal,
+               "n_seeds": len(seeds), "seeds": results}  # fmt: skip
+    title = f"{algo.upper()} ({example}): {passed}/{len(seeds)} seeds reached {target} (goal >= {goal})"
+    columns = ["seed", "reached", "steps to target", "final eval", "best eval", "env steps", "wall s"]
+    report(name, title, columns, rows, figures)
+    curves = {f"seed {r['seed']}": (r["curve"][0], r["curve"][1]) for r in results}
+    png = plot_learning_curves(curves, RESULTS / f"{name}.png", f"{algo.upper()} {example} (eval)", hline=target)
+    print(f"wrote {png}")
+
+
+if __name__ == "__main__":
+    main()

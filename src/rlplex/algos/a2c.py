@@ -1,0 +1,97 @@
+"""A2C: synchronous advantage actor-critic over a [T, B] batch from any sampler.
+
+Reads top to bottom: GAE advantages and returns (shared with PPO, bootstrapping through
+time-limit truncations), then ONE gradient step on the whole batch of
+-adv log pi(a|s) + value_coef * value loss - entropy_coef * entropy. No ratio and no
+clipping: that is what separates it from PPO, whose agents and samplers it uses as they are.
+RMSprop (alpha 0.99, eps 1e-5) by default, as SB3 and the original paper.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+from pydantic import Field
+
+from rlplex.agents.pg import PgAgent
+from rlplex.algos.pg_batch import advantages_and_returns, clip_grad_norm
+from rlplex.config import StrictModel
+from rlplex.errors import RlplexError
+from rlplex.samplers.batch import SampleBatch
+
+
+class A2CConfig(StrictModel):
+    learning_rate: float = Field(7e-4, gt=0)
+    lr_schedule: Literal["constant", "linear"] = "constant"
+    optimizer: Literal["rmsprop", "adam"] = "rmsprop"
+    gamma: float = Field(0.99, ge=0, le=1)
+    gae_lambda: float = Field(1.0, ge=0, le=1, description="1.0: plain n-step advantages")
+    # rlplex halves the squared error in the value loss: 1.0 weighs it as SB3's vf_coef 0.5 does.
+    value_coef: float = Field(1.0, ge=0)
+    entropy_coef: float = Field(0.0, ge=0)
+    max_grad_norm: float = Field(0.5, gt=0)
+    normalize_advantage: bool = False
+
+
+class A2C:
+    def __init__(self, config: A2CConfig | None = None) -> None:
+        self.config = config or A2CConfig()
+        self.agent: PgAgent | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.n_itr = 1
+        self.update_count = 0
+
+    def initialize(self, agent: Any, n_itr: int, world_size: int = 1) -> None:
+        if not isinstance(agent, PgAgent):
+            raise RlplexError(f"A2C needs a policy-gradient agent, got {type(agent).__name__}")
+        cfg = self.config
+        self.agent = agent
+        self.n_itr = max(1, n_itr)
+        params = agent.model.parameters()
+        if cfg.optimizer == "rmsprop":
+            self.optimizer = torch.optim.RMSprop(params, lr=cfg.learning_rate, alpha=0.99, eps=1e-5)
+        else:
+            self.optimizer = torch.optim.Adam(params, lr=cfg.learning_rate, eps=1e-5)
+
+    def optimize_agent(self, itr: int, samples: SampleBatch | None) -> dict[str, float]:
+        if self.agent is None or self.optimizer is None:
+            raise RlplexError("A2C.optimize_agent called before initialize()")
+        if samples is None:
+            raise RlplexError("A2C is on-policy and needs a sample batch every iteration")
+        cfg, agent = self.config, self.agent
+        lr = cfg.learning_rate * (max(0.0, 1.0 - itr / self.n_itr) if cfg.lr_schedule == "linear" else 1.0)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+        advantage, returns = advantages_and_returns(agent, samples, cfg.gamma, cfg.gae_lambda)
+        n = samples.T * samples.B
+        obs = torch.as_tensor(samples.observation.reshape(n, *samples.observation.shape[2:]))
+        action = torch.as_tensor(samples.action.reshape(n, *samples.action.shape[2:]))
+        adv = torch.as_tensor(advantage.reshape(n))
+        if cfg.normalize_advantage and n > 1:
+            adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+
+        log_prob, entropy, value = agent.evaluate(obs, action)
+        policy_loss = -(adv * log_prob).mean()
+        value_loss = 0.5 * (value - torch.as_tensor(returns.reshape(n))).pow(2).mean()
+        entropy_mean = entropy.mean()
+        loss = policy_loss + cfg.value_coef * value_loss - cfg.entropy_coef * entropy_mean
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        clip_grad_norm([p for p in agent.model.parameters() if p.requires_grad], cfg.max_grad_norm)
+        self.optimizer.step()
+        self.update_count += 1
+        policy, value_l, ent = torch.stack((policy_loss, value_loss, entropy_mean)).tolist()
+        return {"losses/policy": policy, "losses/value": value_l, "losses/entropy": ent, "charts/learning_rate": lr}
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.optimizer is None:
+            raise RlplexError("A2C.state_dict called before initialize()")
+        return {"optimizer": self.optimizer.state_dict(), "update_count": self.update_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            raise RlplexError("A2C.load_state_dict called before initialize()")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.update_count = int(state["update_count"])

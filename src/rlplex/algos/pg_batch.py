@@ -1,0 +1,60 @@
+"""What the policy-gradient algorithms (PPO, A2C) share: GAE advantages and returns of a
+[T, B] sample batch, and gradient-norm clipping for small models."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from rlplex.agents.pg import PgAgent
+from rlplex.samplers.batch import SampleBatch
+
+
+def gae_advantages(
+    reward: np.ndarray,
+    value: np.ndarray,
+    next_value: np.ndarray,
+    terminated: np.ndarray,
+    truncated: np.ndarray,
+    gamma: float,
+    lam: float,
+) -> np.ndarray:
+    """GAE over [T, B] arrays. `next_value[t]` is V(next_observation[t]); zeroed where terminated."""
+    not_terminal = 1.0 - terminated.astype(np.float32)
+    not_done = 1.0 - (terminated | truncated).astype(np.float32)
+    delta = reward + gamma * next_value * not_terminal - value
+    advantage = np.zeros_like(reward, dtype=np.float32)
+    running = np.zeros(reward.shape[1], dtype=np.float32)
+    for t in range(reward.shape[0] - 1, -1, -1):
+        running = delta[t] + gamma * lam * not_done[t] * running
+        advantage[t] = running
+    return advantage
+
+
+def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> None:
+    """`torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)` for tensors on one device.
+
+    The same arithmetic (per-tensor norms, their norm, a coefficient clamped at 1, one fused
+    multiply), without the grouping by device and dtype that costs as much as the clipping
+    itself for a small MLP.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
+    torch._foreach_mul_(grads, torch.clamp(max_norm / (total + 1e-6), max=1.0))
+
+
+def advantages_and_returns(
+    agent: PgAgent, samples: SampleBatch, gamma: float, lam: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """(GAE advantages, their value targets) over [T, B], bootstrapping every step with the
+    value of its `next_observation` (so through time-limit truncations, not terminations)."""
+    T, B = samples.T, samples.B
+    next_obs = torch.as_tensor(samples.next_observation.reshape(T * B, *samples.observation.shape[2:]))
+    next_value = agent.value(next_obs).numpy().reshape(T, B)
+    value = samples.agent_info["value"]
+    advantage = gae_advantages(samples.reward, value, next_value, samples.terminated, samples.truncated, gamma, lam)
+    return advantage, advantage + value
