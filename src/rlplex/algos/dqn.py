@@ -21,13 +21,11 @@ from pydantic import Field
 from torch import nn
 
 from rlplex.agents.dqn import DqnAgent
-from rlplex.algos.off_policy import transitions_of
+from rlplex.algos.off_policy import ReplayAlgo
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
 from rlplex.models import unwrap_model
 from rlplex.replays import UniformReplayBuffer
-from rlplex.samplers.batch import SampleBatch
-from rlplex.samplers.processes import CONTEXT
 
 
 class DQNConfig(StrictModel):
@@ -65,7 +63,9 @@ def td_target(
         return target_B
 
 
-class DQN:
+class DQN(ReplayAlgo):
+    name = "DQN"
+
     def __init__(self, config: DQNConfig | None = None, seed: int = 0) -> None:
         self.config = config or DQNConfig()
         self.seed = seed
@@ -77,14 +77,6 @@ class DQN:
         self.update_count = 0
         self._rng = np.random.default_rng(seed)
 
-    @property
-    def batch_size(self) -> int:
-        return self.config.batch_size
-
-    @property
-    def learning_starts(self) -> int:
-        return self.config.learning_starts
-
     def initialize(self, agent: Any, n_itr: int, world_size: int = 1, shared_replay: bool = False) -> None:
         """`shared_replay` puts the replay buffer in shared memory (AsyncRl's copiers write into it)."""
         if not isinstance(agent, DqnAgent):
@@ -95,40 +87,27 @@ class DQN:
         self.target = copy.deepcopy(online)
         self.target.requires_grad_(False)
         self.optimizer = torch.optim.Adam(agent.model.parameters(), lr=self.config.learning_rate)
-        lock = CONTEXT.Lock() if shared_replay else None
-        self.replay = UniformReplayBuffer.create(agent.spaces, self.config.buffer_size, shared=shared_replay, lock=lock)
+        self._make_replay(agent, shared_replay)
         agent.set_epsilon(self.epsilon_at(0))
-
-    def shutdown(self) -> None:
-        if self.replay is not None:
-            self.replay.close()
 
     def epsilon_at(self, itr: int) -> float:
         cfg = self.config
         progress = min(1.0, itr / (cfg.exploration_fraction * self.n_itr))
         return cfg.eps_initial + (cfg.eps_final - cfg.eps_initial) * progress
 
-    def sampler_to_buffer(self, samples: SampleBatch) -> dict[str, np.ndarray]:
-        """What the replay keeps of a sampler batch. Runs in AsyncRl's copier processes too."""
-        return transitions_of(samples)
-
-    def optimize_agent(self, itr: int, samples: SampleBatch | None, n_updates: int | None = None) -> dict[str, float]:
-        """Store `samples` (None: someone else filled the replay), then do `n_updates` updates
-        (default `updates_per_itr`) once the replay holds `learning_starts` transitions."""
-        if self.agent is None or self.replay is None:
-            raise RlplexError("DQN.optimize_agent called before initialize()")
-        if samples is not None:
-            self.replay.append_samples(self.sampler_to_buffer(samples))
+    def _explore(self, itr: int) -> dict[str, float]:
+        assert self.agent is not None
         epsilon = self.epsilon_at(itr + 1)
         self.agent.set_epsilon(epsilon)
-        metrics: dict[str, float] = {"charts/epsilon": epsilon, "charts/replay_size": float(self.replay.size)}
-        n = self.config.updates_per_itr if n_updates is None else n_updates
-        if self.replay.size < max(1, self.config.learning_starts) or n <= 0:
-            return metrics
+        return {"charts/epsilon": epsilon}
+
+    def _updates(self, n: int) -> dict[str, float]:
         stats = np.array([self._update() for _ in range(n)])
-        metrics.update({"losses/td": float(stats[:, 0].mean()), "losses/q_mean": float(stats[:, 1].mean())})
-        metrics["losses/grad_norm"] = float(stats[:, 2].mean())
-        return metrics
+        return {
+            "losses/td": float(stats[:, 0].mean()),
+            "losses/q_mean": float(stats[:, 1].mean()),
+            "losses/grad_norm": float(stats[:, 2].mean()),
+        }
 
     def _update(self) -> tuple[float, float, float]:
         assert self.agent is not None and self.replay is not None and self.optimizer is not None

@@ -1,15 +1,19 @@
-"""Pieces every replay-based algorithm shares (DQN, SAC, TD3): what the replay keeps of a
-sampler batch, a minibatch as tensors, and the soft target-network update."""
+"""Pieces every replay-based algorithm shares (DQN, SAC, TD3): the replay and the loop around
+the updates (`ReplayAlgo`), what the replay keeps of a sampler batch, a minibatch as tensors,
+and the soft target-network update."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
+from rlplex.errors import RlplexError
 from rlplex.replays import UniformReplayBuffer
 from rlplex.samplers.batch import SampleBatch
+from rlplex.samplers.processes import CONTEXT
 
 
 def transitions_of(samples: SampleBatch) -> dict[str, np.ndarray]:
@@ -31,3 +35,58 @@ def sample_tensors(replay: UniformReplayBuffer, batch_size: int, rng: np.random.
 def polyak_update(target: Iterable[torch.Tensor], online: Iterable[torch.Tensor], tau: float) -> None:
     """target <- (1 - tau) target + tau online, over all tensors in one fused call."""
     torch._foreach_lerp_(list(target), list(online), tau)
+
+
+class ReplayAlgo:
+    """The loop every replay-based algorithm runs around its own update: store the batch, set
+    the agent's exploration for the next one (`_explore`), and once the replay holds
+    `learning_starts` transitions run `updates_per_itr` updates (`_updates`, their mean metrics).
+    The config needs `batch_size`, `learning_starts`, `updates_per_itr` and `buffer_size`."""
+
+    name: ClassVar[str]
+    config: Any
+    agent: Any
+    replay: UniformReplayBuffer | None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.config.batch_size)
+
+    @property
+    def learning_starts(self) -> int:
+        return int(self.config.learning_starts)
+
+    def _make_replay(self, agent: Any, shared_replay: bool) -> None:
+        """`shared_replay` puts the replay in shared memory (AsyncRl's copiers write into it)."""
+        lock = CONTEXT.Lock() if shared_replay else None
+        self.replay = UniformReplayBuffer.create(agent.spaces, self.config.buffer_size, shared=shared_replay, lock=lock)
+
+    def shutdown(self) -> None:
+        if self.replay is not None:
+            self.replay.close()
+
+    def sampler_to_buffer(self, samples: SampleBatch) -> dict[str, np.ndarray]:
+        """What the replay keeps of a sampler batch. Runs in AsyncRl's copier processes too."""
+        return transitions_of(samples)
+
+    def optimize_agent(self, itr: int, samples: SampleBatch | None, n_updates: int | None = None) -> dict[str, float]:
+        """Store `samples` (None: someone else filled the replay), then do `n_updates` updates
+        (default `updates_per_itr`) once the replay holds `learning_starts` transitions."""
+        if self.agent is None or self.replay is None:
+            raise RlplexError(f"{self.name}.optimize_agent called before initialize()")
+        if samples is not None:
+            self.replay.append_samples(self.sampler_to_buffer(samples))
+        metrics = {**self._explore(itr), "charts/replay_size": float(self.replay.size)}
+        n = self.config.updates_per_itr if n_updates is None else n_updates
+        if self.replay.size < max(1, self.learning_starts) or n <= 0:
+            return metrics
+        metrics.update(self._updates(n))
+        return metrics
+
+    def _explore(self, itr: int) -> dict[str, float]:
+        """Set the agent's exploration for the next batch; return what to log of it."""
+        raise NotImplementedError
+
+    def _updates(self, n: int) -> dict[str, float]:
+        """Run `n` updates; return their mean metrics."""
+        raise NotImplementedError

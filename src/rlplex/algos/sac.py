@@ -27,13 +27,11 @@ import torch
 from pydantic import Field
 
 from rlplex.agents.sac import SacAgent
-from rlplex.algos.off_policy import polyak_update, sample_tensors, transitions_of
+from rlplex.algos.off_policy import ReplayAlgo, polyak_update, sample_tensors
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
 from rlplex.models.continuous import QEnsemble
 from rlplex.replays import UniformReplayBuffer
-from rlplex.samplers.batch import SampleBatch
-from rlplex.samplers.processes import CONTEXT
 
 
 class SACConfig(StrictModel):
@@ -52,7 +50,9 @@ class SACConfig(StrictModel):
     snapshot_replay: bool = Field(True, description="put the replay buffer in snapshots (exact resume)")
 
 
-class SAC:
+class SAC(ReplayAlgo):
+    name = "SAC"
+
     def __init__(self, config: SACConfig | None = None, seed: int = 0) -> None:
         self.config = config or SACConfig()
         self.seed = seed
@@ -61,14 +61,6 @@ class SAC:
         self.update_count = 0
         self._rng = np.random.default_rng(seed)  # replay sampling
         self._generator = torch.Generator().manual_seed(seed)  # critic init and the update's action noise
-
-    @property
-    def batch_size(self) -> int:
-        return self.config.batch_size
-
-    @property
-    def learning_starts(self) -> int:
-        return self.config.learning_starts
 
     def initialize(self, agent: Any, n_itr: int, world_size: int = 1, shared_replay: bool = False) -> None:
         """`shared_replay` puts the replay buffer in shared memory (AsyncRl's copiers write into it)."""
@@ -88,34 +80,19 @@ class SAC:
         self.log_alpha = torch.tensor(math.log(start), requires_grad=auto)
         self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=cfg.learning_rate) if auto else None
         self.target_entropy = -float(action_dim) if cfg.target_entropy is None else cfg.target_entropy
-        lock = CONTEXT.Lock() if shared_replay else None
-        self.replay = UniformReplayBuffer.create(agent.spaces, cfg.buffer_size, shared=shared_replay, lock=lock)
+        self._make_replay(agent, shared_replay)
         agent.set_random_actions(cfg.learning_starts > 0)
 
-    def shutdown(self) -> None:
-        if self.replay is not None:
-            self.replay.close()
-
-    def sampler_to_buffer(self, samples: SampleBatch) -> dict[str, np.ndarray]:
-        return transitions_of(samples)
-
-    def optimize_agent(self, itr: int, samples: SampleBatch | None, n_updates: int | None = None) -> dict[str, float]:
-        """Store `samples` (None: someone else filled the replay), then do `n_updates` updates
-        (default `updates_per_itr`) once the replay holds `learning_starts` transitions."""
-        if self.agent is None or self.replay is None:
-            raise RlplexError("SAC.optimize_agent called before initialize()")
-        if samples is not None:
-            self.replay.append_samples(self.sampler_to_buffer(samples))
+    def _explore(self, itr: int) -> dict[str, float]:
+        assert self.agent is not None and self.replay is not None
         self.agent.set_random_actions(self.replay.total_appended < self.config.learning_starts)
-        metrics: dict[str, float] = {"charts/replay_size": float(self.replay.size)}
-        n = self.config.updates_per_itr if n_updates is None else n_updates
-        if self.replay.size < max(1, self.config.learning_starts) or n <= 0:
-            return metrics
+        return {}
+
+    def _updates(self, n: int) -> dict[str, float]:
         # Kept as tensors and reduced once: an .item() per update costs as much as a small op.
         stats = torch.stack([self._update() for _ in range(n)]).mean(0).tolist()
         names = ("losses/critic", "losses/actor", "losses/alpha", "charts/alpha", "losses/q_mean", "losses/entropy")
-        metrics.update(zip(names, stats, strict=True))
-        return metrics
+        return dict(zip(names, stats, strict=True))
 
     def _update(self) -> torch.Tensor:
         assert self.agent is not None and self.replay is not None

@@ -25,13 +25,11 @@ import torch
 from pydantic import Field
 
 from rlplex.agents.ddpg import DdpgAgent
-from rlplex.algos.off_policy import polyak_update, sample_tensors, transitions_of
+from rlplex.algos.off_policy import ReplayAlgo, polyak_update, sample_tensors
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
 from rlplex.models.continuous import QEnsemble
 from rlplex.replays import UniformReplayBuffer
-from rlplex.samplers.batch import SampleBatch
-from rlplex.samplers.processes import CONTEXT
 
 
 class TD3Config(StrictModel):
@@ -60,7 +58,9 @@ class DDPGConfig(TD3Config):
     target_noise_clip: float = Field(0.0, ge=0)
 
 
-class TD3:
+class TD3(ReplayAlgo):
+    name = "TD3"
+
     def __init__(self, config: TD3Config | None = None, seed: int = 0) -> None:
         self.config = config or TD3Config()
         self.seed = seed
@@ -69,14 +69,6 @@ class TD3:
         self.update_count = 0
         self._rng = np.random.default_rng(seed)  # replay sampling
         self._generator = torch.Generator().manual_seed(seed)  # critic init and the target noise
-
-    @property
-    def batch_size(self) -> int:
-        return self.config.batch_size
-
-    @property
-    def learning_starts(self) -> int:
-        return self.config.learning_starts
 
     def initialize(self, agent: Any, n_itr: int, world_size: int = 1, shared_replay: bool = False) -> None:
         """`shared_replay` puts the replay buffer in shared memory (AsyncRl's copiers write into it)."""
@@ -93,29 +85,16 @@ class TD3:
         # fused: one kernel per step instead of a Python loop over parameters (see PPO).
         self.actor_optimizer = torch.optim.Adam(actor.parameters(), lr=cfg.learning_rate, fused=True)
         self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=cfg.learning_rate, fused=True)
-        lock = CONTEXT.Lock() if shared_replay else None
-        self.replay = UniformReplayBuffer.create(agent.spaces, cfg.buffer_size, shared=shared_replay, lock=lock)
+        self._make_replay(agent, shared_replay)
         agent.set_random_actions(cfg.learning_starts > 0)
 
-    def shutdown(self) -> None:
-        if self.replay is not None:
-            self.replay.close()
-
-    def sampler_to_buffer(self, samples: SampleBatch) -> dict[str, np.ndarray]:
-        return transitions_of(samples)
-
-    def optimize_agent(self, itr: int, samples: SampleBatch | None, n_updates: int | None = None) -> dict[str, float]:
-        """Store `samples` (None: someone else filled the replay), then do `n_updates` updates
-        (default `updates_per_itr`) once the replay holds `learning_starts` transitions."""
-        if self.agent is None or self.replay is None:
-            raise RlplexError("TD3.optimize_agent called before initialize()")
-        if samples is not None:
-            self.replay.append_samples(self.sampler_to_buffer(samples))
+    def _explore(self, itr: int) -> dict[str, float]:
+        assert self.agent is not None and self.replay is not None
         self.agent.set_random_actions(self.replay.total_appended < self.config.learning_starts)
-        metrics: dict[str, float] = {"charts/replay_size": float(self.replay.size)}
-        n = self.config.updates_per_itr if n_updates is None else n_updates
-        if self.replay.size < max(1, self.config.learning_starts) or n <= 0:
-            return metrics
+        return {}
+
+    def _updates(self, n: int) -> dict[str, float]:
+        metrics: dict[str, float] = {}
         critic_stats, actor_losses = [], []
         for _ in range(n):
             critic_loss, q_mean, actor_loss = self._update()
