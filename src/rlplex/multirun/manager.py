@@ -242,10 +242,16 @@ class MultiRunManager(AdapterRegistry):
         self._identities = identities
         for name in replaced:
             log.warning("run %s: the directory was replaced by a new run of the same name", name)
-        for name, (identity, _) in list(self._unwritten.items()):
-            if name not in inodes or identities.get(name) != identity:
-                del self._unwritten[name]  # deleted, or a new run under that name: not its eviction
-                self._save_unwritten()
+        # Deleted, or a new run under that name: the recorded eviction is not its own.
+        stale = [
+            name
+            for name, (identity, _) in self._unwritten.items()
+            if identities.get(name, identity) != identity or name not in inodes
+        ]
+        for name in stale:
+            del self._unwritten[name]
+        if stale:
+            self._save_unwritten()
         return replaced
 
     def _check_frozen_configs(self, live: set[str]) -> None:
