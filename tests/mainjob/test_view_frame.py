@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from rich.cells import cell_len
 from rich.console import Console
+from rich.live import Live
 
 from rlplex.control.store import NodeRecord
 from rlplex.mainjob.config import RunEntry
@@ -100,6 +101,12 @@ def test_a_short_terminal_keeps_the_job_line_and_the_runs_and_counts_what_is_lef
         fits(draw(job(runs), width, height), width, height)
     narrow = draw(job(four_runs()), 40, 12)
     assert [line.split()[0] for line in narrow if line.startswith("run_")] == [r.run_id for r in four_runs()]
+    # As `rlplex run` draws it: rich's Live never has to cut the frame (it would end it with "...").
+    terminal = io.StringIO()
+    console = Console(file=terminal, force_terminal=True, width=80, height=24, color_system=None)
+    with Live(render(job(runs), live=True), console=console, auto_refresh=False) as live:
+        live.update(render(job(runs), live=True), refresh=True)
+    assert "..." not in terminal.getvalue() and "+10 more runs (10 finished)" in terminal.getvalue()
 
 
 def test_nodes_left_out_are_counted_and_failed_ones_shown_first() -> None:
