@@ -196,4 +196,3 @@ def test_replay_sample_returns_n_step_transitions_with_the_append_stride() -> No
     expected = nstep_transitions(stored(buffer), batch["index"], n_step=3, gamma=0.5, stride=2)
     for key, value in expected.items():
         np.testing.assert_array_equal(batch[key], value)
-
