@@ -89,8 +89,14 @@ def test_new_transitions_get_the_top_priority_also_after_the_ring_wraps() -> Non
     np.testing.assert_array_equal(buffer.tree.leaves(np.arange(5)), [7, 7, 2, 7, 7])
     assert (buffer.cursor, buffer.size) == (2, 5)
     assert_sums_consistent(buffer.tree)
-    with pytest.raises(RlplexError, match="positive"):
-        buffer.update_priorities(np.array([0]), np.array([0.0]))
+    with pytest.raises(RlplexError, match=r"positive and finite, got \[0.0, nan\]"):
+        buffer.update_priorities(np.array([0, 1]), np.array([0.0, np.nan]))
+    # a slot overwritten since it was sampled keeps its new transition's top priority
+    sampled = buffer.sample(64, np.random.default_rng(0))
+    slot = int(sampled["index"][0])
+    buffer.append_samples(transitions(7, 5))  # the ring comes round: every slot rewritten
+    buffer.update_priorities(sampled["index"][:1], np.array([0.125]), sampled["serial"][:1])
+    assert buffer.tree.leaves(np.array([slot]))[0] == 7.0
 
 
 def test_samples_follow_priorities_with_annealed_importance_weights() -> None:

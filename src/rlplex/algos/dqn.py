@@ -222,22 +222,23 @@ class DQN(ReplayAlgo):
             "losses/grad_norm": float(stats[:, 2].mean()),
         }
 
-    def _sample(self) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
-        """A minibatch as tensors, and the slots it came from when priorities must be updated."""
+    def _sample(self) -> tuple[dict[str, torch.Tensor], tuple[np.ndarray, np.ndarray] | None]:
+        """A minibatch as tensors, and the slots it came from (index, serial) when priorities
+        must be updated."""
         assert self.replay is not None
         cfg = self.config
         if isinstance(self.replay, PrioritizedReplayBuffer):
             arrays = self.replay.sample(cfg.batch_size, self._rng, cfg.n_step, cfg.gamma, beta=self.beta)
-            index = arrays.pop("index")
+            slots = (arrays.pop("index"), arrays.pop("serial"))
         else:
-            arrays, index = self.replay.sample(cfg.batch_size, self._rng, cfg.n_step, cfg.gamma), None
-        return {k: torch.as_tensor(v) for k, v in arrays.items()}, index
+            arrays, slots = self.replay.sample(cfg.batch_size, self._rng, cfg.n_step, cfg.gamma), None
+        return {k: torch.as_tensor(v) for k, v in arrays.items()}, slots
 
     def _update(self) -> tuple[float, float, float]:
         assert self.agent is not None and self.replay is not None and self.optimizer is not None
         assert self.target is not None
         cfg, model = self.config, self.agent.model
-        batch, index = self._sample()
+        batch, slots = self._sample()
         action_B = batch["action"].long()
         out = model(batch["observation"])
         if cfg.categorical is not None:
@@ -257,10 +258,10 @@ class DQN(ReplayAlgo):
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
         self.optimizer.step()
-        if index is not None and cfg.prioritized is not None:
+        if slots is not None and cfg.prioritized is not None:
             assert isinstance(self.replay, PrioritizedReplayBuffer)
             per = cfg.prioritized
-            self.replay.update_priorities(index, (error_B.double().numpy() + per.eps) ** per.alpha)
+            self.replay.update_priorities(slots[0], (error_B.double().numpy() + per.eps) ** per.alpha, slots[1])
         self.update_count += 1
         if self.update_count % cfg.target_update_interval == 0:
             self.target.load_state_dict(unwrap_model(model).state_dict())

@@ -108,8 +108,8 @@ class PrioritizedReplayBuffer(UniformReplayBuffer):
         self, batch_size: int, rng: np.random.Generator, n_step: int = 1, gamma: float | None = None, beta: float = 1.0
     ) -> dict[str, np.ndarray]:
         """Transitions drawn in proportion to their priorities, as `UniformReplayBuffer.sample`
-        gives them, plus `index` (for `update_priorities`) and `weight`, the importance weight
-        (N P(i))^-beta over the batch's largest."""
+        gives them, plus `index` and `serial` (for `update_priorities`) and `weight`, the
+        importance weight (N P(i))^-beta over the batch's largest."""
         with self._locked():
             size = int(self._counters[_SIZE])
             if size == 0:
@@ -118,19 +118,29 @@ class PrioritizedReplayBuffer(UniformReplayBuffer):
             idx = np.minimum(self.tree.sample(batch_size, rng), size - 1)
             probability = self.tree.leaves(idx) / self.tree.total
             batch = self._gather(idx, n_step, gamma)
+            batch["serial"] = self._arrays["serial"][idx]
         weight = (size * probability) ** -beta
         batch["index"] = idx
         batch["weight"] = (weight / weight.max()).astype(np.float32)
         return batch
 
-    def update_priorities(self, idx: np.ndarray, priorities: np.ndarray) -> None:
-        """Give slots `idx` new (positive, already exponentiated) priorities."""
+    def update_priorities(self, idx: np.ndarray, priorities: np.ndarray, serial: np.ndarray | None = None) -> None:
+        """Give slots `idx` new (positive, already exponentiated) priorities. With `serial` (from
+        `sample`), slots overwritten since they were sampled (AsyncRl's copiers append
+        meanwhile) keep the top priority their new transition got."""
         priorities = np.asarray(priorities, dtype=np.float64)
-        if not np.all(priorities > 0):
-            raise RlplexError("prioritized replay: priorities must be positive (add eps to |delta|)")
+        if not np.all(np.isfinite(priorities) & (priorities > 0)):
+            bad = priorities[~(np.isfinite(priorities) & (priorities > 0))][:3].tolist()
+            raise RlplexError(
+                f"prioritized replay: priorities must be positive and finite, got {bad} (did the loss diverge?)"
+            )
         with self._locked():
+            if serial is not None:
+                same = self._arrays["serial"][idx] == serial
+                idx, priorities = idx[same], priorities[same]
             self.tree.update(idx, priorities)
-            self._max_priority[0] = max(float(self._max_priority[0]), float(priorities.max()))
+            if len(priorities):
+                self._max_priority[0] = max(float(self._max_priority[0]), float(priorities.max()))
 
     def _extra_state(self, size: int) -> dict[str, Any]:
         return {"priorities": self.tree.leaves(np.arange(size)).copy(), "max_priority": float(self._max_priority[0])}
