@@ -76,7 +76,8 @@ def main() -> None:
     args = parser.parse_args()
     iters = 500 if args.quick else args.iters
     load_before = os.getloadavg()
-    rows, figures = [], {}
+    rows: list[tuple[object, ...]] = []
+    figures: dict[str, object] = {}
     rng = np.random.default_rng(0)
     uniform = UniformReplayBuffer.create(SPACES, args.capacity)
     fill(uniform, args.capacity, rng)
