@@ -126,6 +126,9 @@ def test_dqn_refuses_a_continuous_action_space_and_a_mismatched_network() -> Non
     with pytest.raises(ConfigError, match=r"field 'algo.name': DQN needs a Discrete action space, but "
                                           r"'Pendulum-v1' has Box.*use one of ppo, a2c, sac, td3, ddpg"):  # fmt: skip
         build_runner(config, None, show_progress=False)
+    config = validate_config(TrainConfig, {"env": {"id": "CartPole-v1"}, "algo": {"name": "sac"}})
+    with pytest.raises(ConfigError, match=r"SAC needs a Box action space, but 'CartPole-v1' has Discrete\(2\)"):
+        build_runner(config, None, show_progress=False)
     with pytest.raises(ConfigError, match="agent's has"):
         DQN(DQNConfig(dueling=True)).initialize(DqnAgent(probe_spaces(CARTPOLE)), n_itr=1)
     with pytest.raises(ConfigError, match="v_min"):
