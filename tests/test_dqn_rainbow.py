@@ -122,11 +122,15 @@ def test_resume_from_a_snapshot_equals_the_uninterrupted_run(options: dict[str, 
 def test_dqn_refuses_a_continuous_action_space_and_a_mismatched_network() -> None:
     with pytest.raises(ConfigError, match=r"DQN needs a Discrete action space.*Box\(shape=\(1,\)"):
         DqnAgent(probe_spaces(PENDULUM))
-    config = validate_config(TrainConfig, {"env": {"id": "Pendulum-v1"}, "algo": {"name": "dqn"}})
+    config = validate_config(
+        TrainConfig, {"env": {"id": "Pendulum-v1"}, "algo": {"name": "dqn"}, "runner": {"kind": "sync"}}
+    )
     with pytest.raises(ConfigError, match=r"field 'algo.name': DQN needs a Discrete action space, but "
                                           r"'Pendulum-v1' has Box.*use one of ppo, a2c, sac, td3, ddpg"):  # fmt: skip
         build_runner(config, None, show_progress=False)
-    config = validate_config(TrainConfig, {"env": {"id": "CartPole-v1"}, "algo": {"name": "sac"}})
+    config = validate_config(
+        TrainConfig, {"env": {"id": "CartPole-v1"}, "algo": {"name": "sac"}, "runner": {"kind": "async"}}
+    )
     with pytest.raises(ConfigError, match=r"SAC needs a Box action space, but 'CartPole-v1' has Discrete\(2\)"):
         build_runner(config, None, show_progress=False)
     with pytest.raises(ConfigError, match="agent's has"):

@@ -205,6 +205,7 @@ def build_runner(config: TrainConfig, output_dir: str | Path | None, show_progre
     if r.kind in ("sync", "sync_eval"):
         from rlplex.runners.sync import SyncLauncher
 
+        check_action_space(config, probe_spaces(config.env))  # here, not as a failure of every rank
         if r.global_batch:
             config = _global_batch_config(config)
         build = partial(build_sync_rank, config, None if output_dir is None else str(output_dir), show_progress)
