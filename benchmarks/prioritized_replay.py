@@ -4,10 +4,10 @@
 
 The replay holds CartPole-sized transitions (4 floats per observation), is filled to capacity
 and given random priorities first, so the sum-tree is full and uneven (20 levels at 1M).
-Timed one call (or pair) at a time, median, p90 and p99 over the iterations (on a loaded
-machine the p99 is the scheduler's time slice, not the replay's): the prioritized sample
-(tree descent, importance weights, the transitions' copy) alone, `update_priorities` alone,
-and the pair (the goal), with one-step and 3-step transitions, in ordinary memory and in
+Timed one call (or pair) at a time, median, p90 and p99 over the iterations, wall-clock and
+this thread's CPU time (on a loaded machine the wall-clock p99 is the scheduler's time slice,
+not the replay's): the prioritized sample (tree descent, importance weights, the
+transitions' copy) alone, `update_priorities` alone, and the pair (the goal), with one-step and 3-step transitions, in ordinary memory and in
 shared memory behind the multiprocessing lock (as under AsyncRl). The uniform sample is
 timed alongside for scale.
 
@@ -22,6 +22,7 @@ import os
 import time
 from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -55,17 +56,25 @@ def sample_and_update(per: PrioritizedReplayBuffer, rng: np.random.Generator, n_
     per.update_priorities(batch["index"], new)
 
 
-def timed(fn: Callable[[], object], iters: int) -> tuple[float, float, float]:
-    """Median, p90 and p99 of one call, in µs."""
+def timed(fn: Callable[[], object], iters: int) -> dict[str, float]:
+    """Median, p90 and p99 of one call in µs, wall-clock and this thread's CPU time (which a
+    busy machine's scheduler does not inflate: a preempted call's wall time holds the time slice
+    of whoever ran meanwhile)."""
     for _ in range(min(100, iters)):
         fn()
-    times = np.empty(iters)
+    wall, cpu = np.empty(iters), np.empty(iters)
     for i in range(iters):
-        t0 = time.perf_counter()
+        c0, t0 = time.thread_time(), time.perf_counter()
         fn()
-        times[i] = time.perf_counter() - t0
-    median, p90, p99 = np.percentile(times, [50, 90, 99]) * 1e6
-    return float(median), float(p90), float(p99)
+        wall[i], cpu[i] = time.perf_counter() - t0, time.thread_time() - c0
+    median, p90, p99 = np.percentile(wall, [50, 90, 99]) * 1e6
+    cpu_median, cpu_p99 = np.percentile(cpu, [50, 99]) * 1e6
+    return {"median_us": float(median), "p90_us": float(p90), "p99_us": float(p99),
+            "cpu_median_us": float(cpu_median), "cpu_p99_us": float(cpu_p99)}  # fmt: skip
+
+
+def row_times(t: dict[str, float]) -> tuple[float, ...]:
+    return t["median_us"], t["p90_us"], t["p99_us"], t["cpu_median_us"], t["cpu_p99_us"]
 
 
 def main() -> None:
@@ -77,7 +86,7 @@ def main() -> None:
     iters = 500 if args.quick else args.iters
     load_before = os.getloadavg()
     rows: list[tuple[object, ...]] = []
-    figures: dict[str, object] = {}
+    figures: dict[str, Any] = {}
     rng = np.random.default_rng(0)
     uniform = UniformReplayBuffer.create(SPACES, args.capacity)
     fill(uniform, args.capacity, rng)
@@ -87,7 +96,7 @@ def main() -> None:
         )
         try:
             fill(per, args.capacity, rng)
-            memory = "shared + lock" if shared else "ordinary"
+            memory = "shared+lock" if shared else "ordinary"
             for n_step in (1, 3):
                 draw = np.random.default_rng(1)
                 index = per.sample(BATCH, draw, n_step, 0.99, beta=0.4)["index"]
@@ -98,22 +107,22 @@ def main() -> None:
                     "sample + update": partial(sample_and_update, per, draw, n_step, new),
                 }
                 for what, fn in calls.items():
-                    median, p90, p99 = timed(fn, iters)
-                    figures[f"{what} n_step={n_step} {memory}"] = {"median_us": median, "p90_us": p90, "p99_us": p99}
-                    goal = ("yes" if median < GOAL_US else "NO") if what == "sample + update" else ""
-                    rows.append((what, n_step, memory, median, p90, p99, goal))
+                    t = figures[f"{what} n_step={n_step} {memory}"] = timed(fn, iters)
+                    goal = ("yes" if t["median_us"] < GOAL_US else "NO") if what == "sample + update" else ""
+                    rows.append((what, n_step, memory, *row_times(t), goal))
         finally:
             per.close()
     for n_step in (1, 3):
         draw = np.random.default_rng(2)
-        median, p90, p99 = timed(partial(uniform.sample, BATCH, draw, n_step, 0.99), iters)
-        figures[f"uniform sample n_step={n_step}"] = {"median_us": median, "p90_us": p90, "p99_us": p99}
-        rows.append(("uniform sample (scale)", n_step, "ordinary", median, p90, p99, ""))
+        t = figures[f"uniform sample n_step={n_step}"] = timed(
+            partial(uniform.sample, BATCH, draw, n_step, 0.99), iters
+        )
+        rows.append(("uniform sample (scale)", n_step, "ordinary", *row_times(t), ""))
     uniform.close()
     figures.update(capacity=args.capacity, batch=BATCH, iters=iters, goal_us=GOAL_US,
                    load_avg_before=load_before, load_avg_after=os.getloadavg())  # fmt: skip
     title = f"prioritized replay, capacity {args.capacity:,}, batch {BATCH} (goal: sample + update < 1 ms)"
-    columns = ["call", "n_step", "memory", "median µs", "p90 µs", "p99 µs", "median < 1 ms"]
+    columns = ["call", "n", "memory", "median µs", "p90 µs", "p99 µs", "CPU p50", "CPU p99", "< 1 ms"]
     report("prioritized_replay", title, columns, rows, figures)
     print(f"load average before {load_before}, after {os.getloadavg()}")
 
