@@ -7,9 +7,9 @@ and given random priorities first, so the sum-tree is full and uneven (20 levels
 Timed one call (or pair) at a time, median, p90 and p99 over the iterations, wall-clock and
 this thread's CPU time (on a loaded machine the wall-clock p99 is the scheduler's time slice,
 not the replay's): the prioritized sample (tree descent, importance weights, the
-transitions' copy) alone, `update_priorities` alone, and the pair (the goal), with one-step and 3-step transitions, in ordinary memory and in
-shared memory behind the multiprocessing lock (as under AsyncRl). The uniform sample is
-timed alongside for scale.
+transitions' copy) alone, `update_priorities` alone, and the pair (the goal), with one-step
+and 3-step transitions, in ordinary memory and in shared memory behind the multiprocessing
+lock (as under AsyncRl). The uniform sample is timed alongside for scale.
 
 Goal (issue 15): sample(256) + update_priorities(256) at 1M capacity in under 1 ms.
 Prints a table, writes bench_results/prioritized_replay.json.
