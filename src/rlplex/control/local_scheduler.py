@@ -22,6 +22,7 @@ from rlplex.control.node import JOB_DIR_ENV
 from rlplex.control.placement import Bundle
 from rlplex.control.scheduler import NodeHandle
 from rlplex.control.served_scheduler import ServedScheduler
+from rlplex.control.shm_reaper import group_pids, release, shm_in_use
 
 
 def _child_pythonpath() -> str:
@@ -98,7 +99,11 @@ class LocalScheduler(ServedScheduler):
     def kill(self, handle: NodeHandle) -> None:
         if handle.pid <= 0:
             return
+        shm: set[str] = set()
         if isinstance(handle.ref, subprocess.Popen) or self._process(handle) is not None:
+            # The SIGKILL below takes the group's resource tracker with it: note what shared memory
+            # the group holds, to unlink what its processes leave (see rlplex.control.shm_reaper).
+            shm = shm_in_use(group_pids(handle.pid))
             try:
                 os.killpg(handle.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -112,6 +117,7 @@ class LocalScheduler(ServedScheduler):
             process = self._process(handle)
             if process is not None:
                 psutil.wait_procs([process], timeout=5.0)
+        release(shm)
 
     def cleanup(self) -> None:
         for handle in self._handles.values():
