@@ -114,6 +114,16 @@ def token_probe(context: WorkerContext) -> None:
     (folder / f"{context.node_id}.json").write_text(json.dumps(seen))
 
 
+def channel_owner(context: WorkerContext) -> None:
+    """Leaves a job channel holding an item (a channel outlives its creator), and its name in channel.txt."""
+    from rlplex.control import LocalDataChannel
+
+    channel = LocalDataChannel.create(context.channel_name("q"), capacity=2, slot_bytes=4096)
+    channel.put({"item": 1})
+    channel.detach()
+    (Path(context.output_dir) / "channel.txt").write_text(context.channel_name("q"))
+
+
 class CheckedElasticWorker(ElasticWorker):
     """An ElasticWorker whose node check fails (node_check@trainer-1) or never ends (hang_check@trainer-1)."""
 
