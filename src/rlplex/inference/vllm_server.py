@@ -166,6 +166,11 @@ class VLLMServer:
             self._shm |= shm_in_use(group_pids(self.process.pid))
 
     @property
+    def shared_memory(self) -> frozenset[str]:
+        """The /dev/shm names of the server's processes, as seen once it was ready (vLLM's queues)."""
+        return frozenset(self._shm)
+
+    @property
     def url(self) -> str:
         host = "127.0.0.1" if self.config.host in ("0.0.0.0", "") else self.config.host
         return f"http://{host}:{self.port}"
