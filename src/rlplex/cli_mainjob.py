@@ -225,8 +225,7 @@ def register(app: typer.Typer, console: Console) -> None:
             if decision.outcome == "rejected":
                 print_error(console, "rejected", decision.text)
                 return EXIT_USER_ERROR
-            label = "admitted" if decision.outcome == "admitted" else "pending"
-            console.print(f"{label}: {escape(decision.text)}", highlight=False, soft_wrap=True)
+            console.print(escape(decision.text), highlight=False, soft_wrap=True)  # admitted, or pending and where
             return 0
 
         _guard(console, debug, body)
