@@ -333,7 +333,13 @@ def test_main_job_commands(copy: Path, background: list[Background]) -> None:
         assert len(trainers) == 2, trainers
         job = Background(continue_, copy, copy / "continue.log")
         background.append(job)
-        before = trained(out)
+
+        def reattached() -> bool:
+            found = read_job(out)
+            return job.running() and found is not None and found[0].master_pid == job.process.pid
+
+        wait_for(reattached, 300, "the new master of `run --continue`", 0.5)
+        before = trained(out)  # the nodes trained on without a master meanwhile
         wait_for(lambda: job.running() and trained(out) > before, 300, "the continued job's next step", 0.5)
         assert trainer_nodes(out) == trainers  # reattached to the live trainer ranks, not started again
         assert "job STOPPED" in ok(stop, copy, timeout=200)
