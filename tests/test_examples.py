@@ -4,7 +4,8 @@ and user errors behave as the README says.
 The self-loop pipeline example (examples/selfloop_pipeline.py) is run end to end by
 tests/control/test_channel_selfloop.py; the main job (examples/multirun_demo.toml) is run end
 to end, with its own tiny config, by tests/mainjob/test_main_job_e2e.py. Here those two are
-only loaded and asked for --help.
+only loaded and asked for --help. Every command README.md shows is run as written (tiny
+budgets) by tests/test_readme_commands.py.
 """
 
 from __future__ import annotations
