@@ -71,6 +71,24 @@ class MasterLock:
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
         return cls(fd, path)
 
+    @staticmethod
+    def held(output_dir: Path) -> bool:
+        """Whether a live master holds the job folder's lease. Unlike its recorded pid, this is
+        true from the moment a starting or resuming master takes the lease."""
+        try:
+            fd = os.open(output_dir / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)  # also drops the shared lock, if it was granted
+        return False
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock

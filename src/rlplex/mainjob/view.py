@@ -27,6 +27,7 @@ from pathlib import Path
 import psutil
 
 from rlplex.control.elastic import rendezvous_summaries
+from rlplex.control.master import MasterLock
 from rlplex.control.states import TERMINAL_JOB_STATES
 from rlplex.control.store import STORE_FILE, JobRecord, NodeRecord, SqliteStateStore
 from rlplex.errors import ConfigError
@@ -188,7 +189,11 @@ class JobView:
 
     @property
     def master_alive(self) -> bool:
-        """Whether the process recorded as the job's master still runs (pid reuse aside)."""
+        """Whether the job has a live master: one holds the folder's lease (a master that is
+        starting or resuming holds it before it records its pid), or the recorded pid still runs
+        (pid reuse aside; a lease on a filesystem without flock cannot be seen)."""
+        if MasterLock.held(self.output_dir):
+            return True
         try:
             return psutil.Process(self.master_pid).status() != psutil.STATUS_ZOMBIE if self.master_pid > 0 else False
         except psutil.Error:
