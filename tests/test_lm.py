@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lm_models import random_llama, tiny_model
-from rlplex.algos.grpo import group_advantages, grpo_loss
+from rlplex.algos.grpo import grpo_loss
+from rlplex.algos.rl_math import group_advantages
 from rlplex.errors import ConfigError, DeviceError, ModelLoadError
 from rlplex.models.hf import (
     decode_completion,
