@@ -16,6 +16,9 @@ from __future__ import annotations
 
 import logging
 
+from pydantic import Field
+
+from rlplex.config import StrictModel
 from rlplex.control.worker import WorkerContext, WorkerLoad
 from rlplex.errors import ConfigError
 from rlplex.mainjob.registry import rejection_reason, run_for_rank, write_rejection
@@ -25,10 +28,19 @@ from rlplex.multirun.rundir import RunDir, write_eviction, write_file_atomic
 log = logging.getLogger(__name__)
 
 
+class OrchestratorNodeConfig(StrictModel):
+    """`[roles.orchestrator.config]`: each rank's run is entry `rank` of the job's `runs.json`."""
+
+    runs_dir: str = Field("runs", description="the run directories' folder, in the job's output folder")
+
+
 class OrchestratorNode(WorkerLoad):
+    config_model = OrchestratorNodeConfig
+
     def __init__(self, context: WorkerContext) -> None:
         super().__init__(context)
-        self.runs_dir = context.output_dir / str(context.config.get("runs_dir", "runs"))
+        config = OrchestratorNodeConfig.model_validate(context.config)
+        self.runs_dir = context.output_dir / config.runs_dir
         self.entry = run_for_rank(context.output_dir, context.rank)
 
     def self_check(self) -> None:
