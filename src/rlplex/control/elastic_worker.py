@@ -31,6 +31,7 @@ from typing import Any
 from rlplex.control.elastic_rdzv import CHECK, FINISH, RUN, PortReservation, ScriptConfig, dist_env, parse_role_config
 from rlplex.control.entry import STOP_ENV
 from rlplex.control.rpc import RpcClient, parse_address
+from rlplex.control.store import JobStore
 from rlplex.control.worker import FAILED, FINISHED, Worker, WorkerContext
 from rlplex.errors import JobSpecError, RlplexError
 
@@ -145,13 +146,8 @@ class ElasticWorker(Worker):
         self._agent.start()
 
     def _find_master_role(self) -> str:
-        from rlplex.control.store import SqliteStateStore
-
-        store = SqliteStateStore.in_dir(self.context.output_dir, create=False)
-        try:
-            spec = json.loads(store.job(self.context.job_id).spec_json)
-        finally:
-            store.close()
+        with JobStore.open_readonly(self.context.output_dir, self.context.job_id) as job:
+            spec = job.spec()
         for name, role in spec["roles"].items():
             if role["kind"] == "submaster" and role.get("config", {}).get("workers") == self.context.role:
                 return str(name)
@@ -285,13 +281,8 @@ class ElasticWorker(Worker):
             return None
 
     def _connect(self) -> RpcClient | None:
-        from rlplex.control.store import SqliteStateStore
-
-        store = SqliteStateStore.in_dir(self.context.output_dir, create=False)
-        try:
-            masters = [n for n in store.nodes(self.context.job_id) if n.role == self.master_role and n.address]
-        finally:
-            store.close()
+        with JobStore.open_readonly(self.context.output_dir, self.context.job_id) as job:
+            masters = [n for n in job.nodes(self.master_role) if n.address]
         if not masters:
             return None
         return RpcClient(parse_address(masters[0].address), self.context.token, masters[0].node_id, 5.0)

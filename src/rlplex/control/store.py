@@ -297,18 +297,22 @@ class JobStore:
         self._store, self.job_id = store, job_id
 
     @classmethod
-    def open_readonly(cls, output_dir: str | Path, job_id: str | None = None) -> JobStore:
-        """The job `job_id` in `output_dir` (the newest one when None); `ConfigError` when there is none."""
+    def open_readonly(cls, output_dir: str | Path, job_id: str) -> JobStore:
+        """The job `job_id` in `output_dir`; `ConfigError` when `output_dir` holds no job store."""
+        return cls(SqliteStateStore.in_dir(output_dir, create=False), job_id)
+
+    @classmethod
+    def latest(cls, output_dir: str | Path) -> JobStore | None:
+        """The newest job in `output_dir`, None when its store holds none yet (`ConfigError`: no store)."""
         store = SqliteStateStore.in_dir(output_dir, create=False)
         try:
-            job_id = job_id or store.latest_job_id()
-            if job_id is None:
-                from rlplex.errors import ConfigError
-
-                raise ConfigError(f"{store.path}: no job recorded here")
+            job_id = store.latest_job_id()
         except BaseException:
             store.close()
             raise
+        if job_id is None:
+            store.close()
+            return None
         return cls(store, job_id)
 
     def __enter__(self) -> JobStore:
@@ -334,6 +338,12 @@ class JobStore:
     def node(self, node_id: str) -> NodeRecord | None:
         return next((n for n in self._store.nodes(self.job_id) if n.node_id == node_id), None)
 
+    def decisions(self) -> list[LogRecord]:
+        return self._store.decisions(self.job_id)
+
+    def transitions(self) -> list[LogRecord]:
+        return self._store.transitions(self.job_id)
+
     def wait_nodes(
         self,
         role: str,
@@ -342,9 +352,11 @@ class JobStore:
         poll_s: float = 0.05,
         stop: Callable[[], bool] | None = None,
         live_only: bool = True,
+        rank: int | None = None,
     ) -> list[NodeRecord]:
         """Poll until every node of `role` is `ready` (and there is one; `live_only`: its nodes not
-        STOPPED, as a role scaled down keeps its stopped rows); those nodes in rank order.
+        STOPPED, as a role scaled down keeps its stopped rows; `rank`: that node alone); those
+        nodes in rank order.
         `WaitTimeoutError` after `timeout_s` naming each node's state; an empty list when `stop()`
         says to give up. The store has no change notification: polling is the only way to see
         another process's writes."""
@@ -352,7 +364,10 @@ class JobStore:
 
         deadline = time.monotonic() + timeout_s
         while True:
-            nodes = [n for n in self.nodes(role) if not live_only or n.state != "STOPPED"]
+            nodes = [
+                n for n in self.nodes(role)
+                if (not live_only or n.state != "STOPPED") and (rank is None or n.rank == rank)
+            ]  # fmt: skip
             if nodes and all(ready(n) for n in nodes):
                 return sorted(nodes, key=lambda n: n.rank)
             if stop is not None and stop():
