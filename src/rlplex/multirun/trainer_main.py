@@ -12,13 +12,10 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
-
 from rlplex.config import validate_config
 from rlplex.control.entry import install_stop_handlers, join_group, leave_group
 from rlplex.errors import ConfigError
 from rlplex.models.spec import ModelSpec
-from rlplex.multirun.trainer import MultiRunTrainer
 from rlplex.multirun.trainer_config import TrainerConfig
 
 log = logging.getLogger("rlplex.multirun.trainer")
@@ -26,6 +23,12 @@ log = logging.getLogger("rlplex.multirun.trainer")
 
 def run_trainer(config: TrainerConfig) -> int:
     """Train until stopped (SIGTERM / SIGINT: the graceful stop) or `config.steps` / `until_idle_s`."""
+    # Torch and the trainer here, not at import: the job file's check imports this module to
+    # read `run_trainer`'s config model, in the master's process.
+    import torch
+
+    from rlplex.multirun.trainer import MultiRunTrainer
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     install_stop_handlers()  # first: a stop asked while the model loads is kept
     if config.threads:
