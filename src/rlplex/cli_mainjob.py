@@ -164,11 +164,12 @@ def register(app: typer.Typer, console: Console) -> None:
         output_dir: Annotated[Path, typer.Argument(help="the main job's output folder")],
         debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
     ) -> None:
-        """Per run: step, reward, tokens/s, state; per node: state, restarts, heartbeat age."""
+        """Per run: state, step, reward, tokens/s, elapsed, ETA; per node: state, restarts, heartbeat age."""
 
         def body() -> int:
             from rlplex.errors import ConfigError
-            from rlplex.mainjob.view import collect, render
+            from rlplex.mainjob.frame import render
+            from rlplex.mainjob.view import collect
 
             if not output_dir.is_dir():
                 raise ConfigError(f"{output_dir}: no such job folder")
