@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -65,7 +66,6 @@ from rlplex.diagnostics import plot_learning_curves
 from rlplex.multirun import OrchestratorConfig
 from rlplex.multirun.orch_config import orch_config_to_toml
 from rlplex.multirun.rundir import RunDir
-from rlplex.multirun.trainer import STOP_FILE
 
 NAME = "multirun_learning"
 REWARD = "charts/reward_mean"
@@ -249,7 +249,7 @@ def train_group(output_dir: Path, specs: Sequence[RunSpec], budget: Budget, seed
             if proc.returncode != 0:
                 raise RuntimeError(f"{output_dir}: {name} exited {proc.returncode}:\n{_tail(log_path)}")
         seconds = time.perf_counter() - t0
-        (output_dir / STOP_FILE).touch()
+        trainer.send_signal(signal.SIGTERM)  # the trainer's graceful stop
         trainer.wait(timeout=120)
     finally:
         for _, proc, _ in procs:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,7 +35,6 @@ from rlplex.multirun import OrchestratorConfig, create_run
 from rlplex.multirun.peft_export import is_stable_adapter
 from rlplex.multirun.rollout_io import RolloutBatch, write_rollouts
 from rlplex.multirun.rundir import RunDir
-from rlplex.multirun.trainer import STOP_FILE
 
 NAME = "multirun_throughput"
 SRC = Path(__file__).resolve().parents[1] / "src"
@@ -151,8 +151,8 @@ def measure(groups: list[tuple[Path, list[RunDir]]], threads: int, steps: int, m
         wait_all([run.broadcast_step(steps) for run in all_runs], procs, 600)
         seconds = time.perf_counter() - t0
         rss = [peak_rss_mb(p.pid) for p in procs]
-        for output_dir, _ in groups:
-            (output_dir / STOP_FILE).touch()
+        for p in procs:
+            p.send_signal(signal.SIGTERM)  # the trainer's graceful stop
         for p in procs:
             p.wait(timeout=120)
     finally:

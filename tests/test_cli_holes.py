@@ -207,3 +207,18 @@ def test_make_keeps_earlier_demo_results_in_a_dated_folder(tmp_path: Path) -> No
         (earlier / "report.md").write_text("the second demo")
     kept = sorted(p for p in tmp_path.iterdir() if p.name.startswith("multirun-demo-"))
     assert [p.joinpath("report.md").read_text() for p in kept] == ["the first demo", "the second demo"]
+
+
+def test_job_run_refuses_a_wrong_field_of_a_role_config_before_any_process_starts(tmp_path: Path) -> None:
+    """Each Worker class declares its config model; the job file's roles are checked against it at load."""
+    out = tmp_path / "job"
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f'name = "bad"\noutput_dir = "{out}"\n'
+        '[roles.trainer]\nentrypoint = "rlplex.control.elastic:ElasticWorker"\n'
+        'config = { module = "json.tool" }\n'
+        '[roles.elastic]\nkind = "submaster"\nentrypoint = "rlplex.control.elastic:ElasticMaster"\n'
+        'config = { workers = "trainer", min_nodez = 1 }\n'
+    )
+    assert_one_line_error(rlplex("job", "run", str(job)), "role 'elastic'", "field 'config.min_nodez'")
+    assert not out.exists()  # nothing was created: no store, no node

@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import Field
+
+from rlplex.config import StrictModel
 from rlplex.control import SubMaster, Worker, WorkerContext, WorkerLoad
 from rlplex.control.elastic import ElasticWorker
 
@@ -133,3 +136,19 @@ class CheckedElasticWorker(ElasticWorker):
         if "hang_check" in faults(self.context):
             return None  # no check process, so no result ever
         return super().start_node_check(assignment)
+
+
+class WaiterConfig(StrictModel):
+    out: Path
+    seconds: float = Field(gt=0)
+
+
+def wait_for_stop(config: WaiterConfig) -> int:
+    """A function entry point (`rlplex.control.entry`): writes `ready`, waits until its graceful stop
+    (or `seconds`), then writes `stopped` or `timed out` and exits 0."""
+    from rlplex.control.entry import stop_event
+
+    config.out.write_text("ready")
+    stopped = stop_event().wait(config.seconds)
+    config.out.write_text("stopped" if stopped else "timed out")
+    return 0

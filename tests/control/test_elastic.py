@@ -37,7 +37,10 @@ from rlplex.control.elastic_rdzv import (
     rendezvous_endpoint,
     slow_nodes,
 )
+from rlplex.control.master import read_token
+from rlplex.control.role_group import RoleGroup
 from rlplex.control.states import StateMachine
+from rlplex.control.worker import WorkerContext
 from rlplex.errors import IllegalTransitionError, JobFailedError, JobSpecError
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "elastic_train.py")
@@ -159,6 +162,28 @@ def test_elastic_job_trains_to_completion(job_dir: Path) -> None:
         ]
         nodes = master.store.nodes(master.job_id)
         assert {n.state for n in nodes} == {"FINISHED"} and all(n.restarts == 0 for n in nodes)
+
+
+def test_a_function_entrypoint_gets_its_config_and_request_stop_ends_it_gracefully(
+    job_dir: Path, tmp_path: Path
+) -> None:
+    """The trainer's wiring: `{"entrypoint", "config"}` runs the function with its config model,
+    and the control RPC `request_stop` is its graceful stop: exit 0, so every node FINISHED."""
+    out = tmp_path / "waiter.txt"
+    script = {"entrypoint": "control_workers:wait_for_stop", "config": {"out": str(out), "seconds": 120}}
+    with PrimeMaster.create(elastic_job(job_dir, count=1, script=script, node_check=False)) as master:
+        master.start()
+        wait_for(lambda: out.exists() and out.read_text() == "ready", 60, "the entrypoint to start")
+        context = WorkerContext(master.job_id, "test", 0, "test", {}, {}, job_dir, token=read_token(job_dir))
+        group = RoleGroup.connect(context, "trainer")
+        try:
+            assert [future.result(timeout=30) for future in group.call("request_stop")] == [True]
+        finally:
+            group.close()
+        assert master.wait(timeout=60) == JobState.STOPPED
+        assert out.read_text() == "stopped"
+        assert {n.state for n in master.store.nodes(master.job_id)} == {"FINISHED"}
+        assert rendezvous_steps(master) == ["WAITING", "READY", "RUNNING", "FINISHED"]
 
 
 def test_local_rank_counts_the_ranks_on_the_same_machine() -> None:

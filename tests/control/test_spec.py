@@ -28,8 +28,23 @@ def build(tmp_path: Path, **role: object) -> object:
         ({"restart": {"scope": "sometimes"}}, "roles.r.restart.scope"),
         ({"heartbeat_timeout_s": 0}, "roles.r.heartbeat_timeout_s"),
         ({"colour": "red"}, "roles.r.colour"),
+        # Each role's config against its worker's config model, at load time (before any process).
+        (
+            {"kind": "submaster", "entrypoint": "rlplex.control.elastic:ElasticMaster",
+             "config": {"workers": "r", "min_nodez": 1}},
+            "role 'r': field 'config.min_nodez': Extra inputs are not permitted",
+        ),
+        (
+            {"entrypoint": "rlplex.control.elastic:ElasticWorker",
+             "config": {"entrypoint": "control_workers:wait_for_stop", "config": {"out": "x", "secondz": 1}}},
+            "field 'config.config.secondz'",
+        ),
+        (
+            {"entrypoint": "rlplex.control.elastic:ElasticWorker", "config": {"entrypoint": "control_workers:quick"}},
+            "role 'r': 'control_workers:quick' must take one parameter annotated with its pydantic config model",
+        ),
     ],
-)
+)  # fmt: skip
 def test_bad_roles_are_refused_naming_role_and_field(tmp_path: Path, role: dict[str, object], needle: str) -> None:
     with pytest.raises(JobSpecError, match=None) as info:
         build(tmp_path, **role)

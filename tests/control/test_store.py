@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from rlplex.control import SqliteStateStore
-from rlplex.control.store import JOURNAL_ENV, journal_mode_for, mount_fstype
+from rlplex.control.store import JOURNAL_ENV, NodeRecord, journal_mode_for, mount_fstype
 from rlplex.errors import ConfigError
 
 
@@ -95,3 +95,39 @@ def test_the_store_opens_in_the_chosen_journal_mode(tmp_path: Path, monkeypatch:
     monkeypatch.setenv(JOURNAL_ENV, "memory")
     with pytest.raises(ConfigError, match="RLPLEX_SQLITE_JOURNAL: 'memory' is not a journal mode"):
         SqliteStateStore.in_dir(tmp_path / "bad")
+
+
+def running(node: NodeRecord) -> bool:
+    return node.state == "RUNNING"
+
+
+def test_job_store_is_the_read_side_and_waits_on_a_roles_nodes(tmp_path: Path) -> None:
+    from rlplex.control import JobStore
+    from rlplex.errors import WaitTimeoutError
+
+    with pytest.raises(ConfigError, match="no job state here"):
+        JobStore.latest(tmp_path)
+    writer = SqliteStateStore.in_dir(tmp_path)
+    assert JobStore.latest(tmp_path) is None
+    writer.create_job("j1", "demo", '{"roles": {}}')
+    for rank, state in enumerate(["RUNNING", "CREATED", "STOPPED"]):
+        writer.add_node("j1", f"w-{rank}", "w", rank, state)
+    writer.add_node("j1", "d-0", "d", 0, "RUNNING")
+    latest = JobStore.latest(tmp_path)
+    assert latest is not None and latest.job_id == "j1"
+    latest.close()
+    with JobStore.open_readonly(tmp_path, "j1") as job:
+        assert job.spec() == {"roles": {}} and [n.node_id for n in job.nodes("w")] == ["w-0", "w-1", "w-2"]
+        assert [n.node_id for n in job.wait_nodes("d", running, timeout_s=1.0)] == ["d-0"]
+        assert [n.node_id for n in job.wait_nodes("w", running, timeout_s=1.0, rank=0)] == ["w-0"]
+        with pytest.raises(WaitTimeoutError, match=r"role 'w'.*'w-1': 'CREATED'"):  # STOPPED rows are not waited on
+            job.wait_nodes("w", running, timeout_s=0.1)
+        assert job.wait_nodes("w", running, timeout_s=60.0, stop=lambda: True) == []
+
+        def start_w1() -> bool:  # another process's write, seen by the next poll
+            writer.record_transition("j1", "w-1", "CREATED", "RUNNING", "started")
+            return False
+
+        assert [n.node_id for n in job.wait_nodes("w", running, timeout_s=10.0, stop=start_w1)] == ["w-0", "w-1"]
+        assert len(job.wait_nodes("w", lambda n: n.state != "CREATED", timeout_s=1.0, live_only=False)) == 3
+    writer.close()

@@ -11,6 +11,7 @@ both slots were taken, waits, then trains in run_b's slot to the end.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,7 +25,6 @@ from test_orchestrator import Orchestrator, Orchestrators, make_config, new_outp
 from rlplex.multirun import RunDir, create_run
 from rlplex.multirun.peft_export import is_stable_adapter
 from rlplex.multirun.rundir import STABLE_MARKER, stable_steps, write_eviction
-from rlplex.multirun.trainer import STOP_FILE
 from rlplex.multirun.trainer_log import read_progress_csv
 
 SRC = Path(__file__).resolve().parents[2] / "src"
@@ -73,8 +73,8 @@ def trainer_and_orchestrators(
 
 
 def stop_trainer(out: Path, trainer: subprocess.Popen[bytes], log: Path) -> None:
-    """What the conductor does at the end: the stop file, then a clean exit."""
-    (out / STOP_FILE).write_text("test done\n")
+    """What the conductor does at the end (through its ElasticWorker): SIGTERM, then a clean exit."""
+    trainer.send_signal(signal.SIGTERM)
     assert trainer.wait(timeout=TIMEOUT_S) == 0, log.read_text()
 
 

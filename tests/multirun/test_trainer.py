@@ -32,7 +32,7 @@ from test_sync_multirank import run_world
 from rlplex.multirun.checkpoint import latest_stable_checkpoint_path, load_checkpoint
 from rlplex.multirun.rollout_io import ROLLOUT_FILE
 from rlplex.multirun.rundir import RunDir
-from rlplex.multirun.trainer import STOP_FILE, MultiRunTrainer
+from rlplex.multirun.trainer import MultiRunTrainer
 from rlplex.multirun.trainer_log import read_progress_csv
 
 
@@ -180,12 +180,12 @@ def test_world_size_2_isolation_and_resume_across_world_sizes(tmp_path: Path, al
     assert results[0]["resume_slot"] == 0 and results[0]["resume_step"] == 2
 
 
-def test_stop_file_ends_the_loop_with_a_checkpoint_of_each_run(tmp_path: Path) -> None:
+def test_a_stop_request_ends_the_loop_with_a_checkpoint_of_each_run(tmp_path: Path) -> None:
     make_runs(tmp_path, ["run_c"], steps=2)
     trainer = make_trainer(tmp_path, 1, checkpoint_every=10)
     train_until(trainer, {"run_c": 2})
     assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) is None  # not a checkpoint step
-    (tmp_path / STOP_FILE).touch()
+    trainer.request_stop()  # what SIGTERM does (the control plane's stop of the trainer role)
     assert trainer.run(until_idle_s=60) == 0
     assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) == RunDir(tmp_path, "run_c").checkpoint_step(2)
 
@@ -274,7 +274,7 @@ def test_stop_and_restart_mark_a_run_at_its_last_step_finished(tmp_path: Path) -
     trainer = make_trainer(tmp_path / "stop", 1, checkpoint_every=10)
     train_until(trainer, {"run_b0": 2})
     assert not stopped.is_finished()  # train_until returns before the iteration that queues the marker
-    trainer.finish()  # the stop path (SIGTERM, STOP_TRAINER) marks it
+    trainer.finish()  # the stop path (SIGTERM, the control plane's stop) marks it
     assert stopped.finished_step() == 2
 
     crashed = _new_finishing_run(tmp_path / "crash")

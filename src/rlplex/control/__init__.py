@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from rlplex.control.slot import NodeInfo
     from rlplex.control.spec import JobBuilder, JobSpec, Resources, RestartPolicy, RoleSpec, load_job, parse_job
     from rlplex.control.states import JobState, NodeState, StateMachine
-    from rlplex.control.store import SqliteStateStore, StateStore
+    from rlplex.control.store import JobStore, SqliteStateStore, StateStore
     from rlplex.control.worker import FunctionWorker, SubMaster, Worker, WorkerContext, WorkerLoad
 
 _WHERE = {
@@ -86,6 +86,7 @@ _WHERE = {
     "JobState": "states",
     "NodeState": "states",
     "StateMachine": "states",
+    "JobStore": "store",
     "SqliteStateStore": "store",
     "StateStore": "store",
     "FunctionWorker": "worker",
@@ -112,6 +113,7 @@ __all__ = [
     "JobSpec",
     "JobState",
     "JobStatus",
+    "JobStore",
     "LocalDataChannel",
     "LocalScheduler",
     "Member",

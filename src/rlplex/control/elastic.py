@@ -71,6 +71,8 @@ class Member:
 
 
 class ElasticMaster(SubMaster):
+    config_model = ElasticConfig
+
     def __init__(self, context: WorkerContext) -> None:
         super().__init__(context)
         self.config: ElasticConfig = parse_role_config(ElasticConfig, context.config, context.role)

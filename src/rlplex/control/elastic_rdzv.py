@@ -100,6 +100,14 @@ class ScriptConfig(StrictModel):
 
     script: str | None = Field(default=None, description="path of a Python file")
     module: str | None = Field(default=None, description="a module run with python -m")
+    entrypoint: str | None = Field(
+        default=None,
+        pattern=r"^[\w.]+:[\w.]+$",
+        description="'module:function' taking one pydantic config model, run by rlplex.control.entry",
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="the entrypoint's config: its model's JSON, rebuilt as the model"
+    )
     args: list[str] = Field(default_factory=list)
     env: dict[str, str] = Field(default_factory=dict)
     checkpoint_dir: str | None = Field(default=None, description="default: <output_dir>/elastic/checkpoints/<job id>")
@@ -109,8 +117,12 @@ class ScriptConfig(StrictModel):
 
     @model_validator(mode="after")
     def _one_target(self) -> ScriptConfig:
-        if (self.script is None) == (self.module is None):
-            raise ValueError("give exactly one of 'script' (a file) or 'module'")
+        if [self.script, self.module, self.entrypoint].count(None) != 2:
+            raise ValueError("give exactly one of 'script' (a file), 'module' or 'entrypoint' (a function)")
+        if self.entrypoint is not None and self.args:
+            raise ValueError("'args' are for a script or module; an entrypoint takes 'config'")
+        if self.entrypoint is None and self.config:
+            raise ValueError("'config' is for an entrypoint; a script or module takes 'args'")
         return self
 
 

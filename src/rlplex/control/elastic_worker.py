@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -28,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from rlplex.control.elastic_rdzv import CHECK, FINISH, RUN, PortReservation, ScriptConfig, dist_env, parse_role_config
+from rlplex.control.entry import STOP_ENV
 from rlplex.control.rpc import RpcClient, parse_address
+from rlplex.control.store import JobStore
 from rlplex.control.worker import FAILED, FINISHED, Worker, WorkerContext
 from rlplex.errors import JobSpecError, RlplexError
 
@@ -95,6 +98,26 @@ def kill_tree(process: subprocess.Popen[bytes], grace_s: float) -> int | None:
 
 
 class ElasticWorker(Worker):
+    config_model = ScriptConfig
+
+    @classmethod
+    def validate_config(cls, config: dict[str, Any]) -> ScriptConfig:
+        """The script's config, and an entrypoint's own config against the model it takes (the
+        entrypoint's module is imported for this: the job file's check runs it before any node starts)."""
+        from pydantic import ValidationError
+
+        from rlplex.control.entry import load_function
+        from rlplex.control.spec import nested_error
+
+        script: ScriptConfig = cls.config_model.model_validate(config)
+        if script.entrypoint is not None:
+            _function, model = load_function(script.entrypoint)
+            try:
+                model.model_validate(script.config)
+            except ValidationError as error:
+                raise nested_error(error, "config") from None
+        return script
+
     def __init__(self, context: WorkerContext) -> None:
         super().__init__(context)
         self.config: ScriptConfig = parse_role_config(ScriptConfig, context.config, context.role)
@@ -113,6 +136,7 @@ class ElasticWorker(Worker):
         self._check_epoch = ""
         self._check_result: dict[str, Any] | None = None
         self._finished = False
+        self._stop_asked = False
         self._client: RpcClient | None = None
         # The port this node offers for a round's rendezvous store, and the one its current check
         # or script was handed (held until the next round, as the script binds it only after its imports).
@@ -122,13 +146,8 @@ class ElasticWorker(Worker):
         self._agent.start()
 
     def _find_master_role(self) -> str:
-        from rlplex.control.store import SqliteStateStore
-
-        store = SqliteStateStore.in_dir(self.context.output_dir, create=False)
-        try:
-            spec = json.loads(store.job(self.context.job_id).spec_json)
-        finally:
-            store.close()
+        with JobStore.open_readonly(self.context.output_dir, self.context.job_id) as job:
+            spec = job.spec()
         for name, role in spec["roles"].items():
             if role["kind"] == "submaster" and role.get("config", {}).get("workers") == self.context.role:
                 return str(name)
@@ -149,6 +168,13 @@ class ElasticWorker(Worker):
                 f"role '{self.context.role}': field 'config.script': no such file '{self.config.script}' "
                 f"(relative to {Path.cwd()})"
             )
+        if self.config.entrypoint is not None:
+            from rlplex.control.worker import import_target
+
+            try:
+                import_target(self.config.entrypoint)
+            except JobSpecError as error:
+                raise JobSpecError(f"role '{self.context.role}': field 'config.entrypoint': {error}") from None
         if self.config.module is not None:
             import importlib.util
 
@@ -160,6 +186,18 @@ class ElasticWorker(Worker):
                 raise JobSpecError(
                     f"role '{self.context.role}': field 'config.module': cannot find module '{self.config.module}'"
                 )
+
+    def request_stop(self) -> bool:
+        """The script's graceful stop (a control RPC): SIGTERM to the running script, which ends its
+        work cleanly and exits 0 (a trainer checkpoints every run ahead of its last checkpoint
+        first); a script started after this is told by its environment. True if one was running."""
+        with self._lock:
+            self._stop_asked = True
+            script = self._script
+            if script is None or script.poll() is not None:
+                return False
+            script.send_signal(signal.SIGTERM)
+            return True
 
     def stop(self) -> None:
         super().stop()
@@ -243,13 +281,8 @@ class ElasticWorker(Worker):
             return None
 
     def _connect(self) -> RpcClient | None:
-        from rlplex.control.store import SqliteStateStore
-
-        store = SqliteStateStore.in_dir(self.context.output_dir, create=False)
-        try:
-            masters = [n for n in store.nodes(self.context.job_id) if n.role == self.master_role and n.address]
-        finally:
-            store.close()
+        with JobStore.open_readonly(self.context.output_dir, self.context.job_id) as job:
+            masters = [n for n in job.nodes(self.master_role) if n.address]
         if not masters:
             return None
         return RpcClient(parse_address(masters[0].address), self.context.token, masters[0].node_id, 5.0)
@@ -312,14 +345,32 @@ class ElasticWorker(Worker):
             "RLPLEX_CHECKPOINT_DIR": str(self.checkpoint_dir),
             "RLPLEX_PROGRESS_FILE": str(self.progress_file),
         }
+        if self._stop_asked:
+            env[STOP_ENV] = "1"
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.progress_file.unlink(missing_ok=True)  # progress of an earlier epoch must not count for this one
-        target = ["-m", self.config.module] if self.config.module else [str(self.config.script)]
+        if self.config.entrypoint is not None:
+            target = ["-m", "rlplex.control.entry", self.config.entrypoint]
+        else:
+            target = ["-m", self.config.module] if self.config.module else [str(self.config.script)]
         argv = python_argv(*target, *self.config.args)
         print(f"{self.context.node_id}: epoch {assignment['epoch']}: rank {assignment['rank']} of "
               f"{assignment['world']}, port {assignment['port']}, restart {restarts}: {argv}", flush=True)  # fmt: skip
-        self._script = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        if self.config.entrypoint is None:
+            self._script = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        else:
+            # The entrypoint's config crosses into the script once, as its JSON, on stdin.
+            self._script = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE)
+            self._send_config(self._script)
         self._script_epoch, self._script_exit = str(assignment["epoch"]), None
+
+    def _send_config(self, script: subprocess.Popen[bytes]) -> None:
+        assert script.stdin is not None
+        try:
+            script.stdin.write(json.dumps(self.config.config).encode())
+            script.stdin.close()
+        except OSError:  # the script died at once: its exit code tells the master
+            pass
 
     def _stop_script(self) -> None:
         if self._script is not None:

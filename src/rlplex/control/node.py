@@ -33,7 +33,7 @@ from typing import Any
 
 from rlplex.control.job_token import expose_token, read_token
 from rlplex.control.rpc import AuthListener, connect, format_address, parse_address, send_json, serve
-from rlplex.control.store import SqliteStateStore
+from rlplex.control.store import JobStore
 from rlplex.control.worker import FAILED, FINISHED, SubMaster, Worker, WorkerContext, load_entrypoint
 
 JOB_DIR_ENV = "RLPLEX_JOB_DIR"
@@ -46,9 +46,11 @@ class NodeRuntime:
         self.output_dir = Path(output_dir)
         self.job_id, self.node_id, self.incarnation = job_id, node_id, incarnation
         self.token, self.host = token, host
-        self.store = SqliteStateStore.in_dir(self.output_dir, create=False)
-        self.spec: dict[str, Any] = json.loads(self.store.job(self.job_id).spec_json)
-        record = next(n for n in self.store.nodes(self.job_id) if n.node_id == self.node_id)
+        self.job = JobStore.open_readonly(self.output_dir, job_id)
+        self.spec: dict[str, Any] = self.job.spec()
+        record = self.job.node(self.node_id)
+        if record is None:
+            raise RuntimeError(f"{self.output_dir}: job {job_id} has no node {node_id}")
         self.role, self.rank = record.role, record.rank
         self.role_spec: dict[str, Any] = self.spec["roles"][self.role]
         # Before any user code runs in this process: it (and what it starts) sees the token only on request.
@@ -65,7 +67,7 @@ class NodeRuntime:
 
     def build_worker(self) -> Worker:
         world: dict[str, int] = {}
-        for node in self.store.nodes(self.job_id):
+        for node in self.job.nodes():
             if node.state != "STOPPED":
                 world[node.role] = world.get(node.role, 0) + 1
         context = WorkerContext(
@@ -106,7 +108,8 @@ class NodeRuntime:
 
     def _check_superseded(self) -> bool:
         """True (and stop) when the store names a newer incarnation of this node: this process is stale."""
-        current = next((n.incarnation for n in self.store.nodes(self.job_id) if n.node_id == self.node_id), None)
+        record = self.job.node(self.node_id)
+        current = record.incarnation if record is not None else None
         if current is not None and current > self.incarnation and not self.superseded:
             print(f"{self.node_id}: incarnation {current} replaces this one ({self.incarnation}); stopping",
                   file=sys.stderr, flush=True)  # fmt: skip
@@ -120,7 +123,7 @@ class NodeRuntime:
             try:
                 if self._check_superseded():
                     return False
-                address = self.store.job(self.job_id).master_address
+                address = self.job.job().master_address
                 if not address:
                     return False
                 self.master = connect(parse_address(address), self.token, max(self.interval, 1.0), "master")

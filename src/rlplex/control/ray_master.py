@@ -105,21 +105,15 @@ RemoteMaster: Any = ray.remote(MasterActor)
 
 
 def _ended_job(spec: JobSpec) -> dict[str, Any] | None:
-    from rlplex.control.store import SqliteStateStore
+    from rlplex.control.store import JobStore
 
-    store = SqliteStateStore.in_dir(spec.output_dir, create=False)
-    try:
-        job_id = store.latest_job_id()
-        if job_id is None:
-            return None
-        job = store.job(job_id)
-        return (
-            {"state": job.state, "cause": job.cause, "job_id": job_id}
-            if JobState(job.state) in TERMINAL_JOB_STATES
-            else None
-        )
-    finally:
-        store.close()
+    store = JobStore.latest(spec.output_dir)
+    if store is None:
+        return None
+    with store:
+        job = store.job()
+        ended = JobState(job.state) in TERMINAL_JOB_STATES
+        return {"state": job.state, "cause": job.cause, "job_id": job.job_id} if ended else None
 
 
 def master_actor_name(spec: JobSpec) -> str:

@@ -10,14 +10,12 @@ Calls go over the same authenticated control RPC as the master's (JSON arguments
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from rlplex.control.rpc import RpcClient, parse_address
-from rlplex.control.store import SqliteStateStore
-from rlplex.errors import WaitTimeoutError
+from rlplex.control.store import JobStore
 
 if TYPE_CHECKING:
     from rlplex.control.worker import WorkerContext
@@ -31,20 +29,8 @@ class RoleGroup:
     @classmethod
     def connect(cls, context: WorkerContext, role: str, timeout_s: float = 10.0) -> RoleGroup:
         """Wait until every node of `role` runs, then connect to each (in rank order)."""
-        store = SqliteStateStore.in_dir(context.output_dir, create=False)
-        deadline = time.monotonic() + timeout_s
-        try:
-            while True:
-                nodes = [n for n in store.nodes(context.job_id) if n.role == role and n.state != "STOPPED"]
-                if nodes and all(n.state == "RUNNING" and n.address for n in nodes):
-                    break
-                if time.monotonic() > deadline:
-                    shown = {n.node_id: n.state for n in nodes}
-                    raise WaitTimeoutError(f"role group '{role}': not every node RUNNING within {timeout_s} s: {shown}")
-                time.sleep(0.05)
-        finally:
-            store.close()
-        nodes.sort(key=lambda n: n.rank)
+        with JobStore.open_readonly(context.output_dir, context.job_id) as job:
+            nodes = job.wait_nodes(role, lambda n: n.state == "RUNNING" and bool(n.address), timeout_s)
         return cls(role, [RpcClient(parse_address(n.address), context.token, n.node_id) for n in nodes])
 
     @property

@@ -122,9 +122,10 @@ def check_job(spec: JobSpec, source: str = "<job>") -> None:
             )
     for name, role in spec.roles.items():
         try:
-            load_entrypoint(role.entrypoint, role.kind)
+            worker = load_entrypoint(role.entrypoint, role.kind)
         except JobSpecError as error:
             raise JobSpecError(f"{source}: role '{name}': field 'entrypoint': {error}") from None
+        check_role_config(worker, role, f"{source}: role '{name}'")
     groups: dict[str, list[str]] = {}
     for name, role in spec.roles.items():
         if role.colocate is not None:
@@ -142,6 +143,22 @@ def check_job(spec: JobSpec, source: str = "<job>") -> None:
             raise JobSpecError(
                 f"{source}: role '{members[1]}': field 'colocate': roles of group '{group}' need equal counts ({shown})"
             )
+
+
+def check_role_config(worker: type[Any], role: RoleSpec, where: str) -> None:
+    """The role's `config` against the model its worker class declares (`Worker.config_model`)."""
+    try:
+        worker.validate_config(role.config)
+    except ValidationError as error:
+        raise JobSpecError(format_validation_error(where, nested_error(error, "config"))) from None
+    except JobSpecError as error:
+        raise JobSpecError(f"{where}: {error}") from None
+
+
+def nested_error(error: ValidationError, *outer: str | int) -> ValidationError:
+    """The same errors with each field path under `outer`, as the job file spells it."""
+    items = [{**item, "loc": (*outer, *item["loc"])} for item in error.errors()]
+    return ValidationError.from_exception_data(error.title, items)  # type: ignore[arg-type]
 
 
 class JobBuilder:

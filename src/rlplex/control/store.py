@@ -14,7 +14,7 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -350,3 +350,98 @@ class SqliteStateStore:
     def close(self) -> None:
         with self._lock:
             self._db.close()
+
+
+class JobStore:
+    """The read side of one job's state, for everything beside its master: nodes, drivers, the
+    views and the CLI. Every module that reads `job.sqlite` reads it through here; the master
+    alone writes (through `SqliteStateStore`).
+
+        with JobStore.open_readonly(output_dir, job_id) as job:
+            spec = job.spec()
+            nodes = job.wait_nodes("trainer", lambda n: n.state == "RUNNING", timeout_s=10.0)
+    """
+
+    def __init__(self, store: SqliteStateStore, job_id: str) -> None:
+        self._store, self.job_id = store, job_id
+
+    @classmethod
+    def open_readonly(cls, output_dir: str | Path, job_id: str) -> JobStore:
+        """The job `job_id` in `output_dir`; `ConfigError` when `output_dir` holds no job store."""
+        return cls(SqliteStateStore.in_dir(output_dir, create=False), job_id)
+
+    @classmethod
+    def latest(cls, output_dir: str | Path) -> JobStore | None:
+        """The newest job in `output_dir`, None when its store holds none yet (`ConfigError`: no store)."""
+        store = SqliteStateStore.in_dir(output_dir, create=False)
+        try:
+            job_id = store.latest_job_id()
+        except BaseException:
+            store.close()
+            raise
+        if job_id is None:
+            store.close()
+            return None
+        return cls(store, job_id)
+
+    def __enter__(self) -> JobStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._store.close()
+
+    def job(self) -> JobRecord:
+        return self._store.job(self.job_id)
+
+    def spec(self) -> dict[str, Any]:
+        """The job's spec as the master stored it (JSON of `JobSpec`)."""
+        return dict(json.loads(self.job().spec_json))
+
+    def nodes(self, role: str | None = None) -> list[NodeRecord]:
+        """The job's nodes (of `role`), in role and rank order."""
+        return [n for n in self._store.nodes(self.job_id) if role is None or n.role == role]
+
+    def node(self, node_id: str) -> NodeRecord | None:
+        return next((n for n in self._store.nodes(self.job_id) if n.node_id == node_id), None)
+
+    def decisions(self) -> list[LogRecord]:
+        return self._store.decisions(self.job_id)
+
+    def transitions(self) -> list[LogRecord]:
+        return self._store.transitions(self.job_id)
+
+    def wait_nodes(
+        self,
+        role: str,
+        ready: Callable[[NodeRecord], bool],
+        timeout_s: float,
+        poll_s: float = 0.05,
+        stop: Callable[[], bool] | None = None,
+        live_only: bool = True,
+        rank: int | None = None,
+    ) -> list[NodeRecord]:
+        """Poll until every node of `role` is `ready` (and there is one; `live_only`: its nodes not
+        STOPPED, as a role scaled down keeps its stopped rows; `rank`: that node alone); those
+        nodes in rank order.
+        `WaitTimeoutError` after `timeout_s` naming each node's state; an empty list when `stop()`
+        says to give up. The store has no change notification: polling is the only way to see
+        another process's writes."""
+        from rlplex.errors import WaitTimeoutError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            nodes = [
+                n for n in self.nodes(role)
+                if (not live_only or n.state != "STOPPED") and (rank is None or n.rank == rank)
+            ]  # fmt: skip
+            if nodes and all(ready(n) for n in nodes):
+                return sorted(nodes, key=lambda n: n.rank)
+            if stop is not None and stop():
+                return []
+            if time.monotonic() > deadline:
+                shown = {n.node_id: n.state for n in nodes}
+                raise WaitTimeoutError(f"role '{role}': not every node ready within {timeout_s:g} s: {shown}")
+            time.sleep(poll_s)

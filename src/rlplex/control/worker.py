@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from rlplex.errors import JobSpecError
 
@@ -80,7 +80,19 @@ class WorkerContext:
 
 
 class Worker:
-    """Base of every node. Override the hooks you need; `start()` must return promptly."""
+    """Base of every node. Override the hooks you need; `start()` must return promptly.
+
+    `config_model`: the pydantic model of the role's `config` table. The job's check validates
+    every role's config against it when the job file is loaded, before any process starts, so a
+    wrong field fails there, naming the role and the field; None takes any table."""
+
+    config_model: ClassVar[Any] = None
+
+    @classmethod
+    def validate_config(cls, config: dict[str, Any]) -> Any:
+        """The role's config as its model (raises pydantic's ValidationError, or `JobSpecError`);
+        the config itself when the class declares no model."""
+        return config if cls.config_model is None else cls.config_model.model_validate(config)
 
     def __init__(self, context: WorkerContext) -> None:
         self.context = context
@@ -143,8 +155,8 @@ class FunctionWorker(WorkerLoad):
         type(self).function(self.context)
 
 
-def load_entrypoint(target: str, kind: str) -> type[Worker]:
-    """Import 'module:attr' and return a Worker class fit for `kind`; raise `JobSpecError` saying why not."""
+def import_target(target: str) -> Any:
+    """Import 'module:attr' (attr may be dotted) and return the object; raise `JobSpecError` saying why not."""
     module_name, _, attr = target.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -155,6 +167,13 @@ def load_entrypoint(target: str, kind: str) -> type[Worker]:
         if not hasattr(obj, part):
             raise JobSpecError(f"module '{module_name}' has no attribute '{attr}'")
         obj = getattr(obj, part)
+    return obj
+
+
+def load_entrypoint(target: str, kind: str) -> type[Worker]:
+    """Import 'module:attr' and return a Worker class fit for `kind`; raise `JobSpecError` saying why not."""
+    obj = import_target(target)
+    attr = target.partition(":")[2]
     if inspect.isclass(obj):
         if kind == "submaster" and not issubclass(obj, SubMaster):
             raise JobSpecError(f"'{target}' must subclass rlplex.control.SubMaster for a submaster role")
@@ -164,5 +183,7 @@ def load_entrypoint(target: str, kind: str) -> type[Worker]:
     if callable(obj):
         if kind == "submaster":
             raise JobSpecError(f"'{target}' is a function; a submaster role needs a SubMaster subclass")
-        return type(f"FunctionWorker[{attr}]", (FunctionWorker,), {"function": staticmethod(obj)})
+        # A function declares its role's config model as an attribute, as a class does.
+        fields = {"function": staticmethod(obj), "config_model": getattr(obj, "config_model", None)}
+        return type(f"FunctionWorker[{attr}]", (FunctionWorker,), fields)
     raise JobSpecError(f"'{target}' is neither a Worker subclass nor a function")

@@ -25,14 +25,16 @@ from __future__ import annotations
 
 import importlib
 import threading
-import time
 from typing import Any
 
+from pydantic import Field
+
+from rlplex.config import StrictModel
 from rlplex.control.rpc import RpcClient, parse_address
-from rlplex.control.store import NodeRecord, SqliteStateStore
+from rlplex.control.store import JobStore, NodeRecord
 from rlplex.control.worker import Worker, WorkerContext
 from rlplex.dataflow.process_worker import ModelServer, ProcessModelWorker
-from rlplex.errors import ConfigError, WorkerDiedError
+from rlplex.errors import ConfigError, WaitTimeoutError, WorkerDiedError
 
 _POLL_S = 0.05
 
@@ -47,15 +49,22 @@ def load_interface(target: str, kwargs: dict[str, Any]) -> object:
     return factory(**kwargs)
 
 
+class ModelWorkerConfig(StrictModel):
+    """`[roles.<model workers>.config]`."""
+
+    interface: str = Field(pattern=r"^[\w.]+:[\w.]+$", description="'module:attr' of the model worker's interface")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="the interface's keyword arguments")
+
+
 class ModelWorkerNode(Worker):
     """A control-plane worker serving one model worker until the job stops it."""
 
+    config_model = ModelWorkerConfig
+
     def __init__(self, context: WorkerContext) -> None:
         super().__init__(context)
-        target = context.config.get("interface")
-        if not isinstance(target, str):
-            raise ConfigError(f"role {context.role!r}: config.interface must be 'module:attr', got {target!r}")
-        self.target, self.kwargs = target, dict(context.config.get("kwargs", {}))
+        config = ModelWorkerConfig.model_validate(context.config)
+        self.target, self.kwargs = config.interface, config.kwargs
         self.server: ModelServer | None = None
         self.calls = 0
 
@@ -105,39 +114,38 @@ class JobModelWorker(ProcessModelWorker):
         self.restart_timeout_s = restart_timeout_s
         self.incarnation = -1
 
-    def _record(self) -> NodeRecord | None:
-        store = SqliteStateStore.in_dir(self.context.output_dir, create=False)
-        try:
-            for record in store.nodes(self.context.job_id):
-                if record.role == self.role and record.rank == self.rank:
-                    return record
-            return None
-        finally:
-            store.close()
+    def _node(self, job: JobStore) -> NodeRecord | None:
+        return next((n for n in job.nodes(self.role) if n.rank == self.rank), None)
 
     def _wait_running(self, after_incarnation: int, timeout_s: float) -> NodeRecord:
-        deadline = time.monotonic() + timeout_s
-        last: NodeRecord | None = None
-        while True:
-            last = self._record()
-            if last is not None and last.state == "RUNNING" and last.address and last.incarnation > after_incarnation:
-                return last
-            if last is not None and last.state in ("FAILED", "STOPPED") and after_incarnation >= 0:
-                if last.incarnation <= after_incarnation and self._job_over():
-                    raise WorkerDiedError(f"model worker {self.name!r} is {last.state} and will not come back")
-            if time.monotonic() > deadline:
+        """Node `rank` of the role RUNNING in an incarnation after `after_incarnation`."""
+        with JobStore.open_readonly(self.context.output_dir, self.context.job_id) as job:
+
+            def running(node: NodeRecord) -> bool:
+                return node.state == "RUNNING" and bool(node.address) and node.incarnation > after_incarnation
+
+            def gone() -> bool:
+                """A node that failed or stopped for good: the job is ending, so no restart will come."""
+                last = self._node(job)
+                return (
+                    last is not None and after_incarnation >= 0 and last.state in ("FAILED", "STOPPED")
+                    and last.incarnation <= after_incarnation
+                    and job.job().state in ("STOPPING", "STOPPED", "FAILED")
+                )  # fmt: skip
+
+            try:
+                nodes = job.wait_nodes(self.role, running, timeout_s, _POLL_S, gone, live_only=False, rank=self.rank)
+            except WaitTimeoutError:
+                last = self._node(job)
                 seen = f"{last.state} (incarnation {last.incarnation})" if last else "absent"
                 raise WorkerDiedError(
                     f"model worker {self.name!r} not RUNNING again within {timeout_s:g} s; node is {seen}"
-                )
-            time.sleep(_POLL_S)
-
-    def _job_over(self) -> bool:
-        store = SqliteStateStore.in_dir(self.context.output_dir, create=False)
-        try:
-            return store.job(self.context.job_id).state in ("STOPPING", "STOPPED", "FAILED")
-        finally:
-            store.close()
+                ) from None
+            if not nodes:
+                last = self._node(job)
+                state = last.state if last else "absent"
+                raise WorkerDiedError(f"model worker {self.name!r} is {state} and will not come back")
+            return nodes[0]
 
     def start(self) -> JobModelWorker:
         record = self._wait_running(self.incarnation, self.restart_timeout_s)

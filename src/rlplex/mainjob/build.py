@@ -1,9 +1,10 @@
 """From a `MainJobConfig` to the control-plane job that runs it.
 
-Roles: `trainer` (ElasticWorkers, one per rank, each running `rlplex.multirun.trainer` as
-under torchrun), `elastic` (the ElasticMaster of their rendezvous), `orchestrator` (one node
-per run), `conductor` (the driver that plays events and ends the job), and with
-`[inference] engine = "vllm"`, `inference` (one node running the job's vLLM servers).
+Roles: `trainer` (ElasticWorkers, one per rank, each running `run_trainer(TrainerConfig)` in a
+process of the round's group, the config passed as its JSON), `elastic` (the ElasticMaster of
+their rendezvous), `orchestrator` (one node per run), `conductor` (the driver that plays events
+and ends the job), and with `[inference] engine = "vllm"`, `inference` (one node running the
+job's vLLM servers).
 """
 
 from __future__ import annotations
@@ -12,19 +13,23 @@ from typing import Any
 
 from rlplex.control.spec import JobSpec, parse_job
 from rlplex.mainjob.config import MainJobConfig
+from rlplex.multirun.trainer_config import TrainerConfig
 
 
-def trainer_args(config: MainJobConfig) -> list[str]:
+def trainer_config(config: MainJobConfig) -> TrainerConfig:
+    """The trainer's whole config; it reaches the trainer's processes as this model's JSON."""
     trainer = config.trainer
-    return [
-        "--output-dir", str(config.runs_dir.resolve()),
-        "--max-runs", str(trainer.max_runs),
-        "--max-lora-rank", str(trainer.max_lora_rank),
-        "--micro-tokens", str(trainer.micro_batch_tokens),
-        "--checkpoint-every", str(trainer.checkpoint_every),
-        "--model-json", config.model.resolved().model_dump_json(),
-        "--threads", "1",
-    ]  # fmt: skip
+    return TrainerConfig(
+        output_dir=config.runs_dir.resolve(),
+        max_runs=trainer.max_runs,
+        max_lora_rank=trainer.max_lora_rank,
+        micro_tokens=trainer.micro_batch_tokens,
+        checkpoint_every=trainer.checkpoint_every,
+        model=config.model.resolved(),
+        retention=trainer.retention,
+        max_off_policy_steps=trainer.max_off_policy_steps,
+        threads=1,
+    )
 
 
 def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec:
@@ -51,8 +56,8 @@ def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec
                 "restart": {"scope": "worker", "max_restarts": trainer.max_restarts},
                 "heartbeat_timeout_s": 10.0,
                 "config": {
-                    "module": "rlplex.multirun.trainer",
-                    "args": trainer_args(config),
+                    "entrypoint": "rlplex.multirun.trainer_main:run_trainer",
+                    "config": trainer_config(config).model_dump(mode="json"),
                     # A trainer told to stop checkpoints every run ahead of its last checkpoint.
                     "stop_grace_s": 15.0,
                 },

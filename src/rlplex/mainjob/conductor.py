@@ -1,7 +1,7 @@
 """The conductor: the main job's driver role. It plays the job's scripted events (a run added,
-a run evicted) when their trigger fires, and ends the job once every run is done: it tells the
-trainer to stop (its stop file), waits for the trainer's ranks to finish, and returns, which
-stops the job (a job ends when its drivers finish).
+a run evicted) when their trigger fires, and ends the job once every run is done: it asks the
+trainer's nodes to stop (a control RPC: the trainer's graceful stop), waits for them to finish,
+and returns, which stops the job (a job ends when its drivers finish).
 
 It acts only through the interfaces a user has: an added run is an add request (as `rlplex
 runs add`), an eviction is the run's `control/evicted.txt` (as `rlplex runs evict`).
@@ -13,9 +13,10 @@ import logging
 import time
 from pathlib import Path
 
-from rlplex.control.store import SqliteStateStore
+from rlplex.config import StrictModel
+from rlplex.control.store import JobStore, NodeRecord
 from rlplex.control.worker import WorkerContext
-from rlplex.errors import WaitTimeoutError
+from rlplex.errors import RlplexError, WaitTimeoutError
 from rlplex.mainjob.config import Event, MainJobConfig
 from rlplex.mainjob.registry import submit_add
 from rlplex.mainjob.view import RunView, collect
@@ -24,8 +25,9 @@ from rlplex.multirun.rundir import RunDir, write_eviction
 log = logging.getLogger(__name__)
 
 TERMINAL_RUN_STATES = ("finished", "evicted", "rejected")
-TRAINER_STOP_FILE = "STOP_TRAINER"  # read by rlplex.multirun.trainer in its output dir
 POLL_S = 0.25  # the file system has no change notification we can rely on everywhere
+STOP_TIMEOUT_S = 120.0
+ASK_AGAIN_S = 20.0
 
 
 def evict(runs_dir: Path, run_id: str, reason: str) -> None:
@@ -45,8 +47,14 @@ def _can_still_fire(event: Event, runs: dict[str, RunView], pending_adds: set[st
     return run.state not in TERMINAL_RUN_STATES
 
 
+class ConductorConfig(StrictModel):
+    """`[roles.conductor.config]`: the whole main job."""
+
+    job: MainJobConfig
+
+
 def conduct(context: WorkerContext) -> None:
-    config = MainJobConfig.model_validate(context.config["job"])
+    config = ConductorConfig.model_validate(context.config).job
     output_dir, runs_dir = context.output_dir, config.runs_dir
     later = {entry.id: entry for entry in config.later_runs}
     pending = list(range(len(config.events)))
@@ -73,24 +81,48 @@ def conduct(context: WorkerContext) -> None:
         if runs and done == len(runs) and not pending and not waiting_adds:
             break
         time.sleep(POLL_S)
-    _stop_trainer(context, runs_dir, config)
+    _stop_trainer(context)
 
 
-def _stop_trainer(context: WorkerContext, runs_dir: Path, config: MainJobConfig) -> None:
-    (runs_dir / TRAINER_STOP_FILE).write_text("every run is done\n")
-    deadline = time.monotonic() + 120.0
-    while not context.should_stop():
-        states = _trainer_states(context)
-        if states and all(state in ("FINISHED", "STOPPED") for state in states):
-            return
-        if time.monotonic() > deadline:
-            raise WaitTimeoutError(f"trainer nodes still {states} 120 s after the stop request")
-        time.sleep(POLL_S)
+conduct.config_model = ConductorConfig  # type: ignore[attr-defined]  # the role's config, checked at load
 
 
-def _trainer_states(context: WorkerContext) -> list[str]:
-    store = SqliteStateStore.in_dir(context.output_dir, create=False)
+def _stop_trainer(context: WorkerContext) -> None:
+    """Ask the trainer's ranks to stop gracefully through the control plane (`ElasticWorker.
+    request_stop`: each checkpoints every run ahead of its last checkpoint and exits 0, so the
+    ElasticMaster finishes), and wait until the trainer's nodes have finished. The ask is
+    repeated while they run: a rank restarted meanwhile must hear it too."""
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    with JobStore.open_readonly(context.output_dir, context.job_id) as job:
+        while not context.should_stop():
+            _ask_trainer_to_stop(context)
+            ask_again = min(deadline, time.monotonic() + ASK_AGAIN_S)
+            try:
+                for role in ("trainer", "elastic"):
+                    job.wait_nodes(role, _ended, ask_again - time.monotonic(), POLL_S, context.should_stop, False)
+                return
+            except WaitTimeoutError:
+                if time.monotonic() >= deadline:
+                    states = {n.node_id: n.state for n in job.nodes("trainer") + job.nodes("elastic")}
+                    raise WaitTimeoutError(
+                        f"trainer nodes still {states} {STOP_TIMEOUT_S:g} s after the stop request"
+                    ) from None
+
+
+def _ended(node: NodeRecord) -> bool:
+    return node.state in ("FINISHED", "STOPPED")
+
+
+def _ask_trainer_to_stop(context: WorkerContext) -> None:
     try:
-        return [node.state for node in store.nodes(context.job_id) if node.role in ("trainer", "elastic")]
+        group = context.role_group("trainer", timeout_s=POLL_S)
+    except WaitTimeoutError:
+        return  # a rank restarting (it is told at its start) or every rank done
+    try:
+        for future in group.call("request_stop"):
+            try:
+                future.result(timeout=30.0)
+            except RlplexError as error:  # a rank that ended meanwhile
+                log.info("trainer stop request not delivered: %s", error)
     finally:
-        store.close()
+        group.close()

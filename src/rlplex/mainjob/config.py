@@ -39,6 +39,7 @@ from rlplex.config import StrictModel, load_config
 from rlplex.inference.config import InferenceConfig
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.orch_config import OrchestratorConfig, parse_orch_config
+from rlplex.multirun.retention import RetentionConfig
 from rlplex.multirun.rundir import is_valid_run_name
 
 INFERENCE_DIR = "inference"
@@ -52,6 +53,12 @@ class TrainerSettings(StrictModel):
     micro_batch_tokens: int = Field(2048, ge=16)
     checkpoint_every: int = Field(1, ge=1, description="steps between a run's checkpoints")
     max_restarts: int = Field(3, ge=0, description="elastic restarts of the trainer before the job fails")
+    max_off_policy_steps: int = Field(
+        8, ge=0, description="rollouts this many steps older than the step they train are dropped"
+    )
+    retention: RetentionConfig = Field(
+        default_factory=RetentionConfig, description="step folders of each run kept on disk"
+    )
 
 
 class RunEntry(StrictModel):

@@ -23,7 +23,7 @@ from rlplex.errors import ConfigError, JobInterruptedError, RlplexError, WaitTim
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.vllm_server import ensure_api_key, require_vllm
 from rlplex.mainjob.build import build_job_spec
-from rlplex.mainjob.conductor import TERMINAL_RUN_STATES, TRAINER_STOP_FILE
+from rlplex.mainjob.conductor import TERMINAL_RUN_STATES
 from rlplex.mainjob.config import JOB_CONFIG_FILE, MainJobConfig
 from rlplex.mainjob.frame import render
 from rlplex.mainjob.preflight import check_main_job, run_problems
@@ -168,9 +168,8 @@ def resume_main_job(output_dir: Path, console: Console, live: bool = True) -> Jo
     config = config.model_copy(
         update={"runs": registry, "later_runs": [e for e in config.later_runs if e.id not in added]}
     )
-    for leftover in (config.runs_dir / TRAINER_STOP_FILE, output_dir / STOP_REQUEST_FILE):
-        with contextlib.suppress(FileNotFoundError):
-            leftover.unlink()
+    with contextlib.suppress(FileNotFoundError):
+        (output_dir / STOP_REQUEST_FILE).unlink()
     console.print(f"continuing {view.job_state} job in {output_dir}: runs {', '.join(unfinished)}")
     master = PrimeMaster.create(build_job_spec(config, str(output_dir / JOB_CONFIG_FILE)))
     return _drive(master, config, console, live, start=True)

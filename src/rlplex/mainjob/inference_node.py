@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 
+from rlplex.config import StrictModel
 from rlplex.control.worker import WorkerContext, WorkerLoad
 from rlplex.errors import InferenceUnavailableError
 from rlplex.inference.config import InferenceConfig
@@ -32,11 +33,20 @@ from rlplex.models.spec import ModelSpec
 log = logging.getLogger(__name__)
 
 
+class InferenceNodeConfig(StrictModel):
+    """`[roles.inference.config]`: the job's `[inference]` and `[model]` tables."""
+
+    inference: InferenceConfig
+    model: ModelSpec
+
+
 class InferenceNode(WorkerLoad):
+    config_model = InferenceNodeConfig
+
     def __init__(self, context: WorkerContext) -> None:
         super().__init__(context)
-        self.config = InferenceConfig.model_validate(context.config["inference"])
-        self.model = ModelSpec.model_validate(context.config["model"])
+        config = InferenceNodeConfig.model_validate(context.config)
+        self.config, self.model = config.inference, config.model
         self.endpoint_dir = context.output_dir / INFERENCE_DIR
         self.servers: list[VLLMServer] = []
 

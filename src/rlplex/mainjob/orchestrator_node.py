@@ -16,19 +16,30 @@ from __future__ import annotations
 
 import logging
 
+from pydantic import Field
+
+from rlplex.config import StrictModel
 from rlplex.control.worker import WorkerContext, WorkerLoad
 from rlplex.errors import ConfigError
 from rlplex.mainjob.registry import rejection_reason, run_for_rank, write_rejection
-from rlplex.multirun.orch_config import orch_config_to_toml
-from rlplex.multirun.rundir import RunDir, write_eviction, write_file_atomic
+from rlplex.multirun.rundir import RunDir, write_eviction
 
 log = logging.getLogger(__name__)
 
 
+class OrchestratorNodeConfig(StrictModel):
+    """`[roles.orchestrator.config]`: each rank's run is entry `rank` of the job's `runs.json`."""
+
+    runs_dir: str = Field("runs", description="the run directories' folder, in the job's output folder")
+
+
 class OrchestratorNode(WorkerLoad):
+    config_model = OrchestratorNodeConfig
+
     def __init__(self, context: WorkerContext) -> None:
         super().__init__(context)
-        self.runs_dir = context.output_dir / str(context.config.get("runs_dir", "runs"))
+        config = OrchestratorNodeConfig.model_validate(context.config)
+        self.runs_dir = context.output_dir / config.runs_dir
         self.entry = run_for_rank(context.output_dir, context.rank)
 
     def self_check(self) -> None:
@@ -42,11 +53,9 @@ class OrchestratorNode(WorkerLoad):
             return  # a job continued after a stop: this run's end is already final
         self.context.report_progress(run_index=self.context.rank)
         try:
+            # The run's config, rebuilt from the registry's JSON; the orchestrator records it in
+            # the run's `control/orch.toml` (the run-folder protocol the trainer reads).
             config = self.entry.orch_config(str(self.context.output_dir / "runs.json"))
-            # For the record: the config this node runs, as a standalone orchestrator would take it.
-            config_dir = self.context.output_dir / "orch_configs"
-            config_dir.mkdir(exist_ok=True)
-            write_file_atomic(config_dir / f"{self.entry.id}.toml", orch_config_to_toml(config).encode())
             self.runs_dir.mkdir(exist_ok=True)
             run_orchestrator(self.runs_dir, self.entry.id, config)
         except RunEvictedError:

@@ -20,9 +20,6 @@ from rlplex.mainjob.config import MainJobConfig, RunEntry
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.orch_config import OrchestratorConfig
 
-# The trainer's default `max_off_policy_steps` (rlplex.multirun.trainer.TrainerConfig); the
-# main job does not set it, and importing the trainer here would import torch.
-TRAINER_MAX_OFF_POLICY_STEPS = 8
 FLOAT32_BYTES = 4
 # LoRA weights, their gradients and Adam's two moments, all float32.
 LORA_COPIES = 4
@@ -107,10 +104,10 @@ def run_problems(entry: RunEntry, job: MainJobConfig, source: str) -> list[str]:
             f"{where}: field 'model.name': {config.model.name!r} is not the job's model {job.model.name!r}: "
             "every run trains an adapter of the one shared base model"
         )
-    if config.max_async_level > TRAINER_MAX_OFF_POLICY_STEPS:
+    if config.max_async_level > job.trainer.max_off_policy_steps:
         problems.append(
-            f"{where}: field 'max_async_level': {config.max_async_level} is more than the trainer's "
-            f"max_off_policy_steps {TRAINER_MAX_OFF_POLICY_STEPS}: the trainer would reject it"
+            f"{where}: field 'max_async_level': {config.max_async_level} is more than "
+            f"trainer.max_off_policy_steps {job.trainer.max_off_policy_steps}: the trainer would reject it"
         )
     return problems
 

@@ -29,9 +29,8 @@ def write_tensorboard(run: RunView, directory: Path) -> None:
 def _decisions(output_dir: Path) -> list[str]:
     if not (output_dir / "job.sqlite").exists():
         return []
-    with open_job_store(output_dir) as store:
-        job_id = store.latest_job_id()
-        return [] if job_id is None else [f"{d.old} {d.entity}: {d.cause}" for d in store.decisions(job_id)]
+    with open_job_store(output_dir) as job:
+        return [] if job is None else [f"{d.old} {d.entity}: {d.cause}" for d in job.decisions()]
 
 
 def write_report(output_dir: Path, fallback_wall_time_s: float) -> Path:

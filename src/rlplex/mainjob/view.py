@@ -29,7 +29,7 @@ import psutil
 from rlplex.control.elastic import rendezvous_summaries
 from rlplex.control.master import MasterLock
 from rlplex.control.states import TERMINAL_JOB_STATES
-from rlplex.control.store import STORE_FILE, JobRecord, NodeRecord, SqliteStateStore
+from rlplex.control.store import STORE_FILE, JobRecord, JobStore, NodeRecord
 from rlplex.errors import ConfigError
 from rlplex.mainjob.config import INFERENCE_DIR, JOB_CONFIG_FILE, RunEntry
 from rlplex.mainjob.registry import REJECTIONS_DIR, read_registry, rejection_reason
@@ -330,9 +330,10 @@ def _ended_at(run: RunDir, view: RunView, runs_dir: Path) -> float | None:
 
 
 @contextlib.contextmanager
-def open_job_store(output_dir: Path) -> Iterator[SqliteStateStore]:
-    """The job's state store, read-only use; a file there that is not a SQLite database (or not
-    a regular file: SQLite would block on a FIFO) is a one-line `ConfigError` naming it."""
+def open_job_store(output_dir: Path) -> Iterator[JobStore | None]:
+    """The newest job's state (None: the store holds no job yet), read-only use; a file there that
+    is not a SQLite database (or not a regular file: SQLite would block on a FIFO) is a one-line
+    `ConfigError` naming it."""
     path = output_dir / STORE_FILE
     try:
         check_regular_file(path, MAX_STORE_BYTES)
@@ -341,7 +342,7 @@ def open_job_store(output_dir: Path) -> Iterator[SqliteStateStore]:
     except OSError as error:
         raise ConfigError(f"{path}: not a job state database ({error})") from None
     try:
-        store = SqliteStateStore.in_dir(output_dir, create=False)
+        store = JobStore.latest(output_dir)
     except sqlite3.DatabaseError as error:
         raise ConfigError(f"{path}: not a job state database ({error})") from None
     try:
@@ -349,16 +350,16 @@ def open_job_store(output_dir: Path) -> Iterator[SqliteStateStore]:
     except sqlite3.DatabaseError as error:
         raise ConfigError(f"{path}: not a job state database ({error})") from None
     finally:
-        store.close()
+        if store is not None:
+            store.close()
 
 
 def read_job(output_dir: Path) -> tuple[JobRecord, list[NodeRecord]] | None:
     """The newest job recorded in `output_dir` and its nodes (None: no store, or no job in it)."""
     if not os.path.lexists(output_dir / STORE_FILE):
         return None
-    with open_job_store(output_dir) as store:
-        job_id = store.latest_job_id()
-        return None if job_id is None else (store.job(job_id), store.nodes(job_id))
+    with open_job_store(output_dir) as job:
+        return None if job is None else (job.job(), job.nodes())
 
 
 def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:

@@ -25,75 +25,52 @@ run is created (fresh or resumed),
 to its `max_steps` is marked finished (`control/finished.txt`) by a writer job queued behind its
 final checkpoint and broadcast; the next `discover_runs()` frees its slot for a waiting run.
 
-Entry point (torchrun-style: RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT when present):
-`python -m rlplex.multirun.trainer --output-dir D --max-runs K [--steps N] [--until-idle S]`.
-It stops cleanly on SIGTERM / SIGINT or when the file `D/STOP_TRAINER` exists, writing a
-checkpoint of every run whose progress is ahead of its last checkpoint.
+Entry points: `run_trainer(TrainerConfig)` (`trainer_main`; the main job's trainer role runs it
+through `rlplex.control.entry`), and the standalone CLI, torchrun-style (RANK / WORLD_SIZE /
+MASTER_ADDR / MASTER_PORT when present): `python -m rlplex.multirun.trainer --output-dir D
+--max-runs K [--steps N] [--until-idle S]`. It stops cleanly on SIGTERM / SIGINT (in the main
+job: the control plane's stop of the trainer role), writing a checkpoint of every run whose
+progress is ahead of its last checkpoint.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import signal
+import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from types import FrameType
 from typing import Any, cast
 
 import torch
 import torch.distributed as dist
-from pydantic import Field
 
+<<<<<<< HEAD
 from rlplex.algos.rl_math import clipped_surrogate
 from rlplex.config import StrictModel
+=======
+>>>>>>> wiring16
 from rlplex.errors import AdapterError, CheckpointError, MultiRunError, RunDirGoneError
 from rlplex.models.hf import load_causal_lm, load_tokenizer, resolve_device
 from rlplex.models.lm import pad_id_of, token_logprobs
-from rlplex.models.spec import ModelSpec
 from rlplex.multirun.checkpoint import RunProgress, save_checkpoint
 from rlplex.multirun.lora import apply_multi_lora
 from rlplex.multirun.manager import MultiRunManager, setup_multi_run_manager
 from rlplex.multirun.orch_config import OrchestratorConfig
 from rlplex.multirun.packer import MicroBatch, Packer
 from rlplex.multirun.peft_export import is_stable_adapter, write_peft_adapter
-from rlplex.multirun.retention import RetentionConfig, prune_steps, remove_orphaned_temporaries
+from rlplex.multirun.retention import prune_steps, remove_orphaned_temporaries
 from rlplex.multirun.rollout_io import MalformedRolloutError, read_rollouts, rollouts_ready
+<<<<<<< HEAD
 from rlplex.multirun.run_optim import CLIP_EPS, RunOptimizers, StepStats
+=======
+from rlplex.multirun.run_optim import RunOptimizers, StepStats, clipped_pg_loss
+from rlplex.multirun.trainer_config import TrainerConfig
+>>>>>>> wiring16
 from rlplex.multirun.trainer_log import BackgroundWriter, ProgressLog, RunFinisher, final_outputs_missing
 
 log = logging.getLogger(__name__)
-
-STOP_FILE = "STOP_TRAINER"
-
-
-class TrainerConfig(StrictModel):
-    output_dir: Path
-    max_runs: int = Field(ge=1)
-    max_lora_rank: int = Field(8, ge=1)
-    target_modules: tuple[str, ...] | None = Field(
-        None, description="Layers that get LoRA adapters (last name component); None = the model family's default."
-    )
-    micro_tokens: int = Field(4096, ge=1, description="Row tokens per micro-batch (padded width x rows).")
-    micro_batches: int = Field(4, ge=1, description="Micro-batches per rank per iteration.")
-    checkpoint_every: int = Field(1, ge=1, description="Checkpoint a run every N of its steps (and at its last).")
-    model: ModelSpec = Field(description="The shared frozen base model; every run must name the same one.")
-    clip_eps: float = Field(CLIP_EPS, gt=0)
-    retention: RetentionConfig = Field(
-        default_factory=RetentionConfig,
-        description="How many step folders of each run stay on disk (checkpoints, broadcast, consumed rollouts).",
-    )
-    max_off_policy_steps: int = Field(
-        8,
-        ge=0,
-        description="Rollouts generated more than this many steps before the step they train are dropped; "
-        "a run whose max_async_level is higher is rejected.",
-    )
-    poll_interval_s: float = Field(0.05, gt=0)
-    finish_retry_s: float = Field(
-        5.0, gt=0, description="Seconds before a run whose final checkpoint or broadcast failed is tried again."
-    )
+__all__ = ["MultiRunTrainer", "TrainerConfig", "main"]  # TrainerConfig's home is trainer_config (torch-free)
 
 
 @dataclass
@@ -156,7 +133,7 @@ class MultiRunTrainer:
         """The newest checkpoint step submitted per run id."""
         self.writer = BackgroundWriter()
         self.finisher = RunFinisher(self.writer, config.finish_retry_s)
-        self._stop_requested = False
+        self._stop = threading.Event()
         self._rewards: dict[int, tuple[float, int]] = {}
 
     # ---- set-up ------------------------------------------------------------------------------
@@ -180,15 +157,17 @@ class MultiRunTrainer:
         )
 
     def request_stop(self) -> None:
-        self._stop_requested = True
+        self._stop.set()
 
     def install_signal_handlers(self) -> None:
-        def handler(signum: int, frame: FrameType | None) -> None:
-            log.warning("trainer rank %d: signal %d, stopping after this iteration", self.rank, signum)
-            self._stop_requested = True
+        """SIGTERM and SIGINT stop the loop after this iteration (with `finish()`'s checkpoints):
+        the process's graceful stop of `rlplex.control.entry`, also asked before this trainer existed."""
+        from rlplex.control.entry import install_stop_handlers
 
-        signal.signal(signal.SIGTERM, handler)
-        signal.signal(signal.SIGINT, handler)
+        asked = self._stop.is_set()
+        self._stop = install_stop_handlers()
+        if asked:
+            self._stop.set()
 
     @property
     def is_master(self) -> bool:
@@ -226,7 +205,7 @@ class MultiRunTrainer:
         if self.is_master:
             self.manager.discover_runs()
         self.manager.synchronize_state()
-        stop = self._stop_requested or (self.is_master and (master_stop or self._stop_file().exists()))
+        stop = self._stop.is_set() or (self.is_master and master_stop)
         if self.world_size > 1:
             flag = torch.tensor([int(stop)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -247,9 +226,6 @@ class MultiRunTrainer:
             self._forward_backward(micro)
         stepped = self._step_runs(prepared.steps)
         return IterationResult(False, len(prepared.micro_batches), stepped)
-
-    def _stop_file(self) -> Path:
-        return self.config.output_dir / STOP_FILE
 
     def _plan(self) -> tuple[list[MicroBatch], list[StepDone]]:
         """Rank 0: read newly ready steps, pack, and take the complete steps out of the packer."""

@@ -1,41 +1,47 @@
-"""`python -m rlplex.multirun.trainer`: parse the flags, join the torchrun-style gloo group
-(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment), run `MultiRunTrainer`."""
+"""The trainer's entry points: `run_trainer(config)`, the function the main job's trainer role runs
+(through `rlplex.control.entry`, which has joined the round's process group), and the standalone
+`python -m rlplex.multirun.trainer`: its flags build the same `TrainerConfig`, it joins the
+torchrun-style gloo group (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT from the environment) the
+same way, and calls `run_trainer`."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import logging
+import sys
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-
 from rlplex.config import validate_config
+from rlplex.control.entry import install_stop_handlers, join_group, leave_group
+from rlplex.errors import ConfigError
 from rlplex.models.spec import ModelSpec
-from rlplex.multirun.trainer import MultiRunTrainer, TrainerConfig
+from rlplex.multirun.trainer_config import TrainerConfig
 
 log = logging.getLogger("rlplex.multirun.trainer")
 
 
-def _init_distributed() -> bool:
-    import os
-    from datetime import timedelta
+def run_trainer(config: TrainerConfig) -> int:
+    """Train until stopped (SIGTERM / SIGINT: the graceful stop) or `config.steps` / `until_idle_s`."""
+    # Torch and the trainer here, not at import: the job file's check imports this module to
+    # read `run_trainer`'s config model, in the master's process.
+    import torch
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1 or dist.is_initialized():
-        return False
-    dist.init_process_group(
-        "gloo",
-        rank=int(os.environ["RANK"]),
-        world_size=world,
-        init_method=f"tcp://{os.environ.get('MASTER_ADDR', '127.0.0.1')}:{os.environ['MASTER_PORT']}",
-        timeout=timedelta(seconds=float(os.environ.get("RLPLEX_DIST_TIMEOUT_S", "300"))),
-    )
-    return True
+    from rlplex.multirun.trainer import MultiRunTrainer
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    install_stop_handlers()  # first: a stop asked while the model loads is kept
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    trainer = MultiRunTrainer(config)
+    trainer.install_signal_handlers()
+    worked = trainer.run(steps=config.steps, until_idle_s=config.until_idle_s)
+    log.info("trainer rank %d: stopped after %d training iterations", trainer.rank, worked)
+    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
+def parse_args(argv: list[str] | None = None) -> TrainerConfig:
+    """The standalone trainer's flags, as the `TrainerConfig` the main job would give it."""
     parser = argparse.ArgumentParser(prog="python -m rlplex.multirun.trainer", description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", type=Path, required=True)
     parser.add_argument("--max-runs", type=int, required=True)
@@ -43,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--micro-tokens", type=int, default=4096)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--checkpoint-every", type=int, default=1)
+    parser.add_argument("--max-off-policy-steps", type=int, default=None)
     parser.add_argument("--model", default=None, help="the shared base model: a hub id or local folder")
     parser.add_argument(
         "--model-json", default=None, help="the whole [model] table as JSON (ModelSpec); overrides --model"
@@ -51,31 +58,36 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--until-idle", type=float, default=None, help="stop after S seconds with nothing to train")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    import json
-
     if not (args.model or args.model_json):
         parser.error("give the shared base model: --model NAME or --model-json JSON")
     model_data = json.loads(args.model_json) if args.model_json else {"name": args.model}
-    model = validate_config(ModelSpec, model_data, source="--model-json")
-    config = TrainerConfig(
-        output_dir=args.output_dir,
-        max_runs=args.max_runs,
-        max_lora_rank=args.max_lora_rank,
-        micro_tokens=args.micro_tokens,
-        micro_batches=args.micro_batches,
-        checkpoint_every=args.checkpoint_every,
-        model=model,
-    )
-    owns_group = _init_distributed()
+    data = {
+        "output_dir": args.output_dir,
+        "max_runs": args.max_runs,
+        "max_lora_rank": args.max_lora_rank,
+        "micro_tokens": args.micro_tokens,
+        "micro_batches": args.micro_batches,
+        "checkpoint_every": args.checkpoint_every,
+        "model": validate_config(ModelSpec, model_data, source="--model-json"),
+        "steps": args.steps,
+        "until_idle_s": args.until_idle,
+        "threads": args.threads,
+    }
+    if args.max_off_policy_steps is not None:
+        data["max_off_policy_steps"] = args.max_off_policy_steps
+    return validate_config(TrainerConfig, data, source="python -m rlplex.multirun.trainer")
+
+
+def main(argv: list[str] | None = None) -> int:
+    install_stop_handlers()
     try:
-        trainer = MultiRunTrainer(config)
-        trainer.install_signal_handlers()
-        worked = trainer.run(steps=args.steps, until_idle_s=args.until_idle)
-        log.info("trainer rank %d: stopped after %d training iterations", trainer.rank, worked)
+        config = parse_args(argv)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    owns_group = join_group()
+    try:
+        return run_trainer(config)
     finally:
         if owns_group:
-            dist.destroy_process_group()
-    return 0
+            leave_group()
