@@ -33,7 +33,6 @@ from rlplex.multirun.checkpoint import load_checkpoint
 from rlplex.multirun.lora import MultiLoRALinear
 from rlplex.multirun.manager import MultiRunManager
 from rlplex.multirun.peft_export import read_peft_adapter
-from rlplex.multirun.trainer_config import CLIP_EPS
 
 log = logging.getLogger(__name__)
 

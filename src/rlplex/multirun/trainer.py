@@ -45,11 +45,7 @@ from typing import Any, cast
 import torch
 import torch.distributed as dist
 
-<<<<<<< HEAD
 from rlplex.algos.rl_math import clipped_surrogate
-from rlplex.config import StrictModel
-=======
->>>>>>> wiring16
 from rlplex.errors import AdapterError, CheckpointError, MultiRunError, RunDirGoneError
 from rlplex.models.hf import load_causal_lm, load_tokenizer, resolve_device
 from rlplex.models.lm import pad_id_of, token_logprobs
@@ -61,12 +57,8 @@ from rlplex.multirun.packer import MicroBatch, Packer
 from rlplex.multirun.peft_export import is_stable_adapter, write_peft_adapter
 from rlplex.multirun.retention import prune_steps, remove_orphaned_temporaries
 from rlplex.multirun.rollout_io import MalformedRolloutError, read_rollouts, rollouts_ready
-<<<<<<< HEAD
-from rlplex.multirun.run_optim import CLIP_EPS, RunOptimizers, StepStats
-=======
-from rlplex.multirun.run_optim import RunOptimizers, StepStats, clipped_pg_loss
+from rlplex.multirun.run_optim import RunOptimizers, StepStats
 from rlplex.multirun.trainer_config import TrainerConfig
->>>>>>> wiring16
 from rlplex.multirun.trainer_log import BackgroundWriter, ProgressLog, RunFinisher, final_outputs_missing
 
 log = logging.getLogger(__name__)
