@@ -5,6 +5,7 @@ the settings that must fail at load time rather than mid-run."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -22,9 +23,11 @@ from rlplex.inference.config import EngineSettings, InferenceConfig
 from rlplex.inference.engine import SamplingParams
 from rlplex.inference.vllm_server import (
     API_KEY_FILE,
+    RESERVED_CPUS_ENV,
     Endpoint,
     VLLMServer,
     check_model_for_vllm,
+    cpu_reserved_cores,
     ensure_api_key,
     write_endpoint,
 )
@@ -188,3 +191,16 @@ def test_the_server_gets_the_key_in_its_environment_never_on_its_command_line(tm
     assert command[command.index("--max-loras") + 1] == "3" and command[-1] == "--enforce-eager"
     assert command[command.index("--dtype") + 1] == "float32"  # "auto" on the CPU build: what the trainer uses
     shutil.rmtree(tmp_path / "inference")
+
+
+def test_a_small_machine_gives_every_core_to_the_cpu_model_unless_told_otherwise(tmp_path: Path) -> None:
+    default, two = InferenceConfig(engine="vllm"), InferenceConfig(engine="vllm", cpu_reserved_cores=2)
+    assert cpu_reserved_cores(default, {}, cores=2) == 0  # vLLM's 1 would halve the model's cores
+    assert cpu_reserved_cores(default, {}, cores=4) == 0
+    assert cpu_reserved_cores(default, {}, cores=16) is None  # vLLM's own choice
+    assert cpu_reserved_cores(default, {RESERVED_CPUS_ENV: "1"}, cores=2) is None  # the caller's, inherited
+    assert cpu_reserved_cores(two, {RESERVED_CPUS_ENV: "1"}, cores=2) == 2  # the job file's wins
+    server = VLLMServer(ModelSpec(name=str(tmp_path)), two, "key", 8123, tmp_path / "log", build="cpu")
+    assert server.environment()[RESERVED_CPUS_ENV] == "2"
+    gpu = VLLMServer(ModelSpec(name=str(tmp_path)), two, "key", 8123, tmp_path / "log", build="gpu")
+    assert gpu.environment().get(RESERVED_CPUS_ENV) == os.environ.get(RESERVED_CPUS_ENV)  # GPU builds: untouched

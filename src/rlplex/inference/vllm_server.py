@@ -31,12 +31,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from rlplex.errors import ConfigError, InferenceError, InferenceUnavailableError
-from rlplex.inference.config import InferenceConfig
+from rlplex.inference.config import SMALL_MACHINE_CORES, InferenceConfig
 from rlplex.models.spec import ModelSpec
 
 API_KEY_FILE = "api_key"
@@ -44,6 +44,7 @@ ENDPOINT_FILE = "endpoint.json"
 SERVED_MODEL_NAME = "rlplex-base"
 # Head sizes the CPU build's attention kernels take (vllm/v1/attention/backends/cpu_attn.py).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 def vllm_build() -> str | None:
@@ -142,6 +143,25 @@ def require_vllm(model: ModelSpec) -> str:
     return build
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask, which a container or taskset narrows)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_reserved_cores(config: InferenceConfig, environ: Mapping[str, str], cores: int) -> int | None:
+    """VLLM_CPU_NUM_OF_RESERVED_CPU for a CPU build, or None to leave vLLM's default: the config's
+    value; else the caller's environment's; else 0 on a small machine, where vLLM's default of one
+    core for its scheduler would take a half (2 cores) or a quarter (4) of the model's compute."""
+    if config.cpu_reserved_cores is not None:
+        return config.cpu_reserved_cores
+    if RESERVED_CPUS_ENV in environ:
+        return None
+    return 0 if cores <= SMALL_MACHINE_CORES else None
+
+
 def _die_with_parent() -> None:
     """In the child, before exec: SIGTERM it when the process that started it dies (Linux)."""
     with contextlib.suppress(Exception):
@@ -197,6 +217,9 @@ class VLLMServer:
             VLLM_CPU_KVCACHE_SPACE=str(self.config.cpu_kv_cache_gb),
             PYTHONUNBUFFERED="1",  # the log is current when a failure quotes its tail
         )
+        reserved = cpu_reserved_cores(self.config, os.environ, usable_cores())
+        if self.build == "cpu" and reserved is not None:
+            env[RESERVED_CPUS_ENV] = str(reserved)
         if self.model.is_local:
             env["HF_HUB_OFFLINE"] = "1"  # a local folder needs no hub; never reach the network at run time
         return env
