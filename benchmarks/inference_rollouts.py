@@ -17,9 +17,10 @@ once. Prompts are reverse-task prompts of the model's tokenizer.
   tokenizer's EOS whatever the stop ids), so both engines generate the same tokens. Memory:
   the server's process tree (API server, engine core, worker); the clients are not counted.
   vLLM's default on x86 keeps one core off its worker's OpenMP threads (for its scheduler);
-  rlplex's (`InferenceConfig.cpu_reserved_cores`) keeps none on machines of at most 4 cores:
-  `--vllm-reserved-cpus 1` measures vLLM's. `--vllm-env K=V` and `--vllm-arg=--flag=value`
-  (repeatable) try other settings.
+  rlplex's on machines of at most 4 cores keeps none and leaves the threads unbound and not
+  spinning (`vllm_server.cpu_threading_env`): `--vllm-reserved-cpus 1 --vllm-env
+  VLLM_CPU_OMP_THREADS_BIND=auto --vllm-env OMP_WAIT_POLICY=ACTIVE` measures vLLM's own.
+  `--vllm-env K=V` and `--vllm-arg=--flag=value` (repeatable) try other settings.
 - hf: `--runs` processes (spawned, as `--runs` orchestrators would be), each loading its own
   copy of the model into an `HFEngine`, run at the same time on the same cores with
   `--threads / runs` torch threads each (at least 1). Memory: the sum over those processes.

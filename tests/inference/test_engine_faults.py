@@ -24,10 +24,11 @@ from rlplex.inference.engine import SamplingParams
 from rlplex.inference.vllm_server import (
     API_KEY_FILE,
     RESERVED_CPUS_ENV,
+    THREADS_BIND_ENV,
     Endpoint,
     VLLMServer,
     check_model_for_vllm,
-    cpu_reserved_cores,
+    cpu_threading_env,
     ensure_api_key,
     write_endpoint,
 )
@@ -195,11 +196,13 @@ def test_the_server_gets_the_key_in_its_environment_never_on_its_command_line(tm
 
 def test_a_small_machine_gives_every_core_to_the_cpu_model_unless_told_otherwise(tmp_path: Path) -> None:
     default, two = InferenceConfig(engine="vllm"), InferenceConfig(engine="vllm", cpu_reserved_cores=2)
-    assert cpu_reserved_cores(default, {}, cores=2) == 0  # vLLM's 1 would halve the model's cores
-    assert cpu_reserved_cores(default, {}, cores=4) == 0
-    assert cpu_reserved_cores(default, {}, cores=16) is None  # vLLM's own choice
-    assert cpu_reserved_cores(default, {RESERVED_CPUS_ENV: "1"}, cores=2) is None  # the caller's, inherited
-    assert cpu_reserved_cores(two, {RESERVED_CPUS_ENV: "1"}, cores=2) == 2  # the job file's wins
+    shared = {RESERVED_CPUS_ENV: "0", THREADS_BIND_ENV: "nobind", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert cpu_threading_env(default, {}, cores=2) == shared  # vLLM's 1 core kept would halve the model's
+    assert cpu_threading_env(default, {}, cores=4) == shared
+    assert cpu_threading_env(default, {}, cores=16) == {}  # vLLM's own choices
+    caller = {RESERVED_CPUS_ENV: "1", THREADS_BIND_ENV: "0-1"}
+    assert cpu_threading_env(default, caller, cores=2) == {"OMP_WAIT_POLICY": "PASSIVE"}  # the caller's kept
+    assert cpu_threading_env(two, caller, cores=16) == {RESERVED_CPUS_ENV: "2"}  # the job file's wins
     server = VLLMServer(ModelSpec(name=str(tmp_path)), two, "key", 8123, tmp_path / "log", build="cpu")
     assert server.environment()[RESERVED_CPUS_ENV] == "2"
     gpu = VLLMServer(ModelSpec(name=str(tmp_path)), two, "key", 8123, tmp_path / "log", build="gpu")

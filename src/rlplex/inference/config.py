@@ -53,12 +53,14 @@ class InferenceConfig(EngineSettings):
     cpu_kv_cache_gb: int = Field(1, ge=1, description="KV cache of a CPU build, GiB (VLLM_CPU_KVCACHE_SPACE)")
     # vLLM-CPU on x86 keeps one core off its model's OpenMP threads for its scheduler; on 2 cores
     # that halves the model's compute: the 150M rollout benchmark (benchmarks/inference_rollouts)
-    # measured 141 tokens/s on the 1 core it leaves against the hf engine's 219 on both.
+    # measured 141 tokens/s on the 1 core it leaves against the hf engine's 219 on both. With the
+    # small-machine rule (vllm_server.cpu_threading_env) it used 115 tokens per CPU-second.
     cpu_reserved_cores: int | None = Field(
         None,
         ge=0,
         description="cores a CPU build keeps off its model's threads (VLLM_CPU_NUM_OF_RESERVED_CPU); "
-        f"None: 0 on machines of at most {SMALL_MACHINE_CORES} cores, vLLM's own choice on bigger ones",
+        f"None: 0 on machines of at most {SMALL_MACHINE_CORES} cores (their threads unbound and not spinning too), "
+        "vLLM's own choice on bigger ones",
     )
     max_model_len: int | None = Field(None, ge=16, description="longest prompt + completion; None = the model's")
     host: str = Field("127.0.0.1", description="the servers bind here; loopback unless the job file says otherwise")

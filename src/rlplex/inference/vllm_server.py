@@ -45,6 +45,7 @@ SERVED_MODEL_NAME = "rlplex-base"
 # Head sizes the CPU build's attention kernels take (vllm/v1/attention/backends/cpu_attn.py).
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
+THREADS_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
 def vllm_build() -> str | None:
@@ -151,15 +152,29 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def cpu_reserved_cores(config: InferenceConfig, environ: Mapping[str, str], cores: int) -> int | None:
-    """VLLM_CPU_NUM_OF_RESERVED_CPU for a CPU build, or None to leave vLLM's default: the config's
-    value; else the caller's environment's; else 0 on a small machine, where vLLM's default of one
-    core for its scheduler would take a half (2 cores) or a quarter (4) of the model's compute."""
+def cpu_threading_env(config: InferenceConfig, environ: Mapping[str, str], cores: int) -> dict[str, str]:
+    """How a CPU build's model threads share the cores, as environment settings for the server.
+
+    A variable the caller's environment sets is left as it is. On a small machine (rlplex's
+    trainer and orchestrators share its cores with the server):
+    - no core kept off the model's threads for vLLM's scheduler (VLLM_CPU_NUM_OF_RESERVED_CPU=0;
+      vLLM keeps 1 on x86: half the model's compute on 2 cores);
+    - threads neither bound to cores nor spinning (VLLM_CPU_OMP_THREADS_BIND=nobind,
+      OMP_WAIT_POLICY=PASSIVE): with more runnable threads than cores, bound OpenMP threads that
+      spin at every barrier burnt 2.4x the CPU per token (inference_rollouts at 150M on 2 cores,
+      load 11-16: 42 tokens per CPU-second spinning and bound, 102 passive, 115 passive unbound).
+    `cpu_reserved_cores` in the config wins over both the environment and the rule."""
+    env: dict[str, str] = {}
+    small = cores <= SMALL_MACHINE_CORES
     if config.cpu_reserved_cores is not None:
-        return config.cpu_reserved_cores
-    if RESERVED_CPUS_ENV in environ:
-        return None
-    return 0 if cores <= SMALL_MACHINE_CORES else None
+        env[RESERVED_CPUS_ENV] = str(config.cpu_reserved_cores)
+    elif small and RESERVED_CPUS_ENV not in environ:
+        env[RESERVED_CPUS_ENV] = "0"
+    if small:
+        for key, value in ((THREADS_BIND_ENV, "nobind"), ("OMP_WAIT_POLICY", "PASSIVE")):
+            if key not in environ:
+                env[key] = value
+    return env
 
 
 def _die_with_parent() -> None:
@@ -217,9 +232,8 @@ class VLLMServer:
             VLLM_CPU_KVCACHE_SPACE=str(self.config.cpu_kv_cache_gb),
             PYTHONUNBUFFERED="1",  # the log is current when a failure quotes its tail
         )
-        reserved = cpu_reserved_cores(self.config, os.environ, usable_cores())
-        if self.build == "cpu" and reserved is not None:
-            env[RESERVED_CPUS_ENV] = str(reserved)
+        if self.build == "cpu":
+            env.update(cpu_threading_env(self.config, os.environ, usable_cores()))
         if self.model.is_local:
             env["HF_HUB_OFFLINE"] = "1"  # a local folder needs no hub; never reach the network at run time
         return env
