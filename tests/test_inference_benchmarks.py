@@ -59,8 +59,11 @@ def test_a_random_adapter_covers_every_projection_and_reads_back_as_peft(tmp_pat
 
 def test_kv_cache_is_sized_for_every_sequence_in_whole_gib() -> None:
     assert kv_cache_gb(SMALL, 256, 72) == 1
-    # 150M: 12 layers x 2 x 1024 x 4 bytes = 96 KiB a token; 256 x (80 + 16) tokens x 1.25 = 2.9 GiB
-    assert kv_cache_gb(QWEN2_150M, 256, 80) == 3
+    # 150M: 12 layers x 2 x 1024 x 4 bytes = 96 KiB a token; (256 x 3 + 1) blocks of 32 tokens = 2.25 GiB
+    assert kv_cache_gb(QWEN2_150M, 256, 72) == 3
+    assert kv_cache_gb(QWEN2_150M, 256, 72, dtype_bytes=2) == 2  # bfloat16: 1.13 GiB
+    assert kv_cache_gb(QWEN2_150M, 255, 72, block_tokens=128) == 3  # 256 blocks of 12 MiB: exactly 3 GiB
+    assert kv_cache_gb(QWEN2_150M, 256, 72, block_tokens=128) == 4  # one more block
 
 
 def test_threads_are_split_between_the_hf_processes() -> None:

@@ -5,6 +5,7 @@ the settings that must fail at load time rather than mid-run."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
 import time
@@ -22,9 +23,12 @@ from rlplex.inference.config import EngineSettings, InferenceConfig
 from rlplex.inference.engine import SamplingParams
 from rlplex.inference.vllm_server import (
     API_KEY_FILE,
+    RESERVED_CPUS_ENV,
+    THREADS_BIND_ENV,
     Endpoint,
     VLLMServer,
     check_model_for_vllm,
+    cpu_threading_env,
     ensure_api_key,
     write_endpoint,
 )
@@ -188,3 +192,18 @@ def test_the_server_gets_the_key_in_its_environment_never_on_its_command_line(tm
     assert command[command.index("--max-loras") + 1] == "3" and command[-1] == "--enforce-eager"
     assert command[command.index("--dtype") + 1] == "float32"  # "auto" on the CPU build: what the trainer uses
     shutil.rmtree(tmp_path / "inference")
+
+
+def test_a_small_machine_gives_every_core_to_the_cpu_model_unless_told_otherwise(tmp_path: Path) -> None:
+    default, two = InferenceConfig(engine="vllm"), InferenceConfig(engine="vllm", cpu_reserved_cores=2)
+    shared = {RESERVED_CPUS_ENV: "0", THREADS_BIND_ENV: "nobind", "OMP_WAIT_POLICY": "PASSIVE"}
+    assert cpu_threading_env(default, {}, cores=2) == shared  # vLLM's 1 core kept would halve the model's
+    assert cpu_threading_env(default, {}, cores=4) == shared
+    assert cpu_threading_env(default, {}, cores=16) == {}  # vLLM's own choices
+    caller = {RESERVED_CPUS_ENV: "1", THREADS_BIND_ENV: "0-1"}
+    assert cpu_threading_env(default, caller, cores=2) == {"OMP_WAIT_POLICY": "PASSIVE"}  # the caller's kept
+    assert cpu_threading_env(two, caller, cores=16) == {RESERVED_CPUS_ENV: "2"}  # the job file's wins
+    server = VLLMServer(ModelSpec(name=str(tmp_path)), two, "key", 8123, tmp_path / "log", build="cpu")
+    assert server.environment()[RESERVED_CPUS_ENV] == "2"
+    gpu = VLLMServer(ModelSpec(name=str(tmp_path)), two, "key", 8123, tmp_path / "log", build="gpu")
+    assert gpu.environment().get(RESERVED_CPUS_ENV) == os.environ.get(RESERVED_CPUS_ENV)  # GPU builds: untouched

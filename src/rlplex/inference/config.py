@@ -20,6 +20,8 @@ from pydantic import Field
 from rlplex.config import StrictModel
 
 Engine = Literal["hf", "vllm"]
+# Up to this many cores a core kept for vLLM's scheduler is a quarter or more of the compute.
+SMALL_MACHINE_CORES = 4
 
 
 class EngineSettings(StrictModel):
@@ -49,6 +51,17 @@ class InferenceConfig(EngineSettings):
     max_lora_rank: int = Field(16, ge=1, description="largest adapter rank a server accepts (vLLM --max-lora-rank)")
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1, description="vLLM's share of GPU memory (GPU builds)")
     cpu_kv_cache_gb: int = Field(1, ge=1, description="KV cache of a CPU build, GiB (VLLM_CPU_KVCACHE_SPACE)")
+    # vLLM-CPU on x86 keeps one core off its model's OpenMP threads for its scheduler; on 2 cores
+    # that halves the model's compute: the 150M rollout benchmark (benchmarks/inference_rollouts)
+    # measured 141 tokens/s on the 1 core it leaves against the hf engine's 219 on both. With the
+    # small-machine rule (vllm_server.cpu_threading_env) it used 115 tokens per CPU-second.
+    cpu_reserved_cores: int | None = Field(
+        None,
+        ge=0,
+        description="cores a CPU build keeps off its model's threads (VLLM_CPU_NUM_OF_RESERVED_CPU); "
+        f"None: 0 on machines of at most {SMALL_MACHINE_CORES} cores (their threads unbound and not spinning too), "
+        "vLLM's own choice on bigger ones",
+    )
     max_model_len: int | None = Field(None, ge=16, description="longest prompt + completion; None = the model's")
     host: str = Field("127.0.0.1", description="the servers bind here; loopback unless the job file says otherwise")
     port: int = Field(0, ge=0, le=65535, description="first replica's port (the next ones count up); 0 = any free port")
