@@ -38,7 +38,7 @@ from torch import nn
 
 from rlplex.envs import EnvConfig, EnvSpaces
 from rlplex.errors import WaitTimeoutError
-from rlplex.samplers.processes import CONTEXT, check_alive, start_process, stop_processes
+from rlplex.samplers.processes import CONTEXT, check_alive, die_with_launcher, start_process, stop_processes
 from rlplex.samplers.serial import SerialSampler
 from rlplex.samplers.shared import SharedBatch, SharedBatchHandle
 from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle
@@ -102,6 +102,7 @@ def sampler_main(
     counters: SharedArraysHandle,
     sync: SyncObjects,
 ) -> None:
+    die_with_launcher()
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     shared = [SharedBatch.attach(h) for h in halves]
@@ -143,6 +144,7 @@ def copier_main(
     counters: SharedArraysHandle,
     sync: SyncObjects,
 ) -> None:
+    die_with_launcher()
     from rlplex.replays import UniformReplayBuffer
 
     torch.set_num_threads(1)
