@@ -98,8 +98,16 @@ class Training:
         self.out = tmp_path / "out"
         self.log = (tmp_path / "train.log").open("w")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rlplex.cli", "train", str(tmp_path / "c.toml"), "--output", str(self.out)]
-            + ["--no-progress"],
+            [
+                sys.executable,
+                "-m",
+                "rlplex.cli",
+                "train",
+                str(tmp_path / "c.toml"),
+                "--output",
+                str(self.out),
+                "--no-progress",
+            ],
             stdout=self.log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

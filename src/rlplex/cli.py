@@ -39,12 +39,14 @@ def _root() -> None:
     """rlplex: reinforcement-learning training jobs, from CartPole to many LLM runs on one trainer."""
 
 
-def _override(config: Any, seed: int | None, n_steps: int | None) -> Any:
+def _override(config: Any, seed: int | None, n_steps: int | None, schedule_steps: int | None = None) -> Any:
     runner_updates: dict[str, Any] = {}
     if seed is not None:
         runner_updates["seed"] = seed
     if n_steps is not None:
         runner_updates["n_steps"] = n_steps
+    if schedule_steps is not None:
+        runner_updates["schedule_steps"] = schedule_steps
     if not runner_updates:
         return config
     from rlplex.config import validate_config
@@ -64,13 +66,17 @@ def train(
     ] = False,
     seed: Annotated[int | None, typer.Option(help="override runner.seed")] = None,
     n_steps: Annotated[int | None, typer.Option(help="override runner.n_steps")] = None,
+    schedule_steps: Annotated[
+        int | None,
+        typer.Option(help="override runner.schedule_steps (a resume keeps the snapshot's schedule horizon otherwise)"),
+    ] = None,
     progress: Annotated[bool, typer.Option(help="show a live progress line")] = True,
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
     """Train a classic RL agent with the runners (MinibatchRl, SyncRl, AsyncRl, ...)."""
     with _sigterm_as_interrupt() as received:
         try:
-            _train(config_file, output, resume, overwrite, seed, n_steps, progress)
+            _train(config_file, output, resume, overwrite, seed, n_steps, schedule_steps, progress)
         except KeyboardInterrupt:
             signum = received[-1] if received else signal.SIGINT
             console.print(f"stopped by {signal.Signals(signum).name}; continue with --resume", highlight=False)
@@ -118,6 +124,7 @@ def _train(
     overwrite: bool,
     seed: int | None,
     n_steps: int | None,
+    schedule_steps: int | None,
     progress: bool,
 ) -> None:
     import shutil
@@ -135,7 +142,7 @@ def _train(
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite: choose one")
     check_file_kind(config_file, "train")
-    config = _override(load_train_config(config_file), seed, n_steps)
+    config = _override(load_train_config(config_file), seed, n_steps, schedule_steps)
     check_fits_in_memory(config, probe_spaces(config.env), psutil.virtual_memory().total, str(config_file))
     output = output or Path("outputs") / config_file.stem
     earlier = [name for name in TRAIN_OUTPUTS if os.path.lexists(output / name)] if output.is_dir() else []
