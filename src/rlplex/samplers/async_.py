@@ -19,7 +19,9 @@ The copiers build their own algorithm object from a picklable factory and call o
 the master's algorithm object.
 
 Every blocking wait has a timeout: children re-check a stop event and whether their parent
-still lives (so a killed master leaves no orphan), and the master checks its children.
+still lives, and the master checks its children. A killed master leaves no orphan: on Linux
+its children are SIGTERMed by the kernel at once (`die_with_launcher`), elsewhere the sampler
+notices within a batch and the copiers within `POLL_S` of it.
 """
 
 from __future__ import annotations
@@ -115,6 +117,9 @@ def sampler_main(
     try:
         for itr in range(n_batches):
             half = itr % 2
+            # The waits below re-check only when they block, and with a live copier they never
+            # do: without this check an orphan (no parent-death signal off Linux) would sample on.
+            _exit_if_stopping(sync.stop)
             if not _acquire_or_stop(sync.copied[half], sync.stop):
                 return
             if int(count[VERSION]) != version:
