@@ -18,7 +18,7 @@ from rlplex.agents import CategoricalPgAgent
 from rlplex.algos import PPO, PPOConfig
 from rlplex.diagnostics.metrics import read_metrics_csv
 from rlplex.envs import EnvConfig, probe_spaces
-from rlplex.errors import WorkerDiedError
+from rlplex.errors import SnapshotError, WorkerDiedError
 from rlplex.runners import SyncLauncher, SyncRl, TrainResult
 from rlplex.runners.config import TrainConfig, build_runner, build_sync_rank
 from rlplex.runners.snapshot import latest_snapshot, read_snapshot
@@ -71,6 +71,8 @@ class FaultySampler(SerialSampler):
             if self.fault == "kill":
                 Path(self.marker).write_text(json.dumps({"killed_at": time.time()}))
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "user":
+                raise SnapshotError(f"bad input at itr {itr}")
             raise ValueError(f"boom at itr {itr}")
         return super().obtain_samples(itr)
 
@@ -157,6 +159,18 @@ def test_a_failed_rank_ends_the_run_without_orphans(tmp_path: Path, fault: str) 
         assert noticed_at - json.loads(marker.read_text())["killed_at"] < 5.0
     else:
         assert "exit code 1" in message and "ValueError: boom at itr 3" in message
+    _assert_no_rank_left(launcher)
+
+
+def test_a_user_error_in_a_rank_keeps_its_class(tmp_path: Path) -> None:
+    # A bad input found inside a rank is the user's to fix (rlplex train: exit 2), not a failed run.
+    launcher = SyncLauncher(partial(build_faulty, "user", ""), collective_timeout_s=30, timeout_s=120)
+    with pytest.raises(SnapshotError, match=r"^rank 1: bad input at itr 3$"):
+        launcher.train()
+    _assert_no_rank_left(launcher)
+
+
+def _assert_no_rank_left(launcher: SyncLauncher) -> None:
     for process in launcher.processes:
         assert not process.is_alive()
         with pytest.raises(ProcessLookupError):
