@@ -208,15 +208,55 @@ class GaussianActorCriticMlp(ActorCriticMlp):
 
 
 class QMlp(nn.Module):
-    """Q-values per action; `epsilon` is a buffer so that samplers receive it with the weights."""
+    """Q-values per action; `epsilon` is a buffer so that samplers receive it with the weights.
 
-    def __init__(self, obs_dim: int, n_actions: int, hidden: Sequence[int] = (64, 64)) -> None:
+    `dueling`: a value and an advantage head over a shared trunk, Q = V + A - mean_a A (one
+    Linear computes both heads). `n_atoms` > 1: categorical (C51) outputs, logits [B, A,
+    n_atoms] over the fixed `support` (a buffer from v_min to v_max); a dueling C51 combines
+    the logits the same way. Otherwise the output is Q [B, A].
+    """
+
+    def __init__(
+        self,
+        obs_dim: int,
+        n_actions: int,
+        hidden: Sequence[int] = (64, 64),
+        dueling: bool = False,
+        n_atoms: int = 1,
+        v_min: float = -10.0,
+        v_max: float = 10.0,
+    ) -> None:
         super().__init__()
-        self.q = mlp(obs_dim, hidden, n_actions, activation=nn.ReLU)
+        self.n_actions, self.n_atoms, self.dueling = n_actions, n_atoms, dueling
+        if dueling:
+            if not hidden:
+                raise ValueError("a dueling Q-network needs at least one hidden layer")
+            # The trunk ends in a Linear; its ReLU is applied in forward before the heads.
+            self.trunk = mlp(obs_dim, hidden[:-1], hidden[-1], activation=nn.ReLU)
+            self.head = nn.Linear(hidden[-1], (1 + n_actions) * n_atoms)
+        else:
+            self.q = mlp(obs_dim, hidden, n_actions * n_atoms, activation=nn.ReLU)
         self.register_buffer("epsilon", torch.tensor(1.0))
+        if n_atoms > 1:
+            self.register_buffer("support", torch.linspace(v_min, v_max, n_atoms))
 
     def forward(self, obs_B_O: torch.Tensor) -> torch.Tensor:
-        return run_mlp(self.q, obs_B_O)
+        if not self.dueling:
+            out = run_mlp(self.q, obs_B_O)
+            return out if self.n_atoms == 1 else out.view(-1, self.n_actions, self.n_atoms)
+        heads = F.linear(torch.relu(run_mlp(self.trunk, obs_B_O)), self.head.weight, self.head.bias)
+        heads = heads.view(-1, 1 + self.n_actions, self.n_atoms)
+        value, advantage = heads[:, :1], heads[:, 1:]
+        out = value + advantage - advantage.mean(dim=1, keepdim=True)
+        return out.squeeze(-1) if self.n_atoms == 1 else out
+
+    def q_values(self, out: torch.Tensor) -> torch.Tensor:
+        """Q [B, A] from `forward`'s output (the expectation over the support for C51)."""
+        if self.n_atoms == 1:
+            return out
+        support = self.support
+        assert isinstance(support, torch.Tensor)
+        return (torch.softmax(out, dim=-1) * support).sum(dim=-1)
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

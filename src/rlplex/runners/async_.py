@@ -44,7 +44,9 @@ from rlplex.runners.metrics import episode_metrics, evaluation_metrics
 from rlplex.runners.minibatch import TrainResult
 from rlplex.runners.snapshot import (
     SnapshotMode,
+    algo_name,
     check_compatible,
+    check_same_algo,
     read_snapshot,
     resumed_schedule_itrs,
     rng_state,
@@ -178,6 +180,7 @@ class AsyncRl:
             "env_steps": (itr + 1) * self.itr_batch_size,
             "agent": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "algo": self.algo.state_dict(),
+            "algo_name": algo_name(self.algo),
             "rng": rng_state(),
             "seed": self.seed,
             "itr_batch_size": self.itr_batch_size,
@@ -192,6 +195,7 @@ class AsyncRl:
 
     def resume_from(self, snapshot_dir: str | Path) -> None:
         state = read_snapshot(snapshot_dir)
+        check_same_algo(state, self.algo, snapshot_dir)
         state["__source__"] = str(snapshot_dir)
         self._resume_state = state
         self.schedule_itrs = resumed_schedule_itrs(state, self.schedule_itrs, self._schedule_given)
