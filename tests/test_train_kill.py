@@ -183,12 +183,14 @@ def test_sigkill_of_the_launcher_kills_every_child_and_stops_the_snapshots(
     run = training(config)
     workers = run.wait_training(n_workers)
     os.kill(run.process.pid, signal.SIGKILL)
-    killed_at, killed_wall = time.monotonic(), time.time()
+    # From the launcher's death (on a loaded machine its exit can lag the kill): the children
+    # are signalled as it exits.
     run.process.wait(timeout=10)
-    _assert_all_die(workers, killed_at)
-    # Nothing writes any more; a snapshot stamped after the kill came from an orphan.
-    late = {name: t for name, t in _snapshot_files(run.out).items() if t > killed_wall + 0.1}
-    assert not late, f"snapshot files written after the kill: {sorted(late)}"
+    dead_at, dead_wall = time.monotonic(), time.time()
+    _assert_all_die(workers, dead_at)
+    # Nothing writes any more; a snapshot stamped after the launcher died came from an orphan.
+    late = {name: t for name, t in _snapshot_files(run.out).items() if t > dead_wall + 0.1}
+    assert not late, f"snapshot files written after the launcher died: {sorted(late)}"
 
 
 def test_sigterm_stops_rlplex_train_like_ctrl_c(training: Callable[[str], Training]) -> None:
