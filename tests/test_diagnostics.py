@@ -49,3 +49,15 @@ def test_plot_styles_set_a_curve_colour(tmp_path: Path) -> None:
         return bool(((rgb[..., 0] > 0.95) & (rgb[..., 1] < 0.05) & (rgb[..., 2] < 0.05)).any())
 
     assert has_pure_red(red) and not has_pure_red(plain)
+
+
+def test_a_one_point_curve_is_drawn(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    def red_pixels(curves: dict[str, tuple[list[float], list[float]]], name: str) -> int:
+        path = plot_learning_curves(curves, tmp_path / name, styles={"a": {"color": "#ff0000"}})
+        rgb = matplotlib.image.imread(path)[..., :3]
+        return int(((rgb[..., 0] > 0.9) & (rgb[..., 1] < 0.2) & (rgb[..., 2] < 0.2)).sum())
+
+    # The legend draws the same sample either way; only a visible point adds red pixels.
+    assert red_pixels({"a": ([1000.0], [20.0])}, "one.png") > red_pixels({"a": ([], [])}, "none.png") + 10

@@ -16,12 +16,21 @@ from rlplex.runners.snapshot import latest_snapshot, list_snapshots, read_snapsh
 from rlplex.samplers import Evaluator, SerialSampler
 
 
-def make_runner(env: EnvConfig, log_dir: Path, n_steps: int, batch_B: int = 4, **kwargs: object) -> MinibatchRl:
+def make_runner(
+    env: EnvConfig, log_dir: Path, n_steps: int, batch_B: int = 4, log_interval_steps: int = 128, **kwargs: object
+) -> MinibatchRl:
     agent = CategoricalPgAgent(probe_spaces(env))
     algo = PPO(PPOConfig(n_epochs=2, minibatch_size=64))
     sampler = SerialSampler(env, batch_T=32, batch_B=batch_B)
     return MinibatchRl(
-        algo, agent, sampler, n_steps=n_steps, log_interval_steps=128, log_dir=log_dir, show_progress=False, **kwargs
+        algo,
+        agent,
+        sampler,
+        n_steps=n_steps,
+        log_interval_steps=log_interval_steps,
+        log_dir=log_dir,
+        show_progress=False,
+        **kwargs,
     )
 
 
@@ -50,8 +59,11 @@ def test_resume_continues_counters_parameters_and_optimizer(tmp_path: Path, cart
             assert torch.equal(value, saved["agent"][key]), key
         algo_state = resumed.algo.state_dict()
         assert algo_state["update_count"] == saved["algo"]["update_count"]
-        exp_avg = algo_state["optimizer"]["state"][0]["exp_avg"]
-        assert torch.equal(exp_avg, saved["algo"]["optimizer"]["state"][0]["exp_avg"])
+        # Optimizer state by parameter name, every parameter's moments restored.
+        state, saved_state = algo_state["optimizer"]["state"], saved["algo"]["optimizer"]["state"]
+        assert set(state) == {name for name, _ in resumed.agent.model.named_parameters()} == set(saved_state)
+        for name, values in state.items():
+            assert torch.equal(values["exp_avg"], saved_state[name]["exp_avg"]), name
         # The random streams continue where the snapshot left them.
         assert resumed.start_itr == 2
     finally:
@@ -63,6 +75,35 @@ def test_resume_continues_counters_parameters_and_optimizer(tmp_path: Path, cart
     assert result.itr == 7 and result.env_steps == 1024
     steps = [r["step"] for r in read_metrics_csv(tmp_path / "progress.csv")]
     assert steps[-1] == 1024 and steps == sorted(steps)
+
+
+def test_a_resume_with_more_steps_keeps_the_schedules_where_they_were(tmp_path: Path, cartpole: EnvConfig) -> None:
+    def runner(n_steps: int, **kwargs: object) -> MinibatchRl:
+        agent = CategoricalPgAgent(probe_spaces(cartpole))
+        algo = PPO(PPOConfig(n_epochs=1, minibatch_size=128, lr_schedule="linear", learning_rate=1e-3))
+        sampler = SerialSampler(cartpole, batch_T=32, batch_B=4)
+        return MinibatchRl(algo, agent, sampler, n_steps, log_interval_steps=128, show_progress=False, **kwargs)
+
+    first = runner(512, log_dir=tmp_path / "a")
+    lrs = [row["charts/learning_rate"] for row in first.train().history]
+    assert lrs == pytest.approx([1e-3, 0.75e-3, 0.5e-3, 0.25e-3])
+    snapshot = latest_snapshot(tmp_path / "a" / "snapshots")
+
+    # Twice the steps: the decay goes on over the first run's 4 iterations (it stays at zero).
+    longer = runner(1024)
+    longer.resume_from(snapshot)
+    assert [row["charts/learning_rate"] for row in longer.train().history] == pytest.approx([0.0] * 4)
+    # A new horizon given: the schedule is recomputed over it (8 iterations).
+    rescheduled = runner(1024, schedule_steps=1024)
+    rescheduled.resume_from(snapshot)
+    lrs = [row["charts/learning_rate"] for row in rescheduled.train().history]
+    assert lrs == pytest.approx([0.5e-3, 0.375e-3, 0.25e-3, 0.125e-3])
+
+
+def test_gap_snapshots_are_written_when_the_gap_equals_the_log_interval(tmp_path: Path, cartpole: EnvConfig) -> None:
+    # 128 steps per iteration: a log row, and a snapshot, every 2 iterations.
+    make_runner(cartpole, tmp_path, 512, log_interval_steps=256, snapshot_mode="gap", snapshot_gap=2).train()
+    assert [i for i, _ in list_snapshots(tmp_path / "snapshots")] == [1, 3]
 
 
 def test_resume_from_incompatible_config_refused(tmp_path: Path, cartpole: EnvConfig) -> None:

@@ -19,7 +19,7 @@ from rlplex.agents import CategoricalPgAgent
 from rlplex.algos import PPO, PPOConfig
 from rlplex.diagnostics.metrics import read_metrics_csv
 from rlplex.envs import EnvConfig, probe_spaces
-from rlplex.errors import WorkerDiedError
+from rlplex.errors import SnapshotError, WorkerDiedError
 from rlplex.runners import SyncLauncher, SyncRl, TrainResult
 from rlplex.runners.config import TrainConfig, build_runner, build_sync_rank
 from rlplex.runners.snapshot import latest_snapshot, read_snapshot
@@ -72,6 +72,8 @@ class FaultySampler(SerialSampler):
             if self.fault == "kill":
                 Path(self.marker).write_text(json.dumps({"killed_at": time.time()}))
                 os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "user":
+                raise SnapshotError(f"bad input at itr {itr}")
             raise ValueError(f"boom at itr {itr}")
         return super().obtain_samples(itr)
 
@@ -189,6 +191,18 @@ def test_a_failed_rank_ends_the_run_without_orphans(tmp_path: Path, fault: str) 
         assert noticed_at - json.loads(marker.read_text())["killed_at"] < 5.0
     else:
         assert "exit code 1" in message and "ValueError: boom at itr 3" in message
+    _assert_no_rank_left(launcher)
+
+
+def test_a_user_error_in_a_rank_keeps_its_class(tmp_path: Path) -> None:
+    # A bad input found inside a rank is the user's to fix (rlplex train: exit 2), not a failed run.
+    launcher = SyncLauncher(partial(build_faulty, "user", ""), collective_timeout_s=30, timeout_s=120)
+    with pytest.raises(SnapshotError, match=r"^rank 1: bad input at itr 3$"):
+        launcher.train()
+    _assert_no_rank_left(launcher)
+
+
+def _assert_no_rank_left(launcher: SyncLauncher) -> None:
     for process in launcher.processes:
         assert not process.is_alive()
         with pytest.raises(ProcessLookupError):
@@ -202,6 +216,37 @@ def test_config_builds_a_launcher_and_global_batch_divides_per_rank_sizes(tmp_pa
     assert isinstance(runner, SyncRl)
     assert runner.sampler.batch_B == 1 and runner.algo.config.minibatch_size == 16  # type: ignore[attr-defined]
     assert runner.itr_batch_size == 64  # the global batch of the config: 32 x 2
+
+
+def test_snapshots_resume_across_minibatch_and_sync_with_the_optimizer_state(tmp_path: Path) -> None:
+    # 128 samples per iteration either way: one process with 4 envs, or 2 ranks with 2 each.
+    def config(kind: str, n_steps: int, batch_B: int) -> TrainConfig:
+        data = tiny_config(kind, n_steps).model_dump()
+        data["sampler"]["batch_B"] = batch_B
+        return TrainConfig.model_validate(data)
+
+    single = build_runner(config("minibatch", 256, 4), tmp_path / "single", show_progress=False)
+    single.train()
+    # PPO's closed-form update gives Adam one flat tensor here; under DDP one per parameter.
+    assert len(single.algo.optimizer.param_groups[0]["params"]) == 1
+    launcher = build_runner(config("sync", 512, 2), tmp_path / "ranks", show_progress=False)
+    launcher.timeout_s = 120
+    launcher.resume_from(latest_snapshot(tmp_path / "single" / "snapshots"))
+    assert launcher.train().env_steps == 512
+    ranks_snapshot = latest_snapshot(tmp_path / "ranks" / "snapshots")
+    saved = read_snapshot(ranks_snapshot)["algo"]["optimizer"]["state"]
+
+    back = build_runner(config("minibatch", 640, 4), tmp_path / "back", show_progress=False)
+    back.resume_from(ranks_snapshot)
+    back.startup()
+    try:
+        (flat,) = back.algo.optimizer.param_groups[0]["params"]
+        names = [name for name, _ in back.agent.model.named_parameters()]
+        moments = back.algo.optimizer.state[flat]["exp_avg"]
+        assert torch.equal(moments, torch.cat([saved[name]["exp_avg"].reshape(-1) for name in names]))
+        assert float(back.algo.optimizer.state[flat]["step"]) == float(saved[names[0]]["step"]) == 16 + 8
+    finally:
+        back.shutdown()
 
 
 def test_every_port_of_a_sync_run_is_on_loopback(tmp_path: Path) -> None:

@@ -1,13 +1,18 @@
 """The `rlplex` command line. It wires layers together and holds no training logic.
 
 User errors (`RlplexError`) print one clear line and exit with code 2; `--debug` shows the
-traceback instead. Exit code 1 is an unexpected failure.
+traceback instead. Exit code 1 is a failed run (`RunFailedError`: a process died, a wait timed
+out, an error inside a rank) or an unexpected failure; 128 + N a stop by signal N.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -16,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlplex.cli_mainjob import check_file_kind, print_error
-from rlplex.errors import RlplexError
+from rlplex.errors import RlplexError, RunFailedError
 
 app = typer.Typer(
     rich_markup_mode=None,
@@ -26,6 +31,7 @@ app = typer.Typer(
 )
 console = Console()
 EXIT_USER_ERROR = 2
+EXIT_RUN_FAILED = 1
 
 
 @app.callback()
@@ -33,12 +39,14 @@ def _root() -> None:
     """rlplex: reinforcement-learning training jobs, from CartPole to many LLM runs on one trainer."""
 
 
-def _override(config: Any, seed: int | None, n_steps: int | None) -> Any:
+def _override(config: Any, seed: int | None, n_steps: int | None, schedule_steps: int | None = None) -> Any:
     runner_updates: dict[str, Any] = {}
     if seed is not None:
         runner_updates["seed"] = seed
     if n_steps is not None:
         runner_updates["n_steps"] = n_steps
+    if schedule_steps is not None:
+        runner_updates["schedule_steps"] = schedule_steps
     if not runner_updates:
         return config
     from rlplex.config import validate_config
@@ -58,17 +66,51 @@ def train(
     ] = False,
     seed: Annotated[int | None, typer.Option(help="override runner.seed")] = None,
     n_steps: Annotated[int | None, typer.Option(help="override runner.n_steps")] = None,
+    schedule_steps: Annotated[
+        int | None,
+        typer.Option(help="override runner.schedule_steps (a resume keeps the snapshot's schedule horizon otherwise)"),
+    ] = None,
     progress: Annotated[bool, typer.Option(help="show a live progress line")] = True,
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
     """Train a classic RL agent with the runners (MinibatchRl, SyncRl, AsyncRl, ...)."""
+    with _sigterm_as_interrupt() as received:
+        try:
+            _train(config_file, output, resume, overwrite, seed, n_steps, schedule_steps, progress)
+        except KeyboardInterrupt:
+            signum = received[-1] if received else signal.SIGINT
+            console.print(f"stopped by {signal.Signals(signum).name}; continue with --resume", highlight=False)
+            raise typer.Exit(128 + signum) from None
+        except RunFailedError as error:
+            if debug:
+                raise
+            print_error(console, "run failed", error)
+            raise typer.Exit(EXIT_RUN_FAILED) from None
+        except RlplexError as error:
+            if debug:
+                raise
+            print_error(console, "error", error)
+            raise typer.Exit(EXIT_USER_ERROR) from None
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[list[int]]:
+    """SIGTERM stops `rlplex train` like Ctrl-C: the runners' cleanup runs (ranks and sampler
+    processes stopped) instead of the process vanishing. Yields the signals received."""
+    received: list[int] = []
+
+    def handle(signum: int, frame: object) -> None:
+        received.append(signum)
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
+        yield received
+        return
+    previous = signal.signal(signal.SIGTERM, handle)
     try:
-        _train(config_file, output, resume, overwrite, seed, n_steps, progress)
-    except RlplexError as error:
-        if debug:
-            raise
-        print_error(console, "error", error)
-        raise typer.Exit(EXIT_USER_ERROR) from None
+        yield received
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 # What a finished or interrupted `rlplex train` leaves in its output folder.
@@ -82,6 +124,7 @@ def _train(
     overwrite: bool,
     seed: int | None,
     n_steps: int | None,
+    schedule_steps: int | None,
     progress: bool,
 ) -> None:
     import shutil
@@ -99,7 +142,7 @@ def _train(
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite: choose one")
     check_file_kind(config_file, "train")
-    config = _override(load_train_config(config_file), seed, n_steps)
+    config = _override(load_train_config(config_file), seed, n_steps, schedule_steps)
     check_fits_in_memory(config, probe_spaces(config.env), psutil.virtual_memory().total, str(config_file))
     output = output or Path("outputs") / config_file.stem
     earlier = [name for name in TRAIN_OUTPUTS if os.path.lexists(output / name)] if output.is_dir() else []
@@ -152,19 +195,16 @@ job_app = typer.Typer(
     rich_markup_mode=None, help="Control-plane jobs: run, watch and resume a job of roles.", no_args_is_help=True
 )
 app.add_typer(job_app, name="job")
-EXIT_JOB_FAILED = 1
 
 
 def _run_job_command(body: Any, debug: bool) -> None:
-    from rlplex.errors import JobFailedError
-
     try:
         body()
-    except JobFailedError as error:
+    except RunFailedError as error:
         if debug:
             raise
         print_error(console, "job failed", error)
-        raise typer.Exit(EXIT_JOB_FAILED) from None
+        raise typer.Exit(EXIT_RUN_FAILED) from None
     except RlplexError as error:
         if debug:
             raise

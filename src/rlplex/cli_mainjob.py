@@ -55,7 +55,7 @@ def check_file_kind(path: Path, expected: str) -> None:
 
 
 def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
-    from rlplex.errors import JobInterruptedError
+    from rlplex.errors import JobInterruptedError, RunFailedError
 
     try:
         code = body()
@@ -64,6 +64,11 @@ def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
             raise
         print_error(console, "stopped", error)
         raise typer.Exit(128 + error.signum) from None
+    except RunFailedError as error:
+        if debug:
+            raise
+        print_error(console, "failed", error)
+        raise typer.Exit(EXIT_JOB_FAILED) from None
     except RlplexError as error:
         if debug:
             raise

@@ -22,11 +22,16 @@ class SnapshotError(RlplexError):
     """A snapshot is missing, corrupt, or belongs to an incompatible config."""
 
 
-class WorkerDiedError(RlplexError):
+class RunFailedError(RlplexError):
+    """A run failed while it ran, not because of its input (a process died, a wait timed out,
+    an error inside a rank): commands exit with code 1, not the user-error code 2."""
+
+
+class WorkerDiedError(RunFailedError):
     """A child process (sampler worker, copier, rank) died; the message names it and its exit code."""
 
 
-class WaitTimeoutError(RlplexError):
+class WaitTimeoutError(RunFailedError):
     """A blocking wait ran past its deadline; the message says what was awaited."""
 
 
@@ -38,7 +43,7 @@ class PlacementError(RlplexError):
     """A job's roles do not fit the cluster's capacity; the message names the role that does not fit."""
 
 
-class JobFailedError(RlplexError):
+class JobFailedError(RunFailedError):
     """A control-plane job failed (prepare, restart budget, ...); the message carries the cause."""
 
 

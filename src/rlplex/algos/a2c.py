@@ -15,6 +15,7 @@ import torch
 from pydantic import Field
 
 from rlplex.agents.pg import PgAgent
+from rlplex.algos.optim_state import load_named_optimizer_state, named_optimizer_state
 from rlplex.algos.pg_batch import advantages_and_returns, clip_grad_norm
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
@@ -88,10 +89,14 @@ class A2C:
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:
             raise RlplexError("A2C.state_dict called before initialize()")
-        return {"optimizer": self.optimizer.state_dict(), "update_count": self.update_count}
+        assert self.agent is not None
+        # By parameter name: the optimizer's tensors differ between runners (see optim_state).
+        optimizer = named_optimizer_state(self.optimizer, self.agent.model)
+        return {"optimizer": optimizer, "update_count": self.update_count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.optimizer is None:
             raise RlplexError("A2C.load_state_dict called before initialize()")
-        self.optimizer.load_state_dict(state["optimizer"])
+        assert self.agent is not None
+        load_named_optimizer_state(self.optimizer, self.agent.model, state["optimizer"])
         self.update_count = int(state["update_count"])

@@ -40,10 +40,9 @@ from rlplex.errors import JobSpecError, RlplexError
 # execs the real command (the request survives exec). The parent is the agent thread, which
 # lives as long as the node does.
 _ORPHAN_GUARD = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(137)  # the node died before the request took effect\n"
+    "import os, signal, sys\n"
+    "from rlplex.parent_death import die_with_parent\n"
+    "die_with_parent(signal.SIGKILL, int(sys.argv[1]))  # exits 137 if the node is already gone\n"
     "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
 )
 

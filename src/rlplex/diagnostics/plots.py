@@ -14,6 +14,9 @@ import matplotlib.pyplot as plt
 Curve = tuple[Sequence[float], Sequence[float]]
 
 
+SPARSE_POINTS = 20  # curves with at most this many points also mark each point
+
+
 def plot_learning_curves(
     curves: Mapping[str, Curve],
     path: str | Path,
@@ -31,8 +34,11 @@ def plot_learning_curves(
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for label, (xs, ys) in curves.items():
-        style = {"linewidth": 1.4, **(styles or {}).get(label, {})}
-        ax.plot(list(xs), list(ys), label=label, **style)
+        xs, ys = list(xs), list(ys)
+        # A line needs two points: a short run's one-row curve would be invisible without markers.
+        markers = {"marker": "o", "markersize": 3.5} if len(xs) <= SPARSE_POINTS else {}
+        style = {"linewidth": 1.4, **markers, **(styles or {}).get(label, {})}
+        ax.plot(xs, ys, label=label, **style)
     if hline is not None:
         ax.axhline(hline, color="grey", linestyle="--", linewidth=1, label=f"target {hline:g}")
     ax.set_xlabel(xlabel)

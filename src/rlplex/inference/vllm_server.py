@@ -19,7 +19,6 @@ temperature scaling (`processed_logprobs`), the distribution the trainer's ratio
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.metadata
 import json
 import os
@@ -33,12 +32,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from rlplex.control.shm_reaper import group_pids, release, shm_in_use
 from rlplex.errors import ConfigError, InferenceError, InferenceUnavailableError
 from rlplex.inference.config import SMALL_MACHINE_CORES, InferenceConfig
 from rlplex.models.spec import ModelSpec
+from rlplex.parent_death import die_with_parent
 
 API_KEY_FILE = "api_key"
 ENDPOINT_FILE = "endpoint.json"
@@ -178,12 +179,6 @@ def cpu_threading_env(config: InferenceConfig, environ: Mapping[str, str], cores
     return env
 
 
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when the process that started it dies (Linux)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class VLLMServer:
     """One replica: start, wait until healthy, check, stop (the whole process group)."""
 
@@ -260,7 +255,8 @@ class VLLMServer:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() ends the engine core too
-                preexec_fn=_die_with_parent,
+                # In the child, before exec: SIGTERM it when this process dies.
+                preexec_fn=partial(die_with_parent, signal.SIGTERM, os.getpid()),
             )
 
     @property

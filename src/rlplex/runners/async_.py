@@ -48,8 +48,10 @@ from rlplex.runners.snapshot import (
     check_compatible,
     check_same_algo,
     read_snapshot,
+    resumed_schedule_itrs,
     rng_state,
     save_by_mode,
+    schedule_itrs,
 )
 from rlplex.samplers.async_ import POLL_S, AsyncSampler
 from rlplex.samplers.base import Evaluator
@@ -110,6 +112,7 @@ class AsyncRl:
         stop_at_return: float | None = None,
         show_progress: bool = True,
         max_updates_per_chunk: int = 32,
+        schedule_steps: int | None = None,
     ) -> None:
         if n_steps <= 0 or replay_ratio <= 0:
             raise ConfigError(
@@ -119,6 +122,8 @@ class AsyncRl:
         self.batch_T, self.batch_B = batch_T, batch_B
         self.itr_batch_size = batch_T * batch_B
         self.n_itr = max(1, -(-n_steps // self.itr_batch_size))
+        self.schedule_itrs = schedule_itrs(schedule_steps, n_steps, self.itr_batch_size)
+        self._schedule_given = schedule_steps is not None
         self.replay_ratio = replay_ratio
         self.seed = seed
         self.log_interval_steps = max(1, log_interval_steps)
@@ -140,7 +145,7 @@ class AsyncRl:
         torch.set_num_threads(1)
         self.spaces = probe_spaces(self.env_config)
         self.agent: Agent = self.agent_factory(self.spaces)
-        self.algo.initialize(self.agent, n_itr=self.n_itr, world_size=1, shared_replay=True)
+        self.algo.initialize(self.agent, n_itr=self.schedule_itrs, world_size=1, shared_replay=True)
         if self._resume_state is not None:
             self._load_resume_state(self._resume_state)
         self.sampler = AsyncSampler(self.env_config, self.batch_T, self.batch_B)
@@ -179,6 +184,7 @@ class AsyncRl:
             "rng": rng_state(),
             "seed": self.seed,
             "itr_batch_size": self.itr_batch_size,
+            "schedule_itrs": self.schedule_itrs,
         }
 
     def save_itr_snapshot(self, itr: int) -> Path | None:
@@ -192,6 +198,7 @@ class AsyncRl:
         check_same_algo(state, self.algo, snapshot_dir)
         state["__source__"] = str(snapshot_dir)
         self._resume_state = state
+        self.schedule_itrs = resumed_schedule_itrs(state, self.schedule_itrs, self._schedule_given)
         self.start_env_steps = int(state["env_steps"])
 
     def _load_resume_state(self, state: dict[str, Any]) -> None:

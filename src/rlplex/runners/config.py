@@ -82,8 +82,14 @@ class RunnerConfig(StrictModel):
     seed: int = 0
     log_interval_steps: int = Field(10_000, ge=1)
     eval_episodes: int = Field(10, ge=1)
+    schedule_steps: int | None = Field(
+        None,
+        ge=1,
+        description="steps over which linear schedules (learning rate, clip, epsilon) run; default: n_steps of the "
+        "run's first start (a resume keeps its snapshot's horizon unless this is set)",
+    )
     snapshot_mode: SnapshotMode = "last"
-    snapshot_gap: int = Field(1, ge=1)
+    snapshot_gap: int = Field(1, ge=1, description="snapshot_mode = 'gap': a snapshot every this many iterations")
     stop_at_return: float | None = None
     world_size: int = Field(2, ge=1, description="ranks (sync kinds only)")
     backend: Literal["gloo", "nccl"] = "gloo"
@@ -267,6 +273,7 @@ def build_rank_runner(
         snapshot_gap=r.snapshot_gap,
         stop_at_return=r.stop_at_return,
         show_progress=show_progress,
+        schedule_steps=r.schedule_steps,
         rank=rank,
         world_size=world_size,
     )
@@ -301,6 +308,7 @@ def _build_async_runner(config: TrainConfig, spaces: EnvSpaces, output_dir: str 
         snapshot_gap=r.snapshot_gap,
         stop_at_return=r.stop_at_return,
         show_progress=show,
+        schedule_steps=r.schedule_steps,
     )
     if r.kind == "async":
         return AsyncRl(**args)

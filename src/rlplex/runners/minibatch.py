@@ -28,8 +28,10 @@ from rlplex.runners.snapshot import (
     check_compatible,
     check_same_algo,
     read_snapshot,
+    resumed_schedule_itrs,
     rng_state,
     save_by_mode,
+    schedule_itrs,
     set_rng_state,
 )
 from rlplex.samplers.base import Evaluator, Sampler
@@ -50,7 +52,9 @@ class MinibatchRl:
 
     Batch sizes are per process: under `SyncRl` with world size W each rank samples
     `batch_T * batch_B` steps per iteration, so one iteration sees W times as many.
-    `n_steps` counts steps over all ranks.
+    `n_steps` counts steps over all ranks. Linear schedules (learning rate, clip range) run
+    over `schedule_steps`, by default the `n_steps` of the run's first start: a resumed run
+    with a larger `n_steps` keeps its schedules where they were (see `resumed_schedule_itrs`).
     """
 
     performance_source = "online"
@@ -70,6 +74,7 @@ class MinibatchRl:
         show_progress: bool = True,
         rank: int = 0,
         world_size: int = 1,
+        schedule_steps: int | None = None,
     ) -> None:
         if n_steps <= 0:
             raise ConfigError(f"field 'runner.n_steps': must be positive (got {n_steps})")
@@ -81,6 +86,8 @@ class MinibatchRl:
         self.world_size = world_size
         self.itr_batch_size = sampler.batch_T * sampler.batch_B * world_size
         self.n_itr = max(1, -(-n_steps // self.itr_batch_size))
+        self.schedule_itrs = schedule_itrs(schedule_steps, n_steps, self.itr_batch_size)
+        self._schedule_given = schedule_steps is not None
         self.log_interval_itrs = max(1, log_interval_steps // self.itr_batch_size)
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.snapshot_mode: SnapshotMode = snapshot_mode if self.log_dir is not None else "none"
@@ -97,7 +104,7 @@ class MinibatchRl:
         np.random.seed((self.seed + self.rank) % 2**32)
         torch.set_num_threads(1)
         self.sampler.initialize(self.agent, seed=self.seed, rank=self.rank)
-        self.algo.initialize(self.agent, n_itr=self.n_itr, world_size=self.world_size)
+        self.algo.initialize(self.agent, n_itr=self.schedule_itrs, world_size=self.world_size)
         if self._resume_state is not None:
             self._load_resume_state(self._resume_state)
         self.logger = MetricsLogger(self.log_dir) if (self.log_dir is not None and self.rank == 0) else None
@@ -123,6 +130,7 @@ class MinibatchRl:
             "rng": rng_state(),
             "seed": self.seed,
             "itr_batch_size": self.itr_batch_size,
+            "schedule_itrs": self.schedule_itrs,
         }
 
     def save_itr_snapshot(self, itr: int) -> Path | None:
@@ -143,6 +151,7 @@ class MinibatchRl:
                 f"iteration in the snapshot, {self.itr_batch_size} now (batch_T, batch_B or world size changed)"
             )
         self._resume_state = state
+        self.schedule_itrs = resumed_schedule_itrs(state, self.schedule_itrs, self._schedule_given)
         self.start_itr = int(state["itr"]) + 1
         self._elapsed_before_resume = float(state["elapsed_s"])
 
@@ -150,7 +159,10 @@ class MinibatchRl:
         inner = unwrap_model(self.agent.model)
         check_compatible(inner.state_dict(), state["agent"], Path(state["__source__"]))
         inner.load_state_dict(state["agent"])
-        self.algo.load_state_dict(state["algo"])
+        try:
+            self.algo.load_state_dict(state["algo"])
+        except SnapshotError as error:
+            raise SnapshotError(f"{state['__source__']}: {error}") from None
         set_rng_state(state["rng"])
 
     # ----- the loop -----------------------------------------------------------------------

@@ -147,8 +147,12 @@ def latest_snapshot(snapshot_dir: str | Path) -> Path:
 
 
 def save_by_mode(snapshot_dir: Path, itr: int, state: dict[str, Any], mode: SnapshotMode, gap: int) -> Path | None:
-    """Write the snapshot of `itr` if `mode` asks for it; with "last", older ones are removed after."""
-    if mode == "none" or (mode == "gap" and itr % gap != 0):
+    """Write the snapshot of `itr` if `mode` asks for it; with "last", older ones are removed after.
+
+    "gap" writes after every `gap`-th iteration (`itr` counts from 0): runners offer a snapshot
+    at each log row, after iteration k * log_interval - 1, so a gap equal to the log interval
+    writes at every row."""
+    if mode == "none" or (mode == "gap" and (itr + 1) % gap != 0):
         return None
     path = snapshot_path(snapshot_dir, itr)
     write_snapshot(path, state)
@@ -157,6 +161,23 @@ def save_by_mode(snapshot_dir: Path, itr: int, state: dict[str, Any], mode: Snap
             if old_itr != itr:
                 shutil.rmtree(old_path, ignore_errors=True)
     return path
+
+
+def schedule_itrs(schedule_steps: int | None, n_steps: int, itr_batch_size: int) -> int:
+    """Iterations over which an algorithm's linear schedules run: `schedule_steps` if given, else `n_steps`."""
+    return max(1, -(-(schedule_steps or n_steps) // itr_batch_size))
+
+
+def resumed_schedule_itrs(state: dict[str, Any], current: int, given: bool) -> int:
+    """The schedule horizon of a resumed run: the snapshot's, unless the user gave a new one.
+
+    A resume with a larger `n_steps` extends the run, not its schedules: were the horizon the
+    new `n_steps`, a linearly decayed learning rate would jump back up. Snapshots from before
+    the horizon was recorded keep the old behaviour (the current `n_steps`).
+    """
+    if given or "schedule_itrs" not in state:
+        return current
+    return int(state["schedule_itrs"])
 
 
 def rng_state() -> dict[str, Any]:

@@ -11,6 +11,7 @@
     wait(sentinels + result pipes)  <-------    RankOutcome (JSON-able dict) on a pipe
     a rank died or raised -> terminate the
     others, raise WorkerDiedError(rank, code)
+    (a user error in a rank keeps its class)
 
 Where each side can block, and what bounds it:
 
@@ -53,11 +54,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from rlplex import errors
 from rlplex.control.elastic_rdzv import LOCAL_HOST, loopback_collectives_env, serve_tcp_store
-from rlplex.errors import ConfigError, RlplexError, WaitTimeoutError, WorkerDiedError
+from rlplex.errors import ConfigError, RlplexError, RunFailedError, WaitTimeoutError, WorkerDiedError
 from rlplex.models import unwrap_model
 from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval, TrainResult
-from rlplex.samplers.processes import CONTEXT, stop_processes
+from rlplex.samplers.processes import CONTEXT, die_with_launcher, stop_processes
 
 Backend = Literal["gloo", "nccl"]
 RankBuilder = Callable[[int, int], "SyncRl"]
@@ -162,6 +164,9 @@ class RankOutcome:
 
     rank: int
     error: str | None = None
+    # A user error (an rlplex error other than a failed run) keeps its class: `rlplex train`
+    # then reports it as a bad input (exit 2) rather than as a failed run (exit 1).
+    user_error_type: str | None = None
     result: dict[str, Any] | None = None
     local_episodes: int = 0
     digests: dict[str, str] | None = None
@@ -177,6 +182,8 @@ def _rank_main(
     resume_dir: str | None,
     conn: Connection,
 ) -> None:
+    # A rank outlived by nothing: killed with the launcher, it cannot go on writing snapshots.
+    die_with_launcher()
     torch.set_num_threads(1)
     timeout = timedelta(seconds=collective_timeout_s)
     outcome = RankOutcome(rank=rank)
@@ -195,6 +202,8 @@ def _rank_main(
         outcome.local_episodes, outcome.digests = runner.local_episodes, runner.digests
     except BaseException as exc:
         outcome.error = f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"
+        if isinstance(exc, RlplexError) and not isinstance(exc, RunFailedError):
+            outcome.user_error_type, outcome.error = type(exc).__name__, str(exc)
     # Report before tearing the group down: with a peer stuck in a collective, teardown can
     # block, and the parent should learn of the failure at once (it then terminates us).
     conn.send(asdict(outcome))
@@ -303,11 +312,24 @@ class SyncLauncher:
                 if outcome is not None and outcome.error is None:
                     outcomes[rank] = outcome
                     continue
+                if outcome is not None and outcome.user_error_type is not None:
+                    raise _user_error(outcome.user_error_type, f"rank {rank}: {outcome.error}")
                 process.join(timeout=5.0)
                 code = "still running" if process.exitcode is None else f"exit code {process.exitcode}"
                 detail = outcome.error if outcome is not None else "no report (killed or crashed)"
                 raise WorkerDiedError(f"rank {rank} (pid {process.pid}) died with {code}: {detail}")
         return [outcomes[r] for r in range(self.world_size)]
+
+
+def _user_error(type_name: str, message: str) -> RlplexError:
+    """The user error a rank reported, by class name: only rlplex's own error classes qualify."""
+    cls = getattr(errors, type_name, None)
+    if isinstance(cls, type) and issubclass(cls, RlplexError) and not issubclass(cls, RunFailedError):
+        try:
+            return cls(message)
+        except TypeError:  # a class with another constructor: its message is what matters
+            pass
+    return ConfigError(message)
 
 
 def _read_outcome(conn: Connection) -> RankOutcome | None:

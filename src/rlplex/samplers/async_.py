@@ -19,7 +19,9 @@ The copiers build their own algorithm object from a picklable factory and call o
 the master's algorithm object.
 
 Every blocking wait has a timeout: children re-check a stop event and whether their parent
-still lives (so a killed master leaves no orphan), and the master checks its children.
+still lives, and the master checks its children. A killed master leaves no orphan: on Linux
+its children are SIGTERMed by the kernel at once (`die_with_launcher`), elsewhere the sampler
+notices within a batch and the copiers within `POLL_S` of it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from torch import nn
 
 from rlplex.envs import EnvConfig, EnvSpaces
 from rlplex.errors import WaitTimeoutError
-from rlplex.samplers.processes import CONTEXT, check_alive, start_process, stop_processes
+from rlplex.samplers.processes import CONTEXT, check_alive, die_with_launcher, start_process, stop_processes
 from rlplex.samplers.serial import SerialSampler
 from rlplex.samplers.shared import SharedBatch, SharedBatchHandle
 from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle
@@ -102,6 +104,7 @@ def sampler_main(
     counters: SharedArraysHandle,
     sync: SyncObjects,
 ) -> None:
+    die_with_launcher()
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     shared = [SharedBatch.attach(h) for h in halves]
@@ -114,6 +117,9 @@ def sampler_main(
     try:
         for itr in range(n_batches):
             half = itr % 2
+            # The waits below re-check only when they block, and with a live copier they never
+            # do: without this check an orphan (no parent-death signal off Linux) would sample on.
+            _exit_if_stopping(sync.stop)
             if not _acquire_or_stop(sync.copied[half], sync.stop):
                 return
             if int(count[VERSION]) != version:
@@ -143,6 +149,7 @@ def copier_main(
     counters: SharedArraysHandle,
     sync: SyncObjects,
 ) -> None:
+    die_with_launcher()
     from rlplex.replays import attach_replay
 
     torch.set_num_threads(1)

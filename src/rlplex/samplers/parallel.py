@@ -59,7 +59,7 @@ from rlplex.errors import ConfigError, RlplexError, WaitTimeoutError
 from rlplex.models import unwrap_model
 from rlplex.samplers.batch import SampleBatch
 from rlplex.samplers.collector import EnvCollector
-from rlplex.samplers.processes import CONTEXT, check_alive, start_process, stop_processes
+from rlplex.samplers.processes import CONTEXT, check_alive, die_with_launcher, start_process, stop_processes
 from rlplex.samplers.shared import SharedBatch, SharedBatchHandle
 from rlplex.samplers.weights import SharedWeights, SharedWeightsHandle
 
@@ -254,6 +254,7 @@ def _wait_for_go(go: Semaphore, stop: Event, parent_pid: int) -> bool:
 
 
 def _worker_main(spec: _WorkerSpec, go: Semaphore, done: Semaphore, stop: Event) -> None:
+    die_with_launcher()
     # Each worker owns one core's worth of work; torch's own thread pool would oversubscribe.
     torch.set_num_threads(1)
     torch.manual_seed(spec.rng_seed)
