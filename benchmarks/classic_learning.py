@@ -1,9 +1,10 @@
-"""SAC, TD3, DDPG (Pendulum-v1) and A2C (CartPole-v1) learn, with the settings of their example
-files (rl-zoo's where rl-zoo has them), one seed after another.
+"""SAC, TD3, DDPG (Pendulum-v1), A2C, the full DQN and C51 (CartPole-v1) learn, with the
+settings of their example files (rl-zoo's where rl-zoo has them), one seed after another.
 
 Goals (issue 15): SAC and TD3 reach a deterministic evaluation return >= -200 on Pendulum-v1
-within 20k environment steps, and A2C >= 475 on CartPole-v1, each in at least 4 of 5 seeds.
-DDPG has no goal; it is run for comparison. A seed stops at its target unless --no-stop
+within 20k environment steps, and A2C and the full DQN (double + dueling + prioritized +
+3-step) >= 475 on CartPole-v1, each in at least 4 of 5 seeds (the DQN within 20 minutes a
+seed). DDPG and C51 have no goal; they are run for comparison. A seed stops at its target unless --no-stop
 (then it runs its whole budget and the final evaluation is at the budget's end).
 
     python -m benchmarks.classic_learning --algo sac --seeds 5
@@ -31,6 +32,8 @@ SETTINGS: dict[str, tuple[str, float, int]] = {  # algo: (example file, target r
     "td3": ("pendulum_td3.toml", -200.0, 4),
     "ddpg": ("pendulum_ddpg.toml", -200.0, 0),
     "a2c": ("cartpole_a2c.toml", 475.0, 4),
+    "dqn-full": ("cartpole_dqn_full.toml", 475.0, 4),
+    "c51": ("cartpole_c51.toml", 475.0, 0),
 }
 
 
@@ -89,7 +92,7 @@ def run_algo(algo: str, seeds: range, n_steps: int | None, stop: bool) -> None:
          f"{r['final_eval_return']:.1f}", f"{r['best_eval_return']:.1f}", f"{r['env_steps']:,}", f"{r['wall_s']:.0f}")
         for r in results
     ]  # fmt: skip
-    name = f"classic_{algo}"
+    name = f"classic_{algo.replace('-', '_')}"
     figures = {"algo": algo, "example": example, "target": target, "passed": passed, "goal": goal,
                "n_seeds": len(seeds), "seeds": results}  # fmt: skip
     title = f"{algo.upper()} ({example}): {passed}/{len(seeds)} seeds reached {target} (goal >= {goal})"

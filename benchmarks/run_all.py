@@ -24,6 +24,7 @@ BENCHMARKS = [
     "async_vs_minibatch",
     "sync_scaling",
     "sequence_buffer",
+    "prioritized_replay",
     "executor_overhead",
     "async_dataflow",
     "grpo_learning",

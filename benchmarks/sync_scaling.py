@@ -25,7 +25,8 @@ def config(kind: str, n_steps: int, world_size: int) -> TrainConfig:
         {
             "env": {"id": "CartPole-v1"},
             "sampler": ZOO_CARTPOLE_PPO["sampler"],
-            "algo": {"name": "ppo", **ZOO_CARTPOLE_PPO["algo"]},
+            # The closed-form gradients need an unwrapped model: MinibatchRl only, not DDP's SyncRl.
+            "algo": {"name": "ppo", **ZOO_CARTPOLE_PPO["algo"], "closed_form_gradients": kind == "minibatch"},
             "runner": {
                 "kind": kind,
                 "n_steps": n_steps,

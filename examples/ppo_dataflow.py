@@ -35,6 +35,7 @@ import torch
 
 from rlplex.algos.grpo import grpo_loss
 from rlplex.algos.lm_interfaces import EnvReward, GRPOActor, TaskItem
+from rlplex.algos.rl_math import group_advantages
 from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCDef, ppo_graph
 from rlplex.diagnostics import plot_learning_curves
 from rlplex.diagnostics.metrics import MetricsLogger
@@ -80,7 +81,7 @@ class PPOActor(GRPOActor):
 
     def train_step(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
         rewards = torch.tensor(inputs["rewards"], dtype=torch.float32)
-        advantages = (rewards - rewards.mean()) / (rewards.std(unbiased=False) + 1e-6)
+        advantages = group_advantages(rewards, len(rewards))  # the whole batch as one group
         sequences = inputs["packed_input_ids"]
         tokens, attention = left_pad([s.tolist() for s in sequences], pad_id_of(self.tokenizer))
         width = tokens.shape[1]

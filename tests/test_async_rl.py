@@ -32,6 +32,7 @@ class Watched(AsyncRl):
     started: threading.Event
     names: list[str]
     pids: list[int]
+    before: set[str]
 
     def evaluate_performance(self) -> dict[str, float]:
         if not self.started.is_set():
@@ -49,14 +50,22 @@ class WatchedEval(Watched, AsyncRlEval):
     pass
 
 
+def owned_segments() -> set[str]:
+    """The /dev/shm segments this process created (others' runs may share /dev/shm meanwhile)."""
+    return {path.name for path in Path("/dev/shm").glob(f"rlplex-shm-{os.getpid()}-*")}
+
+
 def watch(run: Watched) -> Watched:
-    run.started, run.names, run.pids = threading.Event(), [], []
+    run.started, run.names, run.pids, run.before = threading.Event(), [], [], owned_segments()
     return run
 
 
 def assert_cleaned_up(run: Watched) -> None:
     assert run.names and run.pids, "the run never reached its first log row"
     assert [n for n in run.names if os.path.exists(f"/dev/shm/{n}")] == [], "shared memory left behind"
+    segments = [n for n in run.names if not n.startswith("sem.")]
+    assert segments and all(n.startswith(f"rlplex-shm-{os.getpid()}-") for n in segments)
+    assert owned_segments() - run.before == set(), "a segment of this run was left behind"
     assert not [p for p in mp.active_children() if p.is_alive()], "child processes left behind"
     for pid in run.pids:
         with pytest.raises(ProcessLookupError):

@@ -43,8 +43,8 @@ def test_double_dqn_target_uses_online_argmax_and_target_values() -> None:
     }
     online = TableQ([[5.0, 1.0], [3.0, 2.0]])  # argmax: action 0 for state 0
     target = TableQ([[10.0, 20.0], [30.0, 40.0]])
-    double = td_target(batch, online, target, gamma=0.5, double_dqn=True)
-    plain = td_target(batch, online, target, gamma=0.5, double_dqn=False)
+    double = td_target(batch, online, target, gamma=0.5, double=True)
+    plain = td_target(batch, online, target, gamma=0.5, double=False)
     torch.testing.assert_close(double, torch.tensor([1.0 + 0.5 * 10.0, 2.0]))  # terminal: no bootstrap
     torch.testing.assert_close(plain, torch.tensor([1.0 + 0.5 * 20.0, 2.0]))
 

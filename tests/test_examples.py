@@ -4,7 +4,8 @@ and user errors behave as the README says.
 The self-loop pipeline example (examples/selfloop_pipeline.py) is run end to end by
 tests/control/test_channel_selfloop.py; the main job (examples/multirun_demo.toml) is run end
 to end, with its own tiny config, by tests/mainjob/test_main_job_e2e.py. Here those two are
-only loaded and asked for --help.
+only loaded and asked for --help. Every command README.md shows is run as written (tiny
+budgets) by tests/test_readme_commands.py.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ def test_cartpole_example_trains_through_the_cli(tmp_path: Path) -> None:
     ("name", "algo", "n_steps"),
     # SAC's 150 steps pass its learning_starts (100), so its updates run; TD3/DDPG's 10k random
     # steps are not reached in a tiny budget (their updates are tested in tests/test_sac_td3.py).
+    # The DQNs' 1024 steps pass their learning_starts (1000): one batch of updates runs.
     [("pendulum_sac.toml", "sac", 150), ("pendulum_td3.toml", "td3", 200), ("pendulum_ddpg.toml", "ddpg", 200),
-     ("cartpole_a2c.toml", "a2c", 400)],
+     ("cartpole_a2c.toml", "a2c", 400), ("cartpole_dqn_full.toml", "dqn", 1024), ("cartpole_c51.toml", "dqn", 1024)],
 )  # fmt: skip
 def test_classic_example_trains_through_the_cli(name: str, algo: str, n_steps: int, tmp_path: Path) -> None:
     out = tmp_path / algo
@@ -82,8 +84,8 @@ def test_classic_example_trains_through_the_cli(name: str, algo: str, n_steps: i
     rows = read_csv(out / "progress.csv")
     assert rows and rows[-1]["charts/env_steps"] == n_steps and "charts/eval_return_mean" in rows[-1]
     assert json.loads((out / "config.json").read_text())["algo"]["name"] == algo
-    if algo in ("sac", "a2c"):
-        assert "losses/actor" in rows[-1] or "losses/policy" in rows[-1], rows[-1]
+    if algo in ("sac", "a2c", "dqn"):
+        assert {"losses/actor", "losses/policy", "losses/td"} & set(rows[-1]), rows[-1]
     assert (out / "snapshots").is_dir() and (out / "learning_curve.png").read_bytes()[:8] == PNG_MAGIC
 
 
@@ -126,6 +128,8 @@ LOADERS: dict[str, tuple[str, Callable[[Path], Any]]] = {  # file: (kind for the
     "pendulum_td3.toml": ("train", load_train_config),
     "pendulum_ddpg.toml": ("train", load_train_config),
     "cartpole_a2c.toml": ("train", load_train_config),
+    "cartpole_dqn_full.toml": ("train", load_train_config),
+    "cartpole_c51.toml": ("train", load_train_config),
     "job_noop.toml": ("job", _load_job),  # rlplex job run
     "elastic_job.toml": ("job", _load_job),
     "multirun_demo.toml": ("main", load_main_job),  # rlplex run (checks every run's orchestrator config too)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from lm_models import random_llama, tiny_model
-from rlplex.algos.grpo import group_advantages, grpo_loss
+from rlplex.algos.grpo import grpo_loss
+from rlplex.algos.rl_math import group_advantages
 from rlplex.errors import ConfigError, DeviceError, ModelLoadError
 from rlplex.models.hf import (
     decode_completion,
@@ -155,7 +156,7 @@ def test_cuda_without_a_gpu_is_a_clear_error() -> None:
 
 
 def test_group_advantages_and_loss_direction() -> None:
-    adv = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), group_size=2)
+    adv = group_advantages(torch.tensor([1.0, 0.0, 0.5, 0.5]), 2)
     assert torch.allclose(adv, torch.tensor([1.0, -1.0, 0.0, 0.0]), atol=1e-4)
     logprobs = torch.zeros(2, 3, requires_grad=True)
     loss, stats = grpo_loss(logprobs, torch.zeros(2, 3), torch.tensor([1.0, -1.0]), torch.ones(2, 3, dtype=torch.bool))

@@ -44,6 +44,7 @@ def _assert_cleaned_up(pids: list[int], segments: list[str]) -> None:
             os.kill(pid, 0)  # reaped, not a zombie and not an orphan
     leaked = [name for name in segments if os.path.exists(f"/dev/shm/{name}")]
     assert leaked == []
+    assert all(name.startswith(f"rlplex-shm-{os.getpid()}-") for name in segments)  # found by owner
 
 
 @dataclass

@@ -5,45 +5,13 @@ import pytest
 import torch
 
 from rlplex.agents.pg import CategoricalPgAgent, GaussianPgAgent, PgAgent
-from rlplex.algos.pg_batch import clip_grad_norm, gae_advantages
-from rlplex.algos.ppo import PPO, PPOConfig, fused_update_supported
+from rlplex.algos.pg_batch import clip_grad_norm
+from rlplex.algos.ppo import PPO, PPOConfig
+from rlplex.algos.ppo_closed_form import ClosedFormGradients
 from rlplex.envs import EnvConfig, probe_spaces
-from rlplex.errors import RlplexError
+from rlplex.errors import ConfigError, RlplexError
 from rlplex.models import ActorCriticMlp, QMlp
 from rlplex.samplers.batch import SampleBatch, allocate_batch
-
-
-def test_gae_bootstraps_through_truncation_but_not_termination() -> None:
-    gamma, lam = 0.5, 0.5
-    # env 0: t=1 is truncated (time limit: bootstrap with V(next_obs)=2), t=2 terminated (no bootstrap).
-    # env 1: no episode end, so the last step bootstraps with next_value 2.
-    reward = np.array([[1.0, 1.0], [1.0, 1.0], [1.0, 1.0]], dtype=np.float32)
-    value = np.array([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0]], dtype=np.float32)
-    next_value = np.array([[1.0, 0.0], [2.0, 0.0], [4.0, 2.0]], dtype=np.float32)
-    terminated = np.array([[False, False], [False, False], [True, False]])
-    truncated = np.array([[False, False], [True, False], [False, False]])
-
-    adv = gae_advantages(reward, value, next_value, terminated, truncated, gamma, lam)
-
-    # env 0: deltas 1+0.5*1-1=0.5, 1+0.5*2-1=1.0, 1+0-1=0; the truncation cuts the trace at t=1.
-    # env 1: deltas 1, 1, 1+0.5*2=2; A2=2, A1=1+0.25*2, A0=1+0.25*1.5.
-    expected = np.array([[0.5 + 0.25 * 1.0, 1.375], [1.0, 1.5], [0.0, 2.0]], dtype=np.float32)
-    np.testing.assert_allclose(adv, expected, rtol=1e-6)
-
-
-def test_gae_with_lambda_one_and_no_dones_is_discounted_return_minus_value() -> None:
-    rng = np.random.default_rng(0)
-    reward = rng.normal(size=(5, 1)).astype(np.float32)
-    value = rng.normal(size=(5, 1)).astype(np.float32)
-    next_value = np.zeros((5, 1), dtype=np.float32)
-    next_value[:-1] = value[1:]
-    next_value[-1] = 0.7
-    no = np.zeros((5, 1), dtype=bool)
-    adv = gae_advantages(reward, value, next_value, no, no, gamma=0.9, lam=1.0)
-    ret = 0.7
-    for t in range(4, -1, -1):
-        ret = reward[t, 0] + 0.9 * ret
-        np.testing.assert_allclose(adv[t, 0], ret - value[t, 0], rtol=1e-5)
 
 
 def test_clip_grad_norm_equals_torch_clip_grad_norm() -> None:
@@ -91,49 +59,120 @@ def _random_batch(agent: PgAgent, T: int, B: int, seed: int) -> SampleBatch:
     return batch
 
 
+def _reference_gradients(
+    agent: PgAgent, mb: dict[str, torch.Tensor], clip: float, cfg: PPOConfig
+) -> list[torch.Tensor]:
+    """PPO's loss written with torch.distributions on freshly built nn.Sequential copies of the
+    agent's layers, differentiated by plain autograd: none of rlplex's own code."""
+    model = agent.model
+    pi, v = (
+        torch.nn.Sequential(*(type(layer)(*_layer_args(layer)) for layer in stack)) for stack in (model.pi, model.v)
+    )
+    pi.load_state_dict(model.pi.state_dict())
+    v.load_state_dict(model.v.state_dict())
+    log_std = model.log_std.detach().clone().requires_grad_(True) if isinstance(agent, GaussianPgAgent) else None
+    out, value = pi(mb["obs"]), v(mb["obs"]).squeeze(-1)
+    if log_std is None:
+        dist = torch.distributions.Categorical(logits=out)
+        log_prob, entropy = dist.log_prob(mb["action"]), dist.entropy()
+    else:
+        normal = torch.distributions.Normal(out, log_std.exp())
+        log_prob, entropy = normal.log_prob(mb["action"]).sum(-1), normal.entropy().sum(-1)
+    ratio = torch.exp(log_prob - mb["old_log_prob"])
+    adv = mb["adv"]
+    policy_loss = -torch.min(ratio * adv, torch.clamp(ratio, 1 - clip, 1 + clip) * adv).mean()
+    value_loss = 0.5 * ((value - mb["ret"]) ** 2).mean()
+    loss = policy_loss + cfg.value_coef * value_loss - cfg.entropy_coef * entropy.mean()
+    leaves = [*pi.parameters(), *v.parameters(), *([log_std] if log_std is not None else [])]
+    return list(torch.autograd.grad(loss, leaves))
+
+
+def _layer_args(layer: torch.nn.Module) -> tuple[int, ...]:
+    return (layer.in_features, layer.out_features) if isinstance(layer, torch.nn.Linear) else ()
+
+
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
-@pytest.mark.parametrize("minibatch_size", [64, 256])
-def test_fused_update_equals_autograd_update(env_id: str, minibatch_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """PPO's closed-form gradients (rlplex's own agents) against autograd's, entropy bonus included."""
+def test_closed_form_gradients_equal_plain_autograd_on_independent_layers(env_id: str) -> None:
     spaces = probe_spaces(EnvConfig(id=env_id))
-    config = PPOConfig(learning_rate=1e-3, n_epochs=4, minibatch_size=minibatch_size, entropy_coef=0.05)
+    torch.manual_seed(0)
+    agent: PgAgent = CategoricalPgAgent(spaces) if env_id == "CartPole-v1" else GaussianPgAgent(spaces)
+    if isinstance(agent, GaussianPgAgent):
+        with torch.no_grad():
+            agent.model.log_std.fill_(-0.3)  # type: ignore[operator]
+    batch = _random_batch(agent, 16, 8, seed=1)
+    n = 16 * 8
+    mb = {
+        "obs": torch.as_tensor(batch.observation.reshape(n, -1)),
+        "action": torch.as_tensor(batch.action.reshape(n, *batch.action.shape[2:])),
+        "old_log_prob": torch.as_tensor(batch.agent_info["log_prob"].reshape(n)),
+        "adv": torch.as_tensor(batch.reward.reshape(n)),
+        "ret": torch.as_tensor(np.random.default_rng(3).normal(size=n).astype(np.float32)),
+    }
+    cfg = PPOConfig(value_coef=0.7, entropy_coef=0.05)
+    clip = 0.2
+    closed = ClosedFormGradients(agent)
+    _, _, _, surrogate = closed(mb["obs"], mb["action"], mb["old_log_prob"], mb["adv"], mb["ret"], clip, 0.7, 0.05)
+    assert 0 < float(((surrogate.ratio - 1).abs() > clip).float().mean()) < 1, "both branches of the clip"
+    model = agent.model
+    ours = [*(p.grad for p in model.pi.parameters()), *(p.grad for p in model.v.parameters())]
+    if isinstance(agent, GaussianPgAgent):
+        ours.append(model.log_std.grad)
+    reference = _reference_gradients(agent, mb, clip, cfg)
+    assert len(ours) == len(reference)
+    for mine, theirs in zip(ours, reference, strict=True):
+        assert mine is not None and float(theirs.abs().max()) > 0
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("minibatch_size", [64, 256])
+def test_ppo_update_is_the_same_with_and_without_closed_form_gradients(minibatch_size: int) -> None:
+    """The switch changes how the gradients are taken, not the update (rounding aside)."""
+    spaces = probe_spaces(EnvConfig(id="CartPole-v1"))
     results = []
-    for fused in (True, False):
+    for closed_form in (True, False):
         torch.manual_seed(0)
-        agent: PgAgent = CategoricalPgAgent(spaces) if env_id == "CartPole-v1" else GaussianPgAgent(spaces)
-        if isinstance(agent, GaussianPgAgent):
-            with torch.no_grad():
-                agent.model.log_std.fill_(-0.3)  # type: ignore[operator]
+        agent = CategoricalPgAgent(spaces)
         batch = _random_batch(agent, 32, 8, seed=1)
-        initial = {k: v.clone() for k, v in agent.model.state_dict().items()}
-        assert fused_update_supported(agent)
-        if not fused:
-            monkeypatch.setattr("rlplex.algos.ppo.fused_update_supported", lambda agent: False)
+        config = PPOConfig(
+            n_epochs=4, minibatch_size=minibatch_size, entropy_coef=0.05, closed_form_gradients=closed_form
+        )
         algo = PPO(config)
         algo.initialize(agent, n_itr=10)
-        assert (algo._flat is not None) == fused
+        assert (algo.closed_form is not None) == closed_form
         torch.manual_seed(2)  # the same minibatch order for both
         info = algo.optimize_agent(0, batch)
         results.append((info, {k: v.clone() for k, v in agent.model.state_dict().items()}))
-        moved = max(float((v - initial[k]).abs().max()) for k, v in results[-1][1].items())
-        assert moved > 1e-3, "the update should move the weights by far more than the tolerance"
-    (fused_info, fused_state), (auto_info, auto_state) = results
-    assert fused_info["losses/clipfrac"] > 0, "the batch should exercise the clipped branch"
-    for key, value in fused_state.items():
+    (closed_info, closed_state), (auto_info, auto_state) = results
+    assert closed_info["losses/clipfrac"] > 0, "the batch should exercise the clipped branch"
+    for key, value in closed_state.items():
         np.testing.assert_allclose(value, auto_state[key], rtol=0, atol=2e-6, err_msg=key)
-    for key, value in fused_info.items():
+    for key, value in closed_info.items():
         assert value == pytest.approx(auto_info[key], abs=1e-5), key
 
 
-def test_a_wrapped_or_custom_model_takes_the_autograd_path() -> None:
+@pytest.mark.parametrize(("layer", "name"), [(torch.nn.ReLU(), "ReLU"), (torch.nn.LayerNorm(64), "LayerNorm")])
+def test_closed_form_gradients_refuse_other_layers_and_autograd_trains_them(layer: torch.nn.Module, name: str) -> None:
+    spaces = probe_spaces(EnvConfig(id="CartPole-v1"))
+    agent = CategoricalPgAgent(spaces)
+    agent.model.pi[1] = layer
+    with pytest.raises(ConfigError, match=rf"model\.pi\[1\] is {name}.*closed_form_gradients = false"):
+        PPO(PPOConfig(closed_form_gradients=True)).initialize(agent, n_itr=10)
+    algo = PPO(PPOConfig(n_epochs=1, minibatch_size=32))
+    algo.initialize(agent, n_itr=10)
+    before = agent.model.pi[0].weight.detach().clone()
+    assert np.isfinite(algo.optimize_agent(0, _random_batch(agent, 8, 4, seed=0))["losses/policy"])
+    assert not torch.equal(agent.model.pi[0].weight, before)
+
+
+def test_closed_form_gradients_refuse_a_custom_model() -> None:
     agent = CategoricalPgAgent(probe_spaces(EnvConfig(id="CartPole-v1")))
-    assert fused_update_supported(agent)
 
     class Custom(ActorCriticMlp):
         pass
 
     agent.model = Custom(4, 2)
-    assert not fused_update_supported(agent)
+    with pytest.raises(ConfigError, match="unwrapped ActorCriticMlp, got Custom"):
+        PPO(PPOConfig(closed_form_gradients=True)).initialize(agent, n_itr=10)
 
 
 def test_categorical_agent_samples_actions_with_the_policy_probabilities() -> None:

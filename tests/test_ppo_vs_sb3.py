@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from rlplex.agents.pg import CategoricalPgAgent
-from rlplex.algos.pg_batch import gae_advantages
 from rlplex.algos.ppo import PPO, PPOConfig
+from rlplex.algos.rl_math import gae
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.samplers.batch import SampleBatch, allocate_batch
 
@@ -118,7 +118,7 @@ def test_ppo_update_matches_stable_baselines3(minibatch_size: int, monkeypatch: 
     n = T * B
     next_value = agent.value(torch.as_tensor(batch.next_observation.reshape(n, -1))).numpy().reshape(T, B)
     value = batch.agent_info["value"]
-    advantage = gae_advantages(batch.reward, value, next_value, batch.terminated, batch.truncated, GAMMA, LAM)
+    advantage = gae(batch.reward, value, next_value, batch.terminated, batch.truncated, GAMMA, LAM)
     np.testing.assert_allclose(advantage, model.rollout_buffer.advantages, rtol=1e-5, atol=1e-5)
 
     # The same minibatch order for both: SB3 draws one numpy permutation per epoch, of a buffer

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
@@ -80,6 +81,37 @@ def build_faulty(fault: str, marker: str, rank: int, world_size: int) -> SyncRl:
     agent = CategoricalPgAgent(probe_spaces(CARTPOLE))
     algo = PPO(PPOConfig(n_epochs=1, minibatch_size=32))
     return SyncRl(algo, agent, sampler, n_steps=10_000_000, show_progress=False, rank=rank, world_size=world_size)
+
+
+def listening(process: psutil.Process) -> list[tuple[int, str, int]]:
+    return [
+        (process.pid, c.laddr.ip, c.laddr.port)
+        for c in process.net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
+
+
+class SocketProbeSampler(SerialSampler):
+    """On rank 0 at iteration 1 (every rank is in the group then), write the listening sockets of
+    the launcher and of each of its processes to `marker`."""
+
+    def __init__(self, marker: str) -> None:
+        super().__init__(CARTPOLE, batch_T=32, batch_B=2)
+        self.marker = marker
+
+    def obtain_samples(self, itr: int) -> SampleBatch:
+        if itr == 1:
+            launcher = psutil.Process(os.getppid())
+            found = [s for p in [launcher, *launcher.children(recursive=True)] for s in listening(p)]
+            Path(self.marker).write_text(json.dumps({"launcher": launcher.pid, "sockets": found}))
+        return super().obtain_samples(itr)
+
+
+def build_probed(marker: str, rank: int, world_size: int) -> SyncRl:
+    sampler = SocketProbeSampler(marker) if rank == 0 else SerialSampler(CARTPOLE, 32, 2)
+    agent = CategoricalPgAgent(probe_spaces(CARTPOLE))
+    algo = PPO(PPOConfig(n_epochs=1, minibatch_size=32))
+    return SyncRl(algo, agent, sampler, n_steps=384, show_progress=False, rank=rank, world_size=world_size)
 
 
 # ----- tests -----------------------------------------------------------------------------------
@@ -170,3 +202,15 @@ def test_config_builds_a_launcher_and_global_batch_divides_per_rank_sizes(tmp_pa
     assert isinstance(runner, SyncRl)
     assert runner.sampler.batch_B == 1 and runner.algo.config.minibatch_size == 16  # type: ignore[attr-defined]
     assert runner.itr_batch_size == 64  # the global batch of the config: 32 x 2
+
+
+def test_every_port_of_a_sync_run_is_on_loopback(tmp_path: Path) -> None:
+    marker = tmp_path / "sockets.json"
+    before = set(listening(psutil.Process()))  # this test process's own (it is the launcher)
+    SyncLauncher(partial(build_probed, str(marker)), world_size=2, timeout_s=120).train()
+    seen = json.loads(marker.read_text())
+    assert seen["launcher"] == os.getpid()
+    sockets = {tuple(s) for s in seen["sockets"]} - before
+    pids = {pid for pid, _, _ in sockets}
+    assert os.getpid() in pids and len(pids) == 3, f"the store and each rank's gloo listen: {sockets}"
+    assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in sockets), sockets

@@ -164,11 +164,12 @@ def register(app: typer.Typer, console: Console) -> None:
         output_dir: Annotated[Path, typer.Argument(help="the main job's output folder")],
         debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
     ) -> None:
-        """Per run: step, reward, tokens/s, state; per node: state, restarts, heartbeat age."""
+        """Per run: state, step, reward, tokens/s, elapsed, ETA; per node: state, restarts, heartbeat age."""
 
         def body() -> int:
             from rlplex.errors import ConfigError
-            from rlplex.mainjob.view import collect, render
+            from rlplex.mainjob.frame import render
+            from rlplex.mainjob.view import collect
 
             if not output_dir.is_dir():
                 raise ConfigError(f"{output_dir}: no such job folder")
@@ -183,12 +184,17 @@ def register(app: typer.Typer, console: Console) -> None:
         config: Annotated[Path, typer.Option(help="the run's orch.toml")],
         run_id: Annotated[str | None, typer.Option("--id", help="run id (default: run_<file stem>)")] = None,
         timeout_s: Annotated[float, typer.Option(help="wait this long for the master's answer")] = 30.0,
+        wait_s: Annotated[
+            float, typer.Option(help="then wait this long for the trainer to admit or reject the run (0: do not)")
+        ] = 60.0,
         debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
     ) -> None:
-        """Ask the running job to add a run; prints the master's answer."""
+        """Add a run to a running job; prints what the trainer decided: admitted, or rejected
+        and why (exit 2); or, past --wait-s, that validation is pending and where to look."""
 
         def body() -> int:
             from rlplex.config import read_toml, validate_config
+            from rlplex.mainjob.admission import wait_for_trainer
             from rlplex.mainjob.config import RunEntry
             from rlplex.mainjob.driver import read_job_model
             from rlplex.mainjob.registry import submit_add, wait_for_answer
@@ -196,15 +202,32 @@ def register(app: typer.Typer, console: Console) -> None:
             check_file_kind(config, "orch")
             entry = validate_config(
                 RunEntry, {"id": run_id or f"run_{config.stem}", "config": read_toml(config)}, source="--id"
-            )
+            ).with_local_model_resolved()
             model = read_job_model(output_dir)
             (entry.with_model(model) if model else entry).orch_config(str(config))
             accepted, text = wait_for_answer(submit_add(output_dir, entry), timeout_s)
-            if accepted:
-                console.print(f"accepted: {escape(text)}", highlight=False, soft_wrap=True)
-            else:
+            if not accepted:
                 print_error(console, "rejected", text)
-            return 0 if accepted else EXIT_USER_ERROR
+                return EXIT_USER_ERROR
+            console.print(f"accepted by the job: {escape(text)}", highlight=False, soft_wrap=True)
+            if wait_s <= 0:
+                return 0
+            console.print(
+                f"waiting up to {wait_s:g} s for the trainer to admit or reject {entry.id} (--wait-s) ...",
+                highlight=False,
+            )
+            with console.status(f"{entry.id}: waiting for the trainer") as line:
+                decision = wait_for_trainer(
+                    output_dir,
+                    entry.id,
+                    wait_s,
+                    lambda s: line.update(f"{entry.id}: waiting for the trainer, {s:.0f} s"),
+                )
+            if decision.outcome == "rejected":
+                print_error(console, "rejected", decision.text)
+                return EXIT_USER_ERROR
+            console.print(escape(decision.text), highlight=False, soft_wrap=True)  # admitted, or pending and where
+            return 0
 
         _guard(console, debug, body)
 

@@ -4,7 +4,9 @@ fails after one item), self_check, check_child (the hook raises)."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,31 @@ def quick(context: WorkerContext) -> None:
 
 
 NOT_A_WORKER = 42
+
+
+def token_probe(context: WorkerContext) -> None:
+    """Record where this entry point finds the job token: its environment, a child's, its launch environment."""
+    token = context.token.hex()
+    child = subprocess.run(["env"], capture_output=True, text=True, check=True).stdout
+    seen = {
+        "environ": os.environ.get("RLPLEX_JOB_TOKEN"),
+        "child": any(line == f"RLPLEX_JOB_TOKEN={token}" for line in child.splitlines()),
+        "launch": token.encode() in Path("/proc/self/environ").read_bytes(),
+        "matches": os.environ.get("RLPLEX_JOB_TOKEN") == token,
+    }
+    folder = Path(context.output_dir) / "token"
+    folder.mkdir(exist_ok=True)
+    (folder / f"{context.node_id}.json").write_text(json.dumps(seen))
+
+
+def channel_owner(context: WorkerContext) -> None:
+    """Leaves a job channel holding an item (a channel outlives its creator), and its name in channel.txt."""
+    from rlplex.control import LocalDataChannel
+
+    channel = LocalDataChannel.create(context.channel_name("q"), capacity=2, slot_bytes=4096)
+    channel.put({"item": 1})
+    channel.detach()
+    (Path(context.output_dir) / "channel.txt").write_text(context.channel_name("q"))
 
 
 class CheckedElasticWorker(ElasticWorker):

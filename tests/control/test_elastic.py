@@ -82,12 +82,12 @@ def progress(job_dir: Path, node_id: str) -> dict[str, float]:
 
 
 def job_processes(job_dir: Path) -> list[int]:
-    """Every live process of this job (nodes, scripts, checks): they carry the job's token in their environment."""
-    token = (job_dir / "job.token").read_text().strip()
+    """Every live process of this job (nodes, scripts, checks): they carry the job's folder in their environment."""
+    folder = str(job_dir.resolve())
     found = []
     for process in psutil.process_iter():
         try:
-            if process.environ().get("RLPLEX_JOB_TOKEN") == token and process.status() != psutil.STATUS_ZOMBIE:
+            if process.environ().get("RLPLEX_JOB_DIR") == folder and process.status() != psutil.STATUS_ZOMBIE:
                 found.append(process.pid)
         except psutil.Error:
             continue

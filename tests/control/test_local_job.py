@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import ast
+import os
+from functools import partial
 from pathlib import Path
 
 from node_helpers import node_processes, wait_for
-from rlplex.control import JobBuilder, JobState, NodeState, PrimeMaster, SqliteStateStore
+from rlplex.control import JobBuilder, JobState, LocalDataChannel, NodeState, PrimeMaster, SqliteStateStore
 
 
 def items_done(job_dir: Path) -> list[int]:
@@ -95,3 +97,35 @@ def test_nodes_stop_themselves_when_no_master_comes_back(job_dir: Path) -> None:
     master.manager.scheduler.detach()  # type: ignore[attr-defined]  # the master "dies": its listener is gone
     wait_for(lambda: node_processes(job_dir) == [], 10, "nodes without a master to exit")
     master.close()
+
+
+def test_the_end_of_a_job_removes_its_channels(job_dir: Path) -> None:
+    other = LocalDataChannel.create(f"not-the-job-{os.getpid()}", capacity=1, slot_bytes=256)
+    try:
+        for fail in (False, True):
+            out = job_dir / str(fail)
+            spec = (
+                JobBuilder("channels", out, capacity={"cpu": 2})
+                .role("owner", entrypoint="control_workers:channel_owner", resources={"cpu": 0.5})
+                .role("idle", entrypoint="control_workers:Idle", resources={"cpu": 0.5})
+                .build()
+            )
+            with PrimeMaster.create(spec) as master:
+                master.start()
+                name = str(wait_for(partial(_read, out / "channel.txt"), 30, "the channel's name"))
+                assert name.startswith(f"{master.job_id}.")
+                reader = LocalDataChannel.attach(name)
+                assert reader.get(timeout=5) == {"item": 1}  # it outlived its creator
+                reader.detach()
+                if fail:
+                    master.manager.fail("failed by the test")
+                else:
+                    master.stop("stopped by the test")
+            assert sorted(Path("/dev/shm").glob(f"rlplex-ch-{master.job_id}*")) == []
+        assert Path(f"/dev/shm/rlplex-ch-not-the-job-{os.getpid()}").exists()
+    finally:
+        other.unlink()
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""

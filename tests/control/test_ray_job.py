@@ -6,6 +6,7 @@ RLPLEX_TEST_FAULTS read by the test workers (RLPLEX_* variables reach the node a
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -19,7 +20,7 @@ import pytest
 
 from node_helpers import local_ray, node_processes, wait_for
 from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, SqliteStateStore
-from rlplex.errors import ConfigError, JobFailedError
+from rlplex.errors import ConfigError, JobFailedError, JobSpecError
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
@@ -120,6 +121,34 @@ def test_the_same_job_file_runs_on_both_backends(tmp_path: Path, ray_address: st
     ]  # fmt: skip
     assert all(n.pid > 0 and n.pid != os.getpid() for n in store.nodes(job_id))
     store.close()
+
+
+def test_user_code_sees_the_job_token_only_when_its_role_asks(
+    tmp_path: Path, ray_address: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A master that itself runs with a token in its environment must not hand it on either.
+    monkeypatch.setenv("RLPLEX_JOB_TOKEN", "00" * 32)
+    for backend in ("local", "ray"):
+        out = tmp_path / backend
+        spec = (
+            JobBuilder("token", out, backend=backend, capacity={"cpu": 2}, heartbeat_interval_s=0.1)
+            .role("plain", entrypoint="control_workers:token_probe", resources={"cpu": 0.5})
+            .role("trusted", entrypoint="control_workers:token_probe", resources={"cpu": 0.5}, needs_job_token=True)
+            .build()
+        )
+        with PrimeMaster.create(spec) as master:
+            master.start()
+            assert master.wait(timeout=60) == JobState.STOPPED, backend
+        plain = json.loads((out / "token" / "plain-0.json").read_text())
+        trusted = json.loads((out / "token" / "trusted-0.json").read_text())
+        assert plain == {"environ": None, "child": False, "launch": False, "matches": False}, backend
+        assert trusted["matches"] and trusted["child"] and not trusted["launch"], backend
+        assert node_processes(out) == []
+
+
+def test_a_role_asking_for_the_token_is_validated(job_dir: Path) -> None:
+    with pytest.raises(JobSpecError, match="needs_job_token"):
+        counter_job(job_dir, needs_job_token="sometimes")
 
 
 def test_sigkilled_node_actor_is_restarted_and_the_job_finishes(job_dir: Path) -> None:

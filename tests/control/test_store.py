@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from rlplex.control import SqliteStateStore
+from rlplex.control.store import JOURNAL_ENV, journal_mode_for, mount_fstype
 from rlplex.errors import ConfigError
 
 
@@ -52,3 +53,45 @@ def test_missing_store_and_unknown_fields_are_refused(tmp_path: Path) -> None:
     store.add_node("j1", "w-0", "w", 0, "PENDING")
     with pytest.raises(ValueError, match="unknown node fields"):
         store.update_node("j1", "w-0", state="RUNNING")  # states change only through a transition
+
+
+MOUNTS = """\
+overlay / overlay rw,relatime 0 0
+proc /proc proc rw,nosuid 0 0
+/dev/sda1 /data ext4 rw,relatime 0 0
+server:/export /data/shared nfs4 rw,vers=4.2,addr=10.0.0.2 0 0
+user@host:/home /data/shared/my\\040sshfs fuse.sshfs rw,nosuid 0 0
+//nas/rl /mnt/nas cifs rw,vers=3.0 0 0
+tmpfs /mnt/nas tmpfs rw 0 0
+"""
+
+
+@pytest.mark.parametrize(
+    ("path", "fstype", "mode"),
+    [
+        ("/data/run1", "ext4", "wal"),
+        ("/data/shared", "nfs4", "delete"),
+        ("/data/shared/run1/jobs", "nfs4", "delete"),
+        ("/data/sharedx/run1", "ext4", "wal"),  # a prefix of the name, not of the path
+        ("/data/shared/my sshfs/run", "fuse.sshfs", "delete"),
+        ("/mnt/nas/run", "tmpfs", "wal"),  # mounted over the cifs share: the later line wins
+        ("/home/me/run", "overlay", "wal"),
+    ],
+)
+def test_journal_mode_follows_the_filesystem_of_the_job_folder(path: str, fstype: str, mode: str) -> None:
+    assert mount_fstype(path, MOUNTS) == fstype
+    assert journal_mode_for(path, MOUNTS, override="") == mode
+
+
+def test_the_store_opens_in_the_chosen_journal_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for chosen, synchronous in (("delete", 2), ("wal", 1)):  # FULL with a rollback journal, NORMAL with WAL
+        monkeypatch.setenv(JOURNAL_ENV, chosen.upper())
+        store = SqliteStateStore.in_dir(tmp_path / chosen)
+        store.create_job("j1", "demo", "{}")
+        assert store._query("PRAGMA journal_mode") == [(chosen,)]
+        assert store._query("PRAGMA synchronous") == [(synchronous,)]
+        assert (tmp_path / chosen / "job.sqlite-wal").exists() == (chosen == "wal")
+        store.close()
+    monkeypatch.setenv(JOURNAL_ENV, "memory")
+    with pytest.raises(ConfigError, match="RLPLEX_SQLITE_JOURNAL: 'memory' is not a journal mode"):
+        SqliteStateStore.in_dir(tmp_path / "bad")

@@ -53,7 +53,12 @@ def vllm_server(model_dir: Path, log_dir: Path, **overrides: object) -> Iterator
         server.wait_ready(config.startup_timeout_s)
         yield Served(server, key, model_dir)
     finally:
+        held = server.shared_memory
         server.stop()
+        # vLLM's message queues are segments its resource tracker would unlink, but stop() kills the
+        # tracker with the group: stop() unlinks them itself.
+        assert held, "the server was seen holding no shared memory"
+        assert [name for name in held if (Path("/dev/shm") / name).exists()] == [], "vLLM's shared memory left"
 
 
 def make_adapter(model_dir: Path, out: Path, seed: int, rank: int = 4, zero: bool = False) -> Path:

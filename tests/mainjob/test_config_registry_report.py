@@ -10,6 +10,7 @@ from rich.console import Console
 
 from rlplex.errors import ConfigError, RunConfigError, WaitTimeoutError
 from rlplex.mainjob.config import MainJobConfig, RunEntry, load_main_job
+from rlplex.mainjob.frame import render
 from rlplex.mainjob.registry import (
     answer,
     pending_requests,
@@ -20,7 +21,7 @@ from rlplex.mainjob.registry import (
     write_registry,
 )
 from rlplex.mainjob.report import REPORT_FILE, write_report
-from rlplex.mainjob.view import collect, render
+from rlplex.mainjob.view import collect
 from rlplex.multirun.rundir import STABLE_MARKER, RunDir, write_finished
 
 RUN = {"env": {"name": "reverse"}, "max_steps": 4, "batch_size": 8, "model": {"name": "m"}}
@@ -126,7 +127,11 @@ def test_view_and_report_show_each_runs_state_rise_and_curves(tmp_path: Path) ->
     done = view.runs[0]
     assert done.reward_start == pytest.approx(0.25) and done.reward_end == pytest.approx(0.6)
     assert done.reward_rise == pytest.approx((0.5 + 0.7) / 2 - (0.2 + 0.3) / 2)
-    render(view)  # renders without a store
+    console = Console(record=True, width=80, height=24, file=io.StringIO())
+    console.print(render(view, live=True))  # renders without a store
+    drawn = console.export_text().splitlines()
+    assert drawn[0].startswith("job UNKNOWN · elapsed — · ETA —") and len(drawn) <= 24
+    assert "note: run_evicted evicted: bad rollouts: rewards holds NaN" in drawn
     report = write_report(tmp_path, fallback_wall_time_s=12.5)
     text = report.read_text()
     assert report.name == REPORT_FILE
@@ -139,7 +144,8 @@ def test_view_and_report_show_each_runs_state_rise_and_curves(tmp_path: Path) ->
         "Trainer throughput: 0 tokens/s",
     ):
         assert section in text, section
-    assert "| run_done | finished | 4/4 | 0.250 | 0.600 | +0.350 |" in text
+    # No identity file, no trainer log: no wall time, no pace.
+    assert "| run_done | finished | 4/4 | 0.250 | 0.600 | +0.350 | 103 | — | - |" in text
     assert "run_evicted: bad rollouts: rewards holds NaN" in text
     for png in ("rewards.png", "run_done.png", "run_mid.png"):
         assert (tmp_path / "plots" / png).stat().st_size > 1000

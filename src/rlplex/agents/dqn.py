@@ -1,4 +1,4 @@
-"""The DQN agent: epsilon-greedy over a Q-network.
+"""The DQN agent: epsilon-greedy over a Q-network (plain, dueling, or categorical C51).
 
 Epsilon is read from the model's `epsilon` buffer at every step, not kept on the agent, so
 that the algorithm's schedule reaches sampler processes with the weights (one state_dict
@@ -14,18 +14,33 @@ import torch
 from torch import nn
 
 from rlplex.agents.base import InfoSpec
-from rlplex.envs import EnvSpaces
+from rlplex.envs import EnvSpaces, describe_action_space
 from rlplex.errors import ConfigError
 from rlplex.models import QMlp, unwrap_model
 
 
 class DqnAgent:
-    def __init__(self, spaces: EnvSpaces, hidden: Sequence[int] = (64, 64)) -> None:
+    def __init__(
+        self,
+        spaces: EnvSpaces,
+        hidden: Sequence[int] = (64, 64),
+        dueling: bool = False,
+        n_atoms: int = 1,
+        v_min: float = -10.0,
+        v_max: float = 10.0,
+    ) -> None:
         if spaces.action_kind != "discrete":
-            raise ConfigError("DqnAgent needs a Discrete action space (DQN does not handle Box actions)")
+            raise ConfigError(
+                f"DQN needs a Discrete action space; the environment's is {describe_action_space(spaces)} "
+                "(use SAC, TD3 or DDPG for continuous actions)"
+            )
+        if dueling and not hidden:
+            raise ConfigError("field 'agent.hidden': a dueling DQN needs at least one hidden layer (got none)")
         self.spaces = spaces
         self.info_spec: InfoSpec = {}
-        self.model: nn.Module = QMlp(int(np.prod(spaces.obs_shape)), spaces.n_actions, hidden)
+        self.model: nn.Module = QMlp(
+            int(np.prod(spaces.obs_shape)), spaces.n_actions, hidden, dueling, n_atoms, v_min, v_max
+        )
 
     @property
     def epsilon(self) -> float:
@@ -39,7 +54,9 @@ class DqnAgent:
         value.fill_(epsilon)
 
     def q_values(self, observation_B_O: torch.Tensor) -> torch.Tensor:
-        q: torch.Tensor = self.model(observation_B_O)
+        inner = unwrap_model(self.model)
+        assert isinstance(inner, QMlp)
+        q: torch.Tensor = inner.q_values(self.model(observation_B_O))
         return q
 
     @torch.no_grad()

@@ -36,16 +36,6 @@ class PgAgent:
     def log_prob_entropy(self, out: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def distribution_backward(
-        self, out: torch.Tensor, action: torch.Tensor, grad_log_prob: torch.Tensor, entropy_weight: float
-    ) -> torch.Tensor:
-        """d loss / d out for loss = f(log_prob) - entropy_weight * sum(entropy), given d f / d log_prob.
-
-        Closed form, without autograd (PPO's fused update); also sets the `.grad` of the
-        distribution's own parameters (the Gaussian's log_std).
-        """
-        raise NotImplementedError
-
     @torch.no_grad()
     def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         out, value_B = self.model(torch.as_tensor(observation_B_O, dtype=torch.float32))
@@ -94,19 +84,6 @@ class CategoricalPgAgent(PgAgent):
         entropy = -(log_p.exp() * log_p).sum(-1)
         return log_p.gather(-1, action.long().unsqueeze(-1)).squeeze(-1), entropy
 
-    def distribution_backward(
-        self, out: torch.Tensor, action: torch.Tensor, grad_log_prob: torch.Tensor, entropy_weight: float
-    ) -> torch.Tensor:
-        # d log p_a / d logits = onehot(a) - p;  d H / d logits = -p * (log p + H)
-        log_p = torch.log_softmax(out, dim=-1)
-        p = log_p.exp()
-        grad = torch.zeros_like(out).scatter_(-1, action.long().unsqueeze(-1), grad_log_prob.unsqueeze(-1))
-        grad.sub_(p * grad_log_prob.unsqueeze(-1))
-        if entropy_weight != 0.0:
-            entropy = -(p * log_p).sum(-1, keepdim=True)
-            grad.add_(p * (log_p + entropy), alpha=entropy_weight)
-        return grad
-
 
 class GaussianPgAgent(PgAgent):
     """Diagonal Gaussian policy; actions are sampled unclipped (the sampler clips what the env sees)."""
@@ -140,18 +117,3 @@ class GaussianPgAgent(PgAgent):
         log_prob = (-0.5 * z.pow(2) - log_std - 0.5 * _LOG_2PI).sum(-1)
         entropy = (0.5 + 0.5 * _LOG_2PI + log_std).sum(-1)
         return log_prob, entropy
-
-    def distribution_backward(
-        self, out: torch.Tensor, action: torch.Tensor, grad_log_prob: torch.Tensor, entropy_weight: float
-    ) -> torch.Tensor:
-        # z = (a - mean) / std:  d log p / d mean = z / std;  d log p / d log_std = z^2 - 1;
-        # d H / d log_std = 1 per sample.
-        log_std = self._log_std
-        inv_std = (-log_std).exp()
-        z = (action - out) * inv_std
-        grad_log_prob = grad_log_prob.unsqueeze(-1)
-        log_std_grad = (grad_log_prob * (z * z - 1.0)).sum(0)
-        if entropy_weight != 0.0:
-            log_std_grad.sub_(entropy_weight * out.shape[0])
-        log_std.grad = log_std_grad.reshape(log_std.shape)
-        return grad_log_prob * z * inv_std

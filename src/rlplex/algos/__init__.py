@@ -3,8 +3,9 @@
 from rlplex.algos.a2c import A2C, A2CConfig
 from rlplex.algos.base import Algo
 from rlplex.algos.dqn import DQN, DQNConfig
-from rlplex.algos.grpo import group_advantages, grpo_loss
+from rlplex.algos.grpo import grpo_loss
 from rlplex.algos.ppo import PPO, PPOConfig
+from rlplex.algos.rl_math import clipped_surrogate, gae, group_advantages
 from rlplex.algos.sac import SAC, SACConfig
 from rlplex.algos.td3 import TD3, DDPGConfig, TD3Config
 
@@ -21,6 +22,8 @@ __all__ = [
     "PPOConfig",
     "SACConfig",
     "TD3Config",
+    "clipped_surrogate",
+    "gae",
     "group_advantages",
     "grpo_loss",
 ]

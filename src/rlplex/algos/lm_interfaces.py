@@ -12,13 +12,13 @@ computed within groups present in the batch.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from rlplex.algos.grpo import grpo_loss
+from rlplex.algos.rl_math import group_advantages
 from rlplex.dataflow.mfc import MFCDef
 from rlplex.models.hf import Tokenizer, decode_completion, stop_token_ids
 from rlplex.models.lm import generate, left_pad, pad_id_of, token_logprobs
@@ -84,14 +84,7 @@ class GRPOActor:
         inputs = {key: [values[i] for i in order] for key, values in inputs.items()}
         items: list[TaskItem] = inputs["task_ids"]
         rewards = torch.tensor(inputs["rewards"], dtype=torch.float32)
-        advantages = torch.zeros_like(rewards)
-        groups: dict[int, list[int]] = defaultdict(list)
-        for position, item in enumerate(items):
-            groups[item.group].append(position)
-        for positions in groups.values():
-            group_rewards = rewards[positions]
-            std = group_rewards.std(unbiased=False) if len(positions) > 1 else torch.tensor(0.0)
-            advantages[positions] = (group_rewards - group_rewards.mean()) / (std + 1e-6)
+        advantages = group_advantages(rewards, torch.tensor([item.group for item in items]))
         tokens, attention = left_pad([t.tolist() for t in inputs["packed_input_ids"]], pad_id_of(self.tokenizer))
         width = tokens.shape[1]
         old = torch.zeros(tokens.shape)

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from rlplex.errors import RlplexError
-from rlplex.replays import UniformReplayBuffer
+from rlplex.replays import PrioritizedReplayBuffer, UniformReplayBuffer
 from rlplex.samplers.batch import SampleBatch
 from rlplex.samplers.processes import CONTEXT
 
@@ -24,6 +24,7 @@ def transitions_of(samples: SampleBatch) -> dict[str, np.ndarray]:
         "reward": samples.reward,
         "next_observation": samples.next_observation,
         "terminated": samples.terminated,
+        "done": samples.terminated | samples.truncated,  # where n-step returns stop
     }
 
 
@@ -56,10 +57,12 @@ class ReplayAlgo:
     def learning_starts(self) -> int:
         return int(self.config.learning_starts)
 
-    def _make_replay(self, agent: Any, shared_replay: bool) -> None:
-        """`shared_replay` puts the replay in shared memory (AsyncRl's copiers write into it)."""
+    def _make_replay(self, agent: Any, shared_replay: bool, prioritized: bool = False) -> None:
+        """`shared_replay` puts the replay in shared memory (AsyncRl's copiers write into it),
+        priorities included."""
         lock = CONTEXT.Lock() if shared_replay else None
-        self.replay = UniformReplayBuffer.create(agent.spaces, self.config.buffer_size, shared=shared_replay, lock=lock)
+        cls = PrioritizedReplayBuffer if prioritized else UniformReplayBuffer
+        self.replay = cls.create(agent.spaces, self.config.buffer_size, shared=shared_replay, lock=lock)
 
     def shutdown(self) -> None:
         if self.replay is not None:

@@ -1,5 +1,6 @@
 """What the policy-gradient algorithms (PPO, A2C) share: GAE advantages and returns of a
-[T, B] sample batch, and gradient-norm clipping for small models."""
+[T, B] sample batch (`rl_math.gae` on the agent's values), and gradient-norm clipping for
+small models."""
 
 from __future__ import annotations
 
@@ -9,28 +10,8 @@ import numpy as np
 import torch
 
 from rlplex.agents.pg import PgAgent
+from rlplex.algos.rl_math import gae
 from rlplex.samplers.batch import SampleBatch
-
-
-def gae_advantages(
-    reward: np.ndarray,
-    value: np.ndarray,
-    next_value: np.ndarray,
-    terminated: np.ndarray,
-    truncated: np.ndarray,
-    gamma: float,
-    lam: float,
-) -> np.ndarray:
-    """GAE over [T, B] arrays. `next_value[t]` is V(next_observation[t]); zeroed where terminated."""
-    not_terminal = 1.0 - terminated.astype(np.float32)
-    not_done = 1.0 - (terminated | truncated).astype(np.float32)
-    delta = reward + gamma * next_value * not_terminal - value
-    advantage = np.zeros_like(reward, dtype=np.float32)
-    running = np.zeros(reward.shape[1], dtype=np.float32)
-    for t in range(reward.shape[0] - 1, -1, -1):
-        running = delta[t] + gamma * lam * not_done[t] * running
-        advantage[t] = running
-    return advantage
 
 
 def clip_grad_norm(params: Sequence[torch.Tensor], max_norm: float) -> None:
@@ -56,5 +37,5 @@ def advantages_and_returns(
     next_obs = torch.as_tensor(samples.next_observation.reshape(T * B, *samples.observation.shape[2:]))
     next_value = agent.value(next_obs).numpy().reshape(T, B)
     value = samples.agent_info["value"]
-    advantage = gae_advantages(samples.reward, value, next_value, samples.terminated, samples.truncated, gamma, lam)
+    advantage = gae(samples.reward, value, next_value, samples.terminated, samples.truncated, gamma, lam)
     return advantage, advantage + value

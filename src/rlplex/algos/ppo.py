@@ -1,24 +1,28 @@
 """PPO with the clipped objective and GAE, over a [T, B] batch from any sampler.
 
-Reads top to bottom: advantages (bootstrapping through time-limit truncations with the
-value of `next_observation`), then `n_epochs` passes of shuffled minibatches.
+Reads top to bottom, as CleanRL's ppo.py: the schedules, GAE advantages and returns
+(bootstrapping through time-limit truncations with the value of `next_observation`), then
+`n_epochs` passes of shuffled minibatches, each one autograd step on
+mean(clipped surrogate) + value_coef * value loss - entropy_coef * entropy. The surrogate,
+GAE and the ratio statistics are `rlplex.algos.rl_math`'s, shared with A2C, GRPO and the
+multi-run trainer. `closed_form_gradients` (off by default) swaps the autograd step for the
+written-out backward of `rlplex.algos.ppo_closed_form`, for tanh MLPs only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal
 
 import numpy as np
 import torch
 from pydantic import Field
-from torch.autograd.function import once_differentiable
 
-from rlplex.agents.pg import CategoricalPgAgent, GaussianPgAgent, PgAgent
+from rlplex.agents.pg import PgAgent
 from rlplex.algos.pg_batch import advantages_and_returns, clip_grad_norm
+from rlplex.algos.ppo_closed_form import ClosedFormGradients
+from rlplex.algos.rl_math import clipped_surrogate, ratio_stats
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
-from rlplex.models import ActorCriticMlp, GaussianActorCriticMlp
 from rlplex.samplers.batch import SampleBatch
 
 
@@ -36,96 +40,10 @@ class PPOConfig(StrictModel):
     max_grad_norm: float = Field(0.5, gt=0)
     normalize_advantage: bool = True
     target_kl: float | None = Field(None, gt=0, description="stop the epochs early past this approximate KL")
-
-
-class Minibatch(NamedTuple):
-    """One gradient step's samples, flattened over time and environments."""
-
-    observation: torch.Tensor
-    action: torch.Tensor
-    old_log_prob: torch.Tensor
-    advantage: torch.Tensor
-    returns: torch.Tensor
-
-
-def clipped_losses_and_grads(
-    log_prob: torch.Tensor, value: torch.Tensor, minibatch: Minibatch, clip: float, value_coef: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """PPO's clipped surrogate and value losses with their gradients, without autograd.
-
-    Returns (policy_loss + value_coef * value_loss, policy_loss, value_loss, ratio,
-    d loss / d log_prob, d loss / d value). The gradients have a closed form:
-
-        d policy_loss / d log_prob = -adv * ratio * [ratio * adv <= clip(ratio) * adv] / n
-        d value_loss  / d value    = (value - returns) / n     (value_loss = 0.5 * mean sq. err.)
-
-    which is what autograd gives for the expression (the min's and the clamp's masks).
-    """
-    n = log_prob.numel()
-    ratio = (log_prob - minibatch.old_log_prob).exp()
-    unclipped = ratio * minibatch.advantage
-    clipped = ratio.clamp(1 - clip, 1 + clip) * minibatch.advantage
-    policy_loss = -torch.minimum(unclipped, clipped).mean()
-    value_error = value - minibatch.returns
-    value_loss = 0.5 * value_error.pow(2).mean()
-    loss = policy_loss + value_coef * value_loss
-    grad_log_prob = torch.where(unclipped <= clipped, unclipped, 0.0).mul_(-1.0 / n)
-    grad_value = value_error.mul_(value_coef / n)
-    return loss, policy_loss, value_loss, ratio, grad_log_prob, grad_value
-
-
-class _ClippedPpoLoss(torch.autograd.Function):
-    """`clipped_losses_and_grads` as one autograd node: a dozen elementwise ops on a few
-    hundred numbers cost more as autograd nodes than as arithmetic. Outputs: total loss,
-    policy loss, value loss, ratio (the last three not differentiable)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, log_prob: torch.Tensor, value: torch.Tensor, minibatch: Minibatch, clip: float, value_coef: float
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        loss, policy_loss, value_loss, ratio, grad_log_prob, grad_value = clipped_losses_and_grads(
-            log_prob, value, minibatch, clip, value_coef
-        )
-        ctx.save_for_backward(grad_log_prob, grad_value)
-        ctx.mark_non_differentiable(policy_loss, value_loss, ratio)
-        return loss, policy_loss, value_loss, ratio
-
-    @staticmethod
-    @once_differentiable  # a second derivative through the written-out backward is not supported
-    def backward(ctx: Any, grad_loss: torch.Tensor, *_: Any) -> tuple[torch.Tensor | None, ...]:
-        grad_log_prob, grad_value = ctx.saved_tensors
-        return grad_log_prob * grad_loss, grad_value * grad_loss, None, None, None
-
-
-def clipped_ppo_loss(
-    log_prob: torch.Tensor, value: torch.Tensor, minibatch: Minibatch, clip: float, value_coef: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(policy_loss + value_coef * value_loss, policy_loss, value_loss, ratio), differentiable
-    in log_prob and value; see `clipped_losses_and_grads`."""
-    loss, policy_loss, value_loss, ratio = _ClippedPpoLoss.apply(log_prob, value, minibatch, clip, value_coef)
-    return loss, policy_loss, value_loss, ratio
-
-
-def _flatten(params: Sequence[torch.nn.Parameter]) -> torch.nn.Parameter:
-    """One parameter holding all of `params`, which become views of it: an optimizer stepping
-    the flat one updates the module's own. Module code that copies into its parameters
-    (`load_state_dict`) keeps working; code that replaces their `.data` would cut the link."""
-    flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))
-    offset = 0
-    for p in params:
-        p.data = flat.data[offset : offset + p.numel()].view_as(p)
-        offset += p.numel()
-    return flat
-
-
-def fused_update_supported(agent: PgAgent) -> bool:
-    """Whether PPO can take its gradients without autograd (`ActorCriticMlp.forward_saving`
-    and the agent's `distribution_backward`): rlplex's own agents and models, unwrapped (a
-    DDP-wrapped model needs autograd's hooks) and with every parameter trained."""
-    return (
-        type(agent) in (CategoricalPgAgent, GaussianPgAgent)
-        and type(agent.model) in (ActorCriticMlp, GaussianActorCriticMlp)
-        and all(p.requires_grad for p in agent.model.parameters())
+    closed_form_gradients: bool = Field(
+        False,
+        description="gradients by the written-out backward of rlplex.algos.ppo_closed_form instead of autograd: "
+        "about half the update time of a small tanh MLP; only rlplex's own unwrapped tanh actor-critic MLPs",
     )
 
 
@@ -134,7 +52,8 @@ class PPO:
         self.config = config or PPOConfig()
         self.agent: PgAgent | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self._flat: torch.nn.Parameter | None = None  # the closed-form path's one parameter
+        self.params: list[torch.nn.Parameter] = []
+        self.closed_form: ClosedFormGradients | None = None
         self.n_itr = 1
         self.update_count = 0
 
@@ -143,18 +62,11 @@ class PPO:
             raise RlplexError(f"PPO needs a policy-gradient agent, got {type(agent).__name__}")
         self.agent = agent
         self.n_itr = max(1, n_itr)
-        # Gradients in closed form when the agent and model are rlplex's own (half the update
-        # time of autograd for a CartPole-sized MLP); the same arithmetic up to float rounding.
-        # Their parameters then live in one flat tensor, so that clipping and Adam handle one
-        # tensor rather than a dozen (a tenth of the update).
-        params = list(agent.model.parameters())
-        self._flat = _flatten(params) if fused_update_supported(agent) else None
+        self.params = [p for p in agent.model.parameters() if p.requires_grad]
+        self.closed_form = ClosedFormGradients(agent) if self.config.closed_form_gradients else None
         # fused: Adam's whole step is one kernel instead of a Python loop over parameters (most
-        # of the update time for classic-control MLPs on CPU) or several foreach calls; the
-        # arithmetic is the same up to float rounding.
-        self.optimizer = torch.optim.Adam(
-            params if self._flat is None else [self._flat], lr=self.config.learning_rate, eps=1e-5, fused=True
-        )
+        # of the update time for classic-control MLPs on CPU); the same arithmetic up to rounding.
+        self.optimizer = torch.optim.Adam(self.params, lr=self.config.learning_rate, eps=1e-5, fused=True)
 
     def _fraction_left(self, itr: int) -> float:
         return max(0.0, 1.0 - itr / self.n_itr)
@@ -165,120 +77,96 @@ class PPO:
         if samples is None:
             raise RlplexError("PPO is on-policy and needs a sample batch every iteration")
         cfg, agent = self.config, self.agent
+        current = [p for p in agent.model.parameters() if p.requires_grad]
+        if len(current) != len(self.params) or any(p is not q for p, q in zip(current, self.params, strict=True)):
+            raise RlplexError(
+                "the agent's parameters were replaced after PPO.initialize() (a .to(), a "
+                "load_state_dict(assign=True) or a new model): PPO would train a stale copy; "
+                "call PPO.initialize() again after such a change"
+            )
         lr = cfg.learning_rate * (self._fraction_left(itr) if cfg.lr_schedule == "linear" else 1.0)
         clip = cfg.clip_range * (self._fraction_left(itr) if cfg.clip_schedule == "linear" else 1.0)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-        T, B = samples.T, samples.B
-        obs_shape = samples.observation.shape[2:]
-        value = samples.agent_info["value"]
+        # Advantages and returns, then the batch flattened over time and environments.
         advantage, returns = advantages_and_returns(agent, samples, cfg.gamma, cfg.gae_lambda)
-
-        n = T * B
-        obs = torch.as_tensor(samples.observation.reshape(n, *obs_shape))
-        action = torch.as_tensor(samples.action.reshape(n, *samples.action.shape[2:]))
-        old_log_prob = torch.as_tensor(samples.agent_info["log_prob"].reshape(n))
-        adv_all = torch.as_tensor(advantage.reshape(n))
-        ret_all = torch.as_tensor(returns.reshape(n))
+        n = samples.T * samples.B
+        b_obs = torch.as_tensor(samples.observation.reshape(n, *samples.observation.shape[2:]))
+        b_action = torch.as_tensor(samples.action.reshape(n, *samples.action.shape[2:]))
+        b_log_prob = torch.as_tensor(samples.agent_info["log_prob"].reshape(n))
+        b_adv = torch.as_tensor(advantage.reshape(n))
+        b_ret = torch.as_tensor(returns.reshape(n))
 
         mb = min(cfg.minibatch_size, n)
         # One minibatch of the whole batch (rl-zoo's CartPole setting): shuffling only reorders
         # sums, so skip it and the gathers, and normalise the advantages once, not every epoch.
         whole = mb == n
         if whole and cfg.normalize_advantage and n > 1:
-            adv_all = (adv_all - adv_all.mean()) / (adv_all.std() + 1e-8)
-        whole_batch = Minibatch(obs, action, old_log_prob, adv_all, ret_all)
-        flat = self._flat
-        params = [p for p in agent.model.parameters() if p.requires_grad]
-        if flat is not None and not all(p.untyped_storage().data_ptr() == flat.data_ptr() for p in params):
-            raise RlplexError(
-                "the agent's parameters were replaced after PPO.initialize() (a .to(), a "
-                "load_state_dict(assign=True) or a new model): PPO would train a stale copy; "
-                "call PPO.initialize() again after such a change"
-            )
-        # Kept as tensors and reduced once at the end: a `.item()` or a few small reductions
+            b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-8)
+        # Kept as tensors and reduced once at the end: an `.item()` or a few small reductions
         # per minibatch cost about as much as the minibatch's own arithmetic.
         losses: list[torch.Tensor] = []
         ratios: list[torch.Tensor] = []
         log_ratios: list[torch.Tensor] = []
         stop = False
-        for _ in range(cfg.n_epochs):
+        for _epoch in range(cfg.n_epochs):
             order = None if whole else torch.randperm(n)
             for start in range(0, n - mb + 1, mb):
                 if order is None:
-                    minibatch = whole_batch
+                    mb_obs, mb_action, mb_log_prob, mb_adv, mb_ret = b_obs, b_action, b_log_prob, b_adv, b_ret
                 else:
-                    minibatch = Minibatch(*(tensor[order[start : start + mb]] for tensor in whole_batch))
+                    idx = order[start : start + mb]
+                    mb_obs, mb_action, mb_log_prob, mb_adv, mb_ret = (
+                        t[idx] for t in (b_obs, b_action, b_log_prob, b_adv, b_ret)
+                    )
                     if cfg.normalize_advantage and mb > 1:
-                        adv = minibatch.advantage
-                        minibatch = minibatch._replace(advantage=(adv - adv.mean()) / (adv.std() + 1e-8))
-                if flat is not None:
-                    with torch.no_grad():
-                        policy_loss, value_loss, entropy_mean, ratio, log_ratio = self._fused_gradients(minibatch, clip)
-                        flat.grad = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-                        clip_grad_norm([flat], cfg.max_grad_norm)
+                        mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.closed_form is not None:
+                    policy_loss, value_loss, entropy, surrogate = self.closed_form(
+                        mb_obs, mb_action, mb_log_prob, mb_adv, mb_ret, clip, cfg.value_coef, cfg.entropy_coef
+                    )
                 else:
-                    self.optimizer.zero_grad(set_to_none=True)
-                    policy_loss, value_loss, entropy_mean, ratio, log_ratio = self._autograd_gradients(minibatch, clip)
-                    clip_grad_norm(params, cfg.max_grad_norm)
+                    log_prob, entropy_B, value = agent.evaluate(mb_obs, mb_action)
+                    surrogate = clipped_surrogate(log_prob, mb_log_prob, mb_adv, clip)
+                    policy_loss = surrogate.loss.mean()
+                    value_loss = 0.5 * (value - mb_ret).pow(2).mean()
+                    entropy = entropy_B.mean()
+                    loss = policy_loss + cfg.value_coef * value_loss
+                    if cfg.entropy_coef != 0.0:  # a zero-weighted term would still cost its backward pass
+                        loss = loss - cfg.entropy_coef * entropy
+                    loss.backward()
+                clip_grad_norm(self.params, cfg.max_grad_norm)
                 self.optimizer.step()
                 self.update_count += 1
-                losses.append(torch.stack((policy_loss, value_loss, entropy_mean)))
-                ratios.append(ratio)
-                log_ratios.append(log_ratio)
+
+                losses.append(torch.stack((policy_loss, value_loss, entropy)).detach())
+                ratios.append(surrogate.ratio)
+                log_ratios.append(surrogate.log_ratio)
                 if cfg.target_kl is not None:
-                    approx_kl = ((ratios[-1] - 1) - log_ratios[-1]).mean()
-                    if approx_kl.item() > 1.5 * cfg.target_kl:
-                        stop = True
+                    approx_kl, _ = ratio_stats(surrogate.ratio, surrogate.log_ratio, clip)
+                    stop = approx_kl.item() > 1.5 * cfg.target_kl
+                    if stop:
                         break
             if stop:
                 break
+
         # Every minibatch has `mb` samples, so the mean over all of them is the mean of the
         # per-minibatch means.
-        ratio_all, log_ratio_all = torch.stack(ratios), torch.stack(log_ratios)
-        policy_mean, value_mean, entropy_mean_all = torch.stack(losses).mean(0).tolist()
-        approx_kl_mean = float(((ratio_all - 1) - log_ratio_all).mean())
-        clipfrac_mean = float(((ratio_all - 1).abs() > clip).float().mean())
-        explained = 1.0 - float(np.var(returns - value)) / (float(np.var(returns)) + 1e-8)
+        policy_mean, value_mean, entropy_mean = torch.stack(losses).mean(0).tolist()
+        approx_kl_mean, clipfrac_mean = ratio_stats(torch.cat(ratios), torch.cat(log_ratios), clip)
+        explained = 1.0 - float(np.var(returns - samples.agent_info["value"])) / (float(np.var(returns)) + 1e-8)
         return {
             "losses/policy": policy_mean,
             "losses/value": value_mean,
-            "losses/entropy": entropy_mean_all,
-            "losses/approx_kl": approx_kl_mean,
-            "losses/clipfrac": clipfrac_mean,
+            "losses/entropy": entropy_mean,
+            "losses/approx_kl": float(approx_kl_mean),
+            "losses/clipfrac": float(clipfrac_mean),
             "losses/explained_variance": explained,
             "charts/learning_rate": lr,
         }
-
-    def _autograd_gradients(self, minibatch: Minibatch, clip: float) -> tuple[torch.Tensor, ...]:
-        """Backpropagates the loss; returns (policy loss, value loss, entropy, ratio, log ratio)."""
-        assert self.agent is not None
-        cfg = self.config
-        log_prob, entropy, value = self.agent.evaluate(minibatch.observation, minibatch.action)
-        loss, policy_loss, value_loss, ratio = clipped_ppo_loss(log_prob, value, minibatch, clip, cfg.value_coef)
-        if cfg.entropy_coef != 0.0:  # a zero-weighted term would still cost its backward pass
-            loss = loss - cfg.entropy_coef * entropy.mean()
-        loss.backward()
-        return policy_loss, value_loss, entropy.detach().mean(), ratio, log_prob.detach() - minibatch.old_log_prob
-
-    def _fused_gradients(self, minibatch: Minibatch, clip: float) -> tuple[torch.Tensor, ...]:
-        """`_autograd_gradients` in closed form (see `fused_update_supported`): sets every
-        parameter's `.grad` directly."""
-        agent, cfg = self.agent, self.config
-        assert agent is not None
-        model = agent.model
-        assert isinstance(model, ActorCriticMlp)
-        out, value, saved = model.forward_saving(minibatch.observation)
-        log_prob, entropy = agent.log_prob_entropy(out, minibatch.action)
-        _, policy_loss, value_loss, ratio, grad_log_prob, grad_value = clipped_losses_and_grads(
-            log_prob, value, minibatch, clip, cfg.value_coef
-        )
-        grad_out = agent.distribution_backward(
-            out, minibatch.action, grad_log_prob, cfg.entropy_coef / log_prob.numel()
-        )
-        model.backward_into_grads(saved, grad_out, grad_value)
-        return policy_loss, value_loss, entropy.mean(), ratio, log_prob - minibatch.old_log_prob
 
     def state_dict(self) -> dict[str, Any]:
         if self.optimizer is None:

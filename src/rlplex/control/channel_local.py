@@ -19,8 +19,9 @@ shared-memory files `shm_transport`'s, and futexes and pid liveness `shm_sync`'s
 
 Which failures lose what (the lesson of DLRover's queue, which died with its owner):
 - The channel belongs to no process. Queued items survive the death of every producer,
-  consumer and of the creator; they live until `unlink()` (the job's cleanup, or
-  `LocalDataChannel.cleanup(prefix)`) or a reboot. Nothing is persisted to disk.
+  consumer and of the creator; they live until `unlink()`, `LocalDataChannel.cleanup(prefix)`,
+  the end of the job that owns them (named by `WorkerContext.channel_name`: the job's stop or
+  failure unlinks them on the master's machine) or a reboot. Nothing is persisted to disk.
 - A producer killed while copying a large item loses that one item: getters that wait on
   its slot see its pid gone (within `channel_ring.LIVENESS_S`) and skip it. Its earlier items are intact.
 - A consumer killed while copying a large item out loses that item; the slot is reclaimed

@@ -216,11 +216,18 @@ def dist_env(assignment: dict[str, Any]) -> dict[str, str]:
         "MASTER_PORT": str(assignment["port"]),
         "TORCHELASTIC_USE_AGENT_STORE": "True",
     }
-    if sys.platform == "linux" and str(assignment["addr"]) in (LOCAL_HOST, "::1", "localhost"):
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if name not in os.environ:
-                env[name] = "lo"
+    if str(assignment["addr"]) in (LOCAL_HOST, "::1", "localhost"):
+        env.update(loopback_collectives_env())
     return env
+
+
+def loopback_collectives_env() -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME = lo where unset: gloo's and NCCL's own listening
+    sockets go on the interface the host name resolves to (often the machine's IP) otherwise.
+    For ranks that all run on this machine (Linux's loopback is named "lo")."""
+    if sys.platform != "linux":
+        return {}
+    return {name: "lo" for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in os.environ}
 
 
 def slow_nodes(results: dict[str, dict[str, Any]], factor: float) -> dict[str, str]:

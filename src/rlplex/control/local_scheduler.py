@@ -17,10 +17,12 @@ from pathlib import Path
 
 import psutil
 
-from rlplex.control.node import TOKEN_ENV
+from rlplex.control.job_token import TOKEN_ENV
+from rlplex.control.node import JOB_DIR_ENV
 from rlplex.control.placement import Bundle
 from rlplex.control.scheduler import NodeHandle
 from rlplex.control.served_scheduler import ServedScheduler
+from rlplex.control.shm_reaper import group_pids, release, shm_in_use
 
 
 def _child_pythonpath() -> str:
@@ -34,7 +36,10 @@ def _child_pythonpath() -> str:
 class LocalScheduler(ServedScheduler):
     def __init__(self, output_dir: str | Path, job_id: str, token: bytes, rpc_timeout_s: float = 10.0) -> None:
         super().__init__(output_dir, job_id, token, rpc_timeout_s)
-        self._env = {**os.environ, TOKEN_ENV: token.hex(), "PYTHONPATH": _child_pythonpath()}
+        # No token here: a node reads it from the job folder (an environment is readable in /proc and
+        # inherited by every child); a master that itself runs with the token does not pass it on.
+        self._env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
+        self._env.update(PYTHONPATH=_child_pythonpath(), **{JOB_DIR_ENV: str(Path(output_dir).resolve())})
 
     def _launch(self, node_id: str, role: str, rank: int, incarnation: int, bundle: int) -> NodeHandle:
         argv = [sys.executable, "-m", "rlplex.control.node", "--output-dir", str(self.output_dir)]
@@ -94,7 +99,11 @@ class LocalScheduler(ServedScheduler):
     def kill(self, handle: NodeHandle) -> None:
         if handle.pid <= 0:
             return
+        shm: set[str] = set()
         if isinstance(handle.ref, subprocess.Popen) or self._process(handle) is not None:
+            # The SIGKILL below takes the group's resource tracker with it: note what shared memory
+            # the group holds, to unlink what its processes leave (see rlplex.control.shm_reaper).
+            shm = shm_in_use(group_pids(handle.pid))
             try:
                 os.killpg(handle.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
@@ -108,6 +117,7 @@ class LocalScheduler(ServedScheduler):
             process = self._process(handle)
             if process is not None:
                 psutil.wait_procs([process], timeout=5.0)
+        release(shm)
 
     def cleanup(self) -> None:
         for handle in self._handles.values():

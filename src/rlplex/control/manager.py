@@ -168,6 +168,7 @@ class PrimeManager:
             self._job_to(JobState.STOPPING, cause)
         self._stop_nodes(list(self.slots.values()), cause)
         self.scheduler.cleanup()
+        self._remove_channels()
         self._flush_heartbeats(force=True)
         if self.job.can(JobState.STOPPED):
             self._job_to(JobState.STOPPED, cause)
@@ -184,11 +185,23 @@ class PrimeManager:
             if slot.state in LIVE_NODE_STATES or slot.state == NodeState.PENDING:
                 slot.to(NodeState.STOPPED, f"job failed: {cause}")
         self.scheduler.cleanup()
+        self._remove_channels()
         self._flush_heartbeats(force=True)
         self._job_to(JobState.FAILED, cause)
 
     def close(self) -> None:
         self._log_file.close()
+
+    def _remove_channels(self) -> None:
+        """The job's channels (`WorkerContext.channel_name`) outlive every node by design; not the job.
+        Those of this machine: a `LocalDataChannel` serves processes of one machine."""
+        from rlplex.control.channel_local import LocalDataChannel
+        from rlplex.control.worker import job_channel_prefix
+
+        try:
+            LocalDataChannel.cleanup(prefix=job_channel_prefix(self.job_id))
+        except OSError as error:
+            logger.warning("job %s: could not remove its channels: %s", self.job_id, error)
 
     # ---- node steps ---------------------------------------------------------------------------
     def _drain(self) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import secrets
 import socket
 import time
 import uuid
@@ -29,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 
 from rlplex.control.health import FailurePolicy
+from rlplex.control.job_token import read_token, write_token
 from rlplex.control.manager import PrimeManager
 from rlplex.control.scheduler import Scheduler
 from rlplex.control.slot import NodeInfo
@@ -37,7 +37,6 @@ from rlplex.control.states import TERMINAL_JOB_STATES, JobState
 from rlplex.control.store import SqliteStateStore
 from rlplex.errors import ConfigError, JobFailedError, JobSpecError, MasterRunningError, WaitTimeoutError
 
-TOKEN_FILE = "job.token"
 LOCK_FILE = "master.lock"
 
 
@@ -72,29 +71,28 @@ class MasterLock:
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {since}\n".encode(), 0)
         return cls(fd, path)
 
+    @staticmethod
+    def held(output_dir: Path) -> bool:
+        """Whether a live master holds the job folder's lease. Unlike its recorded pid, this is
+        true from the moment a starting or resuming master takes the lease."""
+        try:
+            fd = os.open(output_dir / LOCK_FILE, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)  # also drops the shared lock, if it was granted
+        return False
+
     def release(self) -> None:
         if self._fd is not None:
             os.close(self._fd)  # closing the last descriptor drops the flock
             self._fd = None
-
-
-def write_token(output_dir: Path) -> bytes:
-    token = secrets.token_bytes(32)
-    path = output_dir / TOKEN_FILE
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # O_CREAT's mode does not apply to an existing file
-        os.write(fd, token.hex().encode())
-    finally:
-        os.close(fd)
-    return token
-
-
-def read_token(output_dir: Path) -> bytes:
-    try:
-        return bytes.fromhex((output_dir / TOKEN_FILE).read_text().strip())
-    except (OSError, ValueError) as error:
-        raise ConfigError(f"{output_dir / TOKEN_FILE}: cannot read the job token: {error}") from None
 
 
 BACKEND_ENV, RAY_ADDRESS_ENV = "RLPLEX_BACKEND", "RLPLEX_RAY_ADDRESS"

@@ -4,13 +4,14 @@
 `NodeRuntime` is the same in an OS process (local backend, `main()` below) and inside a Ray
 actor (`rlplex.control.ray_scheduler`): it reads its role from the job's store, builds the
 entry point's worker, serves the control RPC on `host` (127.0.0.1 unless a multi-machine Ray
-cluster needs the node's IP; authkey = the job token, from RLPLEX_JOB_TOKEN in a node process)
-and pushes heartbeats with the worker's status and progress to the master's listener. When the
-master goes away the node keeps working and reconnects to whatever address the store names next
-(a resumed master); it delivers its final message (FINISHED, FAILED, STOPPED) and exits once a
-master acknowledges it (the master stores it first), telling every new master again until one
-does; it stops itself if no master shows up within `master_lost_timeout_s`. A node whose
-incarnation the store has moved past (a resumed master relaunched it) is stale and stops itself.
+cluster needs the node's IP; authkey = the job token, read from the job folder; see
+`rlplex.control.job_token` for when the entry point sees it) and pushes heartbeats with the
+worker's status and progress to the master's listener. When the master goes away the node
+keeps working and reconnects to whatever address the store names next (a resumed master); it
+delivers its final message (FINISHED, FAILED, STOPPED) and exits once a master acknowledges it
+(the master stores it first), telling every new master again until one does; it stops itself
+if no master shows up within `master_lost_timeout_s`. A node whose incarnation the store has
+moved past (a resumed master relaunched it) is stale and stops itself.
 
 Messages to the master: hello {pid, address}, heartbeat {status, progress, error}, final.
 From the master: ack (of the final message).
@@ -30,12 +31,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from rlplex.control.job_token import expose_token, read_token
 from rlplex.control.rpc import AuthListener, connect, format_address, parse_address, recv_message, send_message, serve
 from rlplex.control.store import SqliteStateStore
 from rlplex.control.worker import FAILED, FINISHED, SubMaster, Worker, WorkerContext, load_entrypoint
 from rlplex.errors import NodeFailedError, WaitTimeoutError
 
-TOKEN_ENV = "RLPLEX_JOB_TOKEN"
+JOB_DIR_ENV = "RLPLEX_JOB_DIR"
 
 
 class NodeRuntime:
@@ -50,6 +52,10 @@ class NodeRuntime:
         record = next(n for n in self.store.nodes(self.job_id) if n.node_id == self.node_id)
         self.role, self.rank = record.role, record.rank
         self.role_spec: dict[str, Any] = self.spec["roles"][self.role]
+        # Before any user code runs in this process: it (and what it starts) sees the token only on request.
+        expose_token(self.token, bool(self.role_spec.get("needs_job_token", False)))
+        # Not a secret: lets a role's scripts (and tests) find the job they belong to.
+        os.environ[JOB_DIR_ENV] = str(self.output_dir.resolve())
         self.interval = float(self.spec["heartbeat_interval_s"])
         self.stop_requested = threading.Event()
         self.superseded = False
@@ -212,7 +218,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--node-id", required=True)
     parser.add_argument("--incarnation", type=int, default=0)
     args = parser.parse_args(argv)
-    token = bytes.fromhex(os.environ[TOKEN_ENV])
+    token = read_token(args.output_dir)
     runtime = NodeRuntime(args.output_dir, args.job_id, args.node_id, args.incarnation, token)
     signal.signal(signal.SIGTERM, lambda *_: runtime.stop_requested.set())
     code = runtime.run()

@@ -33,9 +33,9 @@ class NodeActor:
     """One node inside Ray: the `NodeRuntime` in a thread; its stdout and stderr go to the node's log file."""
 
     def __init__(
-        self, output_dir: str, job_id: str, node_id: str, incarnation: int, token_hex: str, host: str,
-        env: dict[str, str],
-    ) -> None:  # fmt: skip
+        self, output_dir: str, job_id: str, node_id: str, incarnation: int, host: str, env: dict[str, str]
+    ) -> None:
+        from rlplex.control.job_token import read_token
         from rlplex.control.node import NodeRuntime
 
         os.environ.update(env)
@@ -50,7 +50,10 @@ class NodeActor:
         os.dup2(log, 2)
         os.close(log)
         host = node_host(host)
-        self._runtime = NodeRuntime(output_dir, job_id, node_id, incarnation, bytes.fromhex(token_hex), host)
+        # The token from the job folder (shared by every machine of the cluster), never an actor
+        # argument: Ray keeps those in its task specs, which its state API and dashboard show.
+        token = read_token(output_dir)
+        self._runtime = NodeRuntime(output_dir, job_id, node_id, incarnation, token, host)
         self._done = threading.Event()
         self._code = -1
         threading.Thread(target=self._main, name="node-runtime", daemon=True).start()

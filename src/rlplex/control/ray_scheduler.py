@@ -14,7 +14,8 @@ running; `cleanup()` removes every actor and placement group of the job by name.
 Multi-machine clusters: the job's output folder (SQLite store, logs, token) must be on a
 filesystem every Ray node sees at the same path, and the master and nodes then bind their
 sockets to the machine's IP (reported by Ray) instead of 127.0.0.1; peers still authenticate
-with the job token. Variables named RLPLEX_* in the master's environment are set in every node.
+with the job token, which each node reads from the job folder (never an actor argument). Variables
+named RLPLEX_* in the master's environment (except the token) are set in every node.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def connect_ray(address: str | None, capacity: Resources) -> bool:
 
 
 def forwarded_env() -> dict[str, str]:
-    # Where the job runs is settled by the driver already; a node must not re-decide it.
-    settled = ("RLPLEX_BACKEND", "RLPLEX_RAY_ADDRESS")
+    # Where the job runs is settled by the driver already; a node must not re-decide it. The token
+    # is never forwarded: a node reads it from the job folder (see rlplex.control.job_token).
+    settled = ("RLPLEX_BACKEND", "RLPLEX_RAY_ADDRESS", "RLPLEX_JOB_TOKEN")
     return {k: v for k, v in os.environ.items() if k.startswith(ENV_PREFIX) and k not in settled}
 
 
@@ -192,7 +194,7 @@ class RayScheduler(ServedScheduler):
         for attempt in range(50):
             try:
                 actor = RemoteNode.options(**options).remote(
-                    str(self.output_dir), self.job_id, node_id, incarnation, self._token.hex(), host, self._env
+                    str(self.output_dir), self.job_id, node_id, incarnation, host, self._env
                 )
                 break
             except ValueError:  # the name of the killed incarnation is not released yet

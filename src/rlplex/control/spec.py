@@ -63,6 +63,11 @@ class RoleSpec(StrictModel):
     heartbeat_timeout_s: float = Field(default=3.0, gt=0)
     progress_timeout_s: float | None = Field(default=None, gt=0)
     config: dict[str, Any] = Field(default_factory=dict)
+    needs_job_token: bool = Field(
+        default=False,
+        description="put the job token in the entry point's environment (RLPLEX_JOB_TOKEN), for code that "
+        "opens control connections itself; off, neither it nor the processes it starts see the token",
+    )
 
 
 class JobSpec(StrictModel):

@@ -1,15 +1,16 @@
 """The job's state, kept transactionally: `StateStore` protocol and the SQLite implementation.
 
-`<output_dir>/job.sqlite` (WAL mode, so `rlplex job status` and the nodes read while the
-master writes) holds, keyed by job id: the job row (spec JSON, state, restarts, cause, the
-master's address), one row per node, the restarts spent per role, every state transition
-with time and cause, and every failure decision with its cause. A restarted master rebuilds
-itself from these rows alone.
+`<output_dir>/job.sqlite` (WAL mode on a local disk, so `rlplex job status` and the nodes read
+while the master writes; a rollback journal on a network filesystem, see `journal_mode_for`)
+holds, keyed by job id: the job row (spec JSON, state, restarts, cause, the master's address),
+one row per node, the restarts spent per role, every state transition with time and cause, and
+every failure decision with its cause. A restarted master rebuilds itself from these rows alone.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -20,6 +21,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 STORE_FILE = "job.sqlite"
+JOURNAL_ENV = "RLPLEX_SQLITE_JOURNAL"
+# Filesystems whose files other machines (or a user-space daemon) serve: WAL's shared-memory
+# index cannot work across machines on them (see `journal_mode_for`).
+NETWORK_FS_TYPES = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "afs", "9p", "lustre", "gpfs", "ceph", "glusterfs",
+    "beegfs", "ocfs2", "gfs2", "virtiofs",
+})  # fmt: skip
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -113,6 +121,65 @@ _NODE_FIELDS = frozenset(
 )
 
 
+def _unescape_mount(field: str) -> str:
+    # /proc/mounts writes a space, tab, newline and backslash of a path as octal escapes.
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def mount_fstype(path: str | Path, mounts: str) -> str:
+    """The filesystem type of the mount holding `path` (the longest mount point that is a prefix
+    of it), read from `mounts` in /proc/mounts' format; "" when no line matches."""
+    target = os.path.realpath(path)
+    best, fstype = -1, ""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = _unescape_mount(fields[1])
+        inside = target == point or target.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > best:  # a later line of equal length mounts over an earlier one
+            best, fstype = len(point), fields[2]
+        elif inside and len(point) == best:
+            fstype = fields[2]
+    return fstype
+
+
+def is_network_fs(fstype: str) -> bool:
+    """NFS, SMB, Lustre, ... and every FUSE filesystem (sshfs, s3fs, gcsfuse: none offers shared mmap)."""
+    return fstype in NETWORK_FS_TYPES or fstype == "fuse" or fstype.startswith("fuse.")
+
+
+def journal_mode_for(path: str | Path, mounts: str | None = None, override: str | None = None) -> str:
+    """WAL on a local disk, DELETE (the rollback journal) on a network filesystem; `override` or
+    RLPLEX_SQLITE_JOURNAL decides first.
+
+    SQLite's WAL keeps its index in a shared-memory file mapped by every connection, so "all
+    processes using a database must be on the same host computer; WAL does not work over a
+    network filesystem" (https://www.sqlite.org/wal.html, Disadvantages). A multi-machine Ray
+    job has its store on a shared filesystem: there the rollback journal (DELETE) with the
+    filesystem's POSIX locks is what SQLite supports. Where machines see one folder through
+    different filesystems (a head's local disk exported over NFS), set RLPLEX_SQLITE_JOURNAL=delete
+    on every machine (node actors inherit the master's RLPLEX_* variables)."""
+    chosen = override if override is not None else os.environ.get(JOURNAL_ENV, "")
+    if chosen:
+        mode = chosen.strip().lower()
+        if mode not in ("wal", "delete"):
+            from rlplex.errors import ConfigError
+
+            raise ConfigError(
+                f"{JOURNAL_ENV}: {chosen!r} is not a journal mode rlplex uses (expected 'wal' or 'delete')"
+            )
+        return mode
+    if mounts is None:
+        try:
+            mounts = Path("/proc/mounts").read_text()
+        except OSError:
+            return "wal"  # not Linux: no way to tell; the common case is a local disk
+    return "delete" if is_network_fs(mount_fstype(path, mounts)) else "wal"
+
+
 class SqliteStateStore:
     """`StateStore` on one SQLite file. Safe to share between threads of one process (one lock)."""
 
@@ -127,9 +194,11 @@ class SqliteStateStore:
         self._db = sqlite3.connect(self.path, timeout=10.0, isolation_level=None, check_same_thread=False)
         self._lock = threading.RLock()
         self._depth = 0  # nesting of transaction() in the thread that holds the lock
-        self._db.execute("PRAGMA journal_mode=WAL")
-        # In WAL mode NORMAL never corrupts, and avoids an fsync per heartbeat flush.
-        self._db.execute("PRAGMA synchronous=NORMAL")
+        self.journal_mode = journal_mode_for(self.path.parent)
+        self._db.execute(f"PRAGMA journal_mode={self.journal_mode.upper()}")
+        # In WAL mode NORMAL never corrupts, and avoids an fsync per heartbeat flush; the
+        # rollback journal needs FULL for that.
+        self._db.execute(f"PRAGMA synchronous={'NORMAL' if self.journal_mode == 'wal' else 'FULL'}")
         # Also when only reading: a reader racing a new job's master must see empty tables, not none.
         self._db.executescript(_SCHEMA)
 

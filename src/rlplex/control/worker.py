@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 CREATED, RUNNING, FINISHED, FAILED = "CREATED", "RUNNING", "FINISHED", "FAILED"
 
 
+def job_channel_prefix(job_id: str) -> str:
+    return f"{job_id}."
+
+
 @dataclass
 class WorkerContext:
     """What a worker knows of its job. `report_progress` feeds the heartbeats."""
@@ -63,6 +67,10 @@ class WorkerContext:
 
     def should_stop(self) -> bool:
         return self.stop_event.is_set()
+
+    def channel_name(self, name: str) -> str:
+        """The name of a `LocalDataChannel` this job owns: the job's end (stopped or failed) unlinks it."""
+        return f"{job_channel_prefix(self.job_id)}{name}"
 
     def role_group(self, role: str, timeout_s: float = 10.0) -> RoleGroup:
         """A handle to call methods on every node of `role` (the trainer-driven pattern)."""

@@ -40,6 +40,13 @@ class EnvSpaces:
         return np.int64 if self.action_kind == "discrete" else np.float32
 
 
+def describe_action_space(spaces: EnvSpaces) -> str:
+    """The action space as gymnasium names it, for error messages."""
+    if spaces.action_kind == "discrete":
+        return f"Discrete({spaces.n_actions})"
+    return f"Box(shape={spaces.action_shape}, low={list(spaces.action_low)}, high={list(spaces.action_high)})"
+
+
 def make_env(config: EnvConfig, render_mode: str | None = None) -> gym.Env[Any, Any]:
     try:
         return gym.make(config.id, render_mode=render_mode, **config.kwargs)

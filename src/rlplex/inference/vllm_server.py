@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlplex.control.shm_reaper import group_pids, release, shm_in_use
 from rlplex.errors import ConfigError, InferenceError, InferenceUnavailableError
 from rlplex.inference.config import InferenceConfig
 from rlplex.models.spec import ModelSpec
@@ -157,6 +158,17 @@ class VLLMServer:
         self.model, self.config, self.api_key, self.port = model, config, api_key, port
         self.log_path, self.build = log_path, build
         self.process: subprocess.Popen[bytes] | None = None
+        # Shared memory the server's processes hold (vLLM's message queues): see `stop`.
+        self._shm: set[str] = set()
+
+    def _note_shm(self) -> None:
+        if self.process is not None:
+            self._shm |= shm_in_use(group_pids(self.process.pid))
+
+    @property
+    def shared_memory(self) -> frozenset[str]:
+        """The /dev/shm names of the server's processes, as seen once it was ready (vLLM's queues)."""
+        return frozenset(self._shm)
 
     @property
     def url(self) -> str:
@@ -256,15 +268,19 @@ class VLLMServer:
                     f"{self.log_path}:\n{self.log_tail()}"
                 )
             time.sleep(0.5)
+        self._note_shm()  # also known should the server die on its own later
         return time.monotonic() - started
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM to the process group, SIGKILL after `grace_s`. The group, not the process tree
         (`kill_tree`): when the API server was killed its engine core is an orphan, outside any
-        tree, yet still in the group."""
+        tree, yet still in the group. The SIGKILL also takes the group's multiprocessing resource
+        tracker, which would have unlinked vLLM's shared memory: what the group held and left
+        is unlinked here (`rlplex.control.shm_reaper`)."""
         process = self.process
         if process is None:
             return
+        self._note_shm()
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, sig)
@@ -275,4 +291,9 @@ class VLLMServer:
                 continue
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, signal.SIGKILL)  # stragglers of the group (the engine core)
+        deadline = time.monotonic() + 5.0
+        while shm_in_use(group_pids(process.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)  # SIGKILLed processes drop their mappings as they exit
+        release(self._shm)
+        self._shm = set()
         self.process = None

@@ -29,6 +29,7 @@ Likewise each run's `inference` table gets the job's engine settings, pointed at
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,6 +67,16 @@ class RunEntry(StrictModel):
 
     def orch_config(self, source: str) -> OrchestratorConfig:
         return parse_orch_config(self.config, f"{source}: run {self.id!r}: config")
+
+    def with_local_model_resolved(self) -> RunEntry:
+        """This entry with its own `model.name`, when that is a folder here, made absolute: the
+        job's master and nodes resolve a relative name in their own working directories."""
+        table = self.config.get("model")
+        name = table.get("name") if isinstance(table, dict) else None
+        if not isinstance(table, dict) or not isinstance(name, str) or not Path(name).expanduser().is_dir():
+            return self
+        resolved = os.path.realpath(Path(name).expanduser())
+        return self.model_copy(update={"config": {**self.config, "model": {**table, "name": resolved}}})
 
     def with_model(
         self, model: ModelSpec, inference: InferenceConfig | None = None, endpoint_dir: Path | None = None

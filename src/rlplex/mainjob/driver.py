@@ -25,10 +25,11 @@ from rlplex.inference.vllm_server import ensure_api_key, require_vllm
 from rlplex.mainjob.build import build_job_spec
 from rlplex.mainjob.conductor import TERMINAL_RUN_STATES, TRAINER_STOP_FILE
 from rlplex.mainjob.config import JOB_CONFIG_FILE, MainJobConfig
+from rlplex.mainjob.frame import render
 from rlplex.mainjob.preflight import check_main_job, run_problems
 from rlplex.mainjob.registry import REGISTRY_FILE, REQUESTS_DIR, answer, pending_requests, read_registry, write_registry
 from rlplex.mainjob.report import write_report
-from rlplex.mainjob.view import collect, render
+from rlplex.mainjob.view import collect
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir import write_file_atomic
 from rlplex.safe_files import ensure_output_dir, read_regular_text
@@ -255,7 +256,9 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
         try:
             if start and signals.received is None:
                 master.start()
-            display = Live(render(collect(output_dir)), console=console, auto_refresh=False) if live else None
+            display = (
+                Live(render(collect(output_dir), live=True), console=console, auto_refresh=False) if live else None
+            )
             with display or contextlib.nullcontext():
                 next_view = 0.0
                 while (state := master.monitor()) not in TERMINAL_JOB_STATES:
@@ -266,11 +269,11 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
                     if now - started > config.timeout_s:
                         master.manager.fail(f"the job ran past its timeout_s of {config.timeout_s:g} s")
                     if display is not None and now >= next_view:
-                        display.update(render(collect(output_dir)), refresh=True)
+                        display.update(render(collect(output_dir), live=True), refresh=True)
                         next_view = now + config.refresh_s
                     time.sleep(master.manager.spec.monitor_interval_s)
                 if display is not None:
-                    display.update(render(collect(output_dir)), refresh=True)
+                    display.update(render(collect(output_dir), live=True), refresh=True)
             if display is not None and not console.is_terminal:
                 console.print()  # a live view drawn to a file or pipe ends without a newline
         finally:

@@ -1,5 +1,6 @@
 """The end-of-job report: `report.md` with each run's learning curve (PNG), how much its
-reward rose, throughput, evictions and restarts, plus TensorBoard event files per run."""
+reward rose, its wall time and time per step, throughput, evictions and restarts, plus
+TensorBoard event files per run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import time
 from pathlib import Path
 
 from rlplex.diagnostics.plots import plot_learning_curves
+from rlplex.mainjob.timing import ETA_WINDOW_STEPS, format_duration
 from rlplex.mainjob.view import REWARD_WINDOW, JobView, RunView, collect, open_job_store
 
 REPORT_FILE = "report.md"
@@ -49,13 +51,19 @@ def write_report(output_dir: Path, fallback_wall_time_s: float) -> Path:
         lines.append(
             f"Trainer throughput: {trainer_tokens_per_s:.0f} tokens/s (all runs' trained tokens over the wall time)"
         )
-    header = ("run", "state", "steps", "reward at start", "reward at end", "rise", "rollout tokens/s", "note")
-    lines += ["", f"Start and end rewards are means over the first and the newest {REWARD_WINDOW} steps."]
+    header = ("run", "state", "steps", "reward at start", "reward at end", "rise", "rollout tokens/s", "wall",
+              "s/step", "note")  # fmt: skip
+    lines += ["", f"Start and end rewards are means over the first and the newest {REWARD_WINDOW} steps; a run's wall"
+              " time runs from its folder being made to its end (or the job's); s/step is its median over its"
+              f" newest {ETA_WINDOW_STEPS} steps."]  # fmt: skip
     lines += ["", "## Runs", "", _row(header), _row(("---",) * len(header))]
     for run in view.runs:
         steps = f"{run.trained_steps}/{run.max_steps}"
-        lines.append(_row((run.run_id, run.state, steps, _num(run.reward_start), _num(run.reward_end),
-                           _num(run.reward_rise, "+.3f"), _num(run.tokens_per_s, ".0f"), run.reason)))  # fmt: skip
+        wall, pace = format_duration(view.run_elapsed_s(run)), _num(run.seconds_per_step, ".2f")
+        rewards = (_num(run.reward_start), _num(run.reward_end), _num(run.reward_rise, "+.3f"))
+        lines.append(
+            _row((run.run_id, run.state, steps, *rewards, _num(run.tokens_per_s, ".0f"), wall, pace, run.reason))
+        )
     lines += ["", "## Learning curves", ""]
     curves = {run.run_id: _xy(run) for run in view.runs if run.curve}
     if curves:

@@ -6,7 +6,9 @@ stepping the run); its reward and rollout throughput come from the orchestrator'
 `progress.csv`; evictions, rejected configs and finished runs from the run's `control/` files.
 A run is `finished` only once the trainer has written `control/finished.txt` (its last step
 checkpointed and broadcast, its slot freed), the same rule as `MultiRunManager.run_statuses()`;
-before that a run whose last broadcast is out is still `running`.
+before that a run whose last broadcast is out is still `running`. A run's elapsed time runs
+from its folder being made to its end marker; its ETA comes from the trainer's progress rows
+(`timing.py`). `frame.py` draws a `JobView`.
 """
 
 from __future__ import annotations
@@ -23,15 +25,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from rich.console import Group
-from rich.table import Table
 
 from rlplex.control.elastic import rendezvous_summaries
+from rlplex.control.master import MasterLock
+from rlplex.control.states import TERMINAL_JOB_STATES
 from rlplex.control.store import STORE_FILE, JobRecord, NodeRecord, SqliteStateStore
 from rlplex.errors import ConfigError
 from rlplex.mainjob.config import INFERENCE_DIR, JOB_CONFIG_FILE, RunEntry
-from rlplex.mainjob.registry import read_registry, rejection_reason
-from rlplex.multirun.rundir import RunDir, read_unwritten_evictions, stable_steps
+from rlplex.mainjob.registry import REJECTIONS_DIR, read_registry, rejection_reason
+from rlplex.mainjob.timing import eta_s, job_eta_s, seconds_per_step, step_history
+from rlplex.multirun.rundir import UNWRITTEN_EVICTIONS, RunDir, read_unwritten_evictions, stable_steps
 from rlplex.safe_files import check_regular_file, read_regular_text
 
 MAX_PROGRESS_BYTES = 256 << 20
@@ -60,6 +63,17 @@ class RunView:
     trainer_rows: list[dict[str, float]] = field(default_factory=list)
     adapter_loads_s: list[float] = field(default_factory=list)  # each step's adapter load, when one was loaded
     rollout_tokens_per_s: list[float] = field(default_factory=list)  # each written step's generation rate
+    started_at: float | None = None  # wall clock: when its folder was made (its identity written)
+    ended_at: float | None = None  # wall clock: when it finished, was evicted or was rejected
+
+    @property
+    def steps(self) -> list[tuple[int, float]]:
+        """(step, wall time) of each step the trainer trained, from its progress log."""
+        return step_history(self.trainer_rows)
+
+    @property
+    def seconds_per_step(self) -> float | None:
+        return seconds_per_step(self.steps, self.started_at)
 
     def _window_mean(self, newest: bool) -> float | None:
         rewards = [reward for _, reward in self.curve]
@@ -136,24 +150,61 @@ class JobView:
     created_at: float | None = None  # when the job was created (wall clock), across master restarts
     inference: InferenceView | None = None
     master_pid: int = 0
+    updated_at: float | None = None  # the job's last state change (wall clock)
+
+    @property
+    def ended_at(self) -> float | None:
+        """When the job stopped or failed (None: it has not)."""
+        return self.updated_at if self.job_state in {s.value for s in TERMINAL_JOB_STATES} else None
+
+    @property
+    def clock(self) -> float:
+        """The time elapsed and ETA are measured at: now, or when the job ended."""
+        return self.ended_at or self.read_at
+
+    @property
+    def elapsed_s(self) -> float | None:
+        return None if self.created_at is None else max(0.0, self.clock - self.created_at)
+
+    def run_elapsed_s(self, run: RunView) -> float | None:
+        """From the run's folder being made to its end, or to now (or the job's end)."""
+        if run.started_at is None:
+            return None
+        return max(0.0, min(run.ended_at or self.clock, self.clock) - run.started_at)
+
+    def run_eta_s(self, run: RunView) -> float | None:
+        """Seconds until the run trains its last step (None: unknown, ended early, or nothing runs)."""
+        if run.state == "finished":
+            return 0.0
+        if run.state not in ("running", "waiting") or self.ended_at is not None:
+            return None
+        return eta_s(run.steps, run.max_steps, self.clock, run.started_at)
+
+    @property
+    def eta_s(self) -> float | None:
+        """Until the last unfinished run should be done (None: one of them is unknown)."""
+        if self.ended_at is not None:
+            return None
+        return job_eta_s(self.run_eta_s(run) for run in self.runs if run.state in ("running", "waiting"))
 
     @property
     def master_alive(self) -> bool:
-        """Whether the process recorded as the job's master still runs (pid reuse aside)."""
+        """Whether the job has a live master: one holds the folder's lease (a master that is
+        starting or resuming holds it before it records its pid), or the recorded pid still runs
+        (pid reuse aside; a lease on a filesystem without flock cannot be seen)."""
+        if MasterLock.held(self.output_dir):
+            return True
         try:
             return psutil.Process(self.master_pid).status() != psutil.STATUS_ZOMBIE if self.master_pid > 0 else False
         except psutil.Error:
             return False
 
     @property
-    def state_line(self) -> str:
-        """The job's state as the store has it, and whether a master is there to carry it on:
-        a master killed with SIGKILL leaves RUNNING behind."""
-        if self.job_state in ("RUNNING", "READY", "INIT", "STOPPING") and self.master_pid and not self.master_alive:
-            return (
-                f"{self.job_state}, but its master (pid {self.master_pid}) is gone: `rlplex resume {self.output_dir}`"
-            )
-        return self.job_state
+    def master_gone(self) -> bool:
+        """The job is not over but the master recorded as carrying it on is gone (a master killed
+        with SIGKILL leaves RUNNING behind)."""
+        live = ("RUNNING", "READY", "INIT", "STOPPING")
+        return self.job_state in live and self.master_pid > 0 and not self.master_alive
 
     @property
     def trained_tokens(self) -> int:
@@ -255,7 +306,27 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
         view.state = "finished"
     elif not broadcasts:
         view.state = "waiting"
+    view.started_at = _mtime(run.identity_file)
+    view.ended_at = _ended_at(run, view, runs_dir)
     return view
+
+
+def _mtime(path: Path) -> float | None:
+    try:
+        return os.lstat(path).st_mtime
+    except OSError:
+        return None
+
+
+def _ended_at(run: RunDir, view: RunView, runs_dir: Path) -> float | None:
+    """When the run ended: its marker's time (the one file that says it ended); None while it runs."""
+    if view.state == "finished":
+        return _mtime(run.finished)
+    if view.state == "evicted":
+        return _mtime(run.evicted) or _mtime(runs_dir / UNWRITTEN_EVICTIONS)
+    if view.state == "rejected":
+        return _mtime(runs_dir.parent / REJECTIONS_DIR / f"{view.run_id}.txt") or _mtime(run.config_error)
+    return None
 
 
 @contextlib.contextmanager
@@ -292,47 +363,15 @@ def read_job(output_dir: Path) -> tuple[JobRecord, list[NodeRecord]] | None:
 
 def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
     runs_dir = runs_dir or output_dir / "runs"
-    job_state, cause, created, master_pid = "UNKNOWN", "", None, 0
+    job_state, cause, created, master_pid, updated = "UNKNOWN", "", None, 0, None
     nodes: list[NodeRecord] = []
     if (found := read_job(output_dir)) is not None:
         record, nodes = found
         job_state, cause, created, master_pid = record.state, record.cause, record.created_at, record.master_pid
+        updated = record.updated_at
     runs = [run_view(runs_dir, entry) for entry in read_registry(output_dir)]
     rendezvous = rendezvous_summaries(output_dir)
     inference = read_inference(output_dir)
-    return JobView(output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created, inference, master_pid)
-
-
-def _fmt(value: float | None, spec: str = ".3f") -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def render(view: JobView) -> Group:
-    """Per run: step, reward, tokens/s, state; the trainer's throughput; per node: state,
-    restarts, heartbeat age."""
-    rate = view.trainer_tokens_per_s()
-    window = f"last {THROUGHPUT_WINDOW_S:.0f} s"
-    trainer = f"trainer: {_fmt(rate, '.0f')} tokens/s ({window}), {view.trained_tokens} tokens trained"
-    runs = Table(title=f"runs: job {view.state_line}; {trainer}", title_justify="left")
-    for column in ("run", "state", "step", "reward", "reward at start", "rollout tokens/s", "note"):
-        runs.add_column(column)
-    for run in view.runs:
-        runs.add_row(
-            run.run_id, run.state, f"{run.trained_steps}/{run.max_steps}", _fmt(run.reward), _fmt(run.reward_start),
-            _fmt(run.tokens_per_s, ".0f"), run.reason[:60],
-        )  # fmt: skip
-    nodes = Table(title="nodes", title_justify="left")
-    for column in ("role", "rank", "run", "state", "restarts", "heartbeat age", "progress"):
-        nodes.add_column(column)
-    for node in view.nodes:
-        age = f"{view.read_at - node.last_heartbeat:.1f} s" if node.last_heartbeat else "-"
-        progress = ", ".join(f"{k}={v:g}" for k, v in list(node.progress.items())[:4]) or "-"
-        # Orchestrator rank r serves entry r of the registry, the order of `view.runs`.
-        serves = view.runs[node.rank].run_id if node.role == "orchestrator" and node.rank < len(view.runs) else ""
-        nodes.add_row(node.role, str(node.rank), serves, node.state, str(node.restarts), age, progress)
-    parts: list[Table | str] = [runs, nodes, *view.rendezvous]
-    if view.inference is not None:
-        parts.append(view.inference.describe(view.runs))
-    if view.job_cause:
-        parts.append(f"cause: {view.job_cause}")
-    return Group(*parts)
+    return JobView(
+        output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created, inference, master_pid, updated
+    )

@@ -31,7 +31,6 @@ _EXPORTS = {
     "RunStatus": "rlplex.multirun.manager",
     "STABLE_MARKER": "rlplex.multirun.rundir",
     "apply_multi_lora": "rlplex.multirun.lora",
-    "clipped_pg_loss": "rlplex.multirun.run_optim",
     "create_run": "rlplex.multirun.orch_config",
     "default_target_modules": "rlplex.multirun.lora",
     "get_multi_run_manager": "rlplex.multirun.manager",
@@ -63,7 +62,6 @@ __all__ = [
     "RunProgress",
     "RunStatus",
     "apply_multi_lora",
-    "clipped_pg_loss",
     "create_run",
     "default_target_modules",
     "get_multi_run_manager",
@@ -112,5 +110,5 @@ if TYPE_CHECKING:
     )
     from rlplex.multirun.packer import MicroBatch, Packer
     from rlplex.multirun.peft_export import write_peft_adapter
-    from rlplex.multirun.run_optim import RunOptimizers, clipped_pg_loss
+    from rlplex.multirun.run_optim import RunOptimizers
     from rlplex.multirun.rundir import STABLE_MARKER, RunDir

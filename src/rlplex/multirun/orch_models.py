@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlplex.algos.grpo import group_advantages
+from rlplex.algos.rl_math import group_advantages
 from rlplex.dataflow import MFCDef, MFCExecutionError
 from rlplex.errors import AdapterError, AdapterRefusedError
 from rlplex.inference.engine import InferenceEngine, SamplingParams

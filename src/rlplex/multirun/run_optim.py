@@ -10,9 +10,9 @@ is over the run's own gradients only.
 With several ranks, the gradients of the runs that step are summed over the group in one
 flat all-reduce, in the order rank 0 decided, before clipping.
 
-The loss is the clipped importance-weighted policy gradient (PPO / GRPO surrogate) on the
-loss-mask tokens, each token weighted by `1 / N_k` (N_k: loss tokens of run k's whole step),
-so that a run's gradient is the same whether it is packed alone or beside others.
+The trainer's loss (`rl_math.clipped_surrogate` per token, summed per row and weighted by
+`1 / N_k`, N_k: loss tokens of run k's whole step, so that a run's gradient is the same
+whether it is packed alone or beside others) lands here as per-row sums (`add_loss`).
 """
 
 from __future__ import annotations
@@ -47,24 +47,6 @@ def linear_decay(max_steps: int, min_fraction: float = MIN_LR_FRACTION) -> Calla
         return 1.0 - (1.0 - min_fraction) * min(step, max_steps) / max_steps
 
     return factor
-
-
-def clipped_pg_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    token_weight: torch.Tensor,
-    clip_eps: float = CLIP_EPS,
-) -> torch.Tensor:
-    """Per-row weighted sum of the clipped surrogate over loss tokens, shape [B] (minimise its sum)."""
-    # where, not multiply: a padded position's log-prob may be anything, and 0 * inf is NaN.
-    log_ratio = torch.where(loss_mask, logprobs - old_logprobs, torch.zeros_like(logprobs))
-    ratio = log_ratio.exp()
-    adv = advantages[:, None]
-    surrogate = torch.minimum(ratio * adv, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * adv)
-    per_token = torch.where(loss_mask, -surrogate, torch.zeros_like(surrogate))
-    return per_token.sum(dim=1) * token_weight
 
 
 @dataclass

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field
 
+from rlplex.algos.rl_math import clipped_surrogate
 from rlplex.config import StrictModel
 from rlplex.errors import AdapterError, CheckpointError, MultiRunError, RunDirGoneError
 from rlplex.models.hf import load_causal_lm, load_tokenizer, resolve_device
@@ -59,7 +60,7 @@ from rlplex.multirun.packer import MicroBatch, Packer
 from rlplex.multirun.peft_export import is_stable_adapter, write_peft_adapter
 from rlplex.multirun.retention import RetentionConfig, prune_steps, remove_orphaned_temporaries
 from rlplex.multirun.rollout_io import MalformedRolloutError, read_rollouts, rollouts_ready
-from rlplex.multirun.run_optim import CLIP_EPS, RunOptimizers, StepStats, clipped_pg_loss
+from rlplex.multirun.run_optim import CLIP_EPS, RunOptimizers, StepStats
 from rlplex.multirun.trainer_log import BackgroundWriter, ProgressLog, RunFinisher, final_outputs_missing
 
 log = logging.getLogger(__name__)
@@ -344,14 +345,16 @@ class MultiRunTrainer:
                 logprobs = token_logprobs(
                     self.model, micro.tokens.to(device), micro.attention.to(device), temperatures.to(device)
                 )
-        row_losses = clipped_pg_loss(
+        # Per row: the sum of its loss tokens' clipped surrogate, each weighted 1 / N_k (run k's
+        # loss tokens in its whole step), so a run's gradient does not depend on its packing.
+        surrogate = clipped_surrogate(
             logprobs,
             micro.logprobs.to(device),
             micro.advantages.to(device),
-            micro.loss_mask.to(device),
-            micro.token_weight.to(device),
             self.config.clip_eps,
+            mask=micro.loss_mask.to(device),
         )
+        row_losses = surrogate.loss.sum(dim=1) * micro.token_weight.to(device)
         row_losses.sum().backward()
         self.optim.add_loss(row_losses, micro.adapter_ids)
 

@@ -5,9 +5,14 @@ terminated). Because `next_observation` is stored rather than taken from the fol
 slot, a time-limit truncation needs no special case: the bootstrap target uses the
 observation the episode really ended on, and only `terminated` cuts the bootstrap.
 
-The cursor, the size and the total number of transitions ever appended live in a small
-counter array that is shared too, so that memory-copier processes (AsyncRl) and the
-optimizer agree on them. Appends and samples hold `lock` when one is given (a
+Each slot also keeps `done` (terminated or truncated: the episode ended there) and its
+`serial` (its position in the stream of all appended transitions), from which n-step
+returns are assembled at sample time (`rlplex.replays.nstep`).
+
+The cursor, the size, the total number of transitions ever appended and the number of
+environments of the last append (the stride between one environment's consecutive steps)
+live in a small counter array that is shared too, so that memory-copier processes (AsyncRl)
+and the optimizer agree on them. Appends and samples hold `lock` when one is given (a
 multiprocessing lock for the shared case): a sample never sees a half-written slot.
 """
 
@@ -23,10 +28,13 @@ import numpy as np
 
 from rlplex.envs import EnvSpaces
 from rlplex.errors import RlplexError, SnapshotError, WaitTimeoutError
+from rlplex.replays.nstep import nstep_transitions
 from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle, allocate
 
 FIELDS = ("observation", "action", "reward", "next_observation", "terminated")
-_CURSOR, _SIZE, _TOTAL = 0, 1, 2
+WRITTEN = (*FIELDS, "done")  # what an append copies in
+STORED = (*WRITTEN, "serial")  # what a slot holds
+_CURSOR, _SIZE, _TOTAL, _STRIDE = 0, 1, 2, 3
 LOCK_TIMEOUT_S = 30.0
 _LOCK_POLL_S = 0.2
 
@@ -38,7 +46,9 @@ def replay_layout(spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int
         "reward": ((capacity,), np.float32),
         "next_observation": ((capacity, *spaces.obs_shape), np.float32),
         "terminated": ((capacity,), np.bool_),
-        "counters": ((3,), np.int64),
+        "done": ((capacity,), np.bool_),
+        "serial": ((capacity,), np.int64),
+        "counters": ((4,), np.int64),
     }
 
 
@@ -49,9 +59,12 @@ class ReplayHandle:
     arrays: SharedArraysHandle
     capacity: int
     lock: Any
+    kind: str = "uniform"  # which class `rlplex.replays.attach_replay` attaches
 
 
 class UniformReplayBuffer:
+    kind = "uniform"
+
     def __init__(self, arrays: dict[str, np.ndarray], capacity: int, lock: Any = None, block: Any = None) -> None:
         self.capacity = capacity
         self._arrays = arrays
@@ -66,14 +79,18 @@ class UniformReplayBuffer:
     def create(cls, spaces: EnvSpaces, capacity: int, shared: bool = False, lock: Any = None) -> UniformReplayBuffer:
         if capacity <= 0:
             raise RlplexError(f"replay buffer capacity must be positive (got {capacity})")
-        arrays, block = allocate(replay_layout(spaces, capacity), shared)
+        arrays, block = allocate(cls.layout(spaces, capacity), shared)
         return cls(arrays, capacity, lock, block)
+
+    @classmethod
+    def layout(cls, spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        return replay_layout(spaces, capacity)
 
     @property
     def handle(self) -> ReplayHandle:
         if self._block is None:
             raise RlplexError("this replay buffer is not in shared memory; create it with shared=True")
-        return ReplayHandle(self._block.handle, self.capacity, self._lock)
+        return ReplayHandle(self._block.handle, self.capacity, self._lock, self.kind)
 
     @classmethod
     def attach(cls, handle: ReplayHandle) -> UniformReplayBuffer:
@@ -82,7 +99,7 @@ class UniformReplayBuffer:
 
     def close(self) -> None:
         if self._block is not None:
-            self._arrays, self._counters = {}, np.zeros(3, dtype=np.int64)
+            self._arrays, self._counters = {}, np.zeros(4, dtype=np.int64)
             self._block.close()
             self._block = None
         self._lock = None  # a named semaphore: unlinked once the last reference goes
@@ -115,31 +132,54 @@ class UniformReplayBuffer:
     def append_samples(self, samples: dict[str, np.ndarray]) -> int:
         """Append transitions with any leading dims ([T, B, ...] or [N, ...]); returns how many.
 
+        Time-major [T, B] batches put one environment's consecutive steps B slots apart, in
+        this append and across appends of the same B: n-step returns follow that stride.
+        `done` (the episode ended: terminated or truncated) defaults to `terminated`.
         Past `capacity` the oldest transitions are overwritten (a ring buffer). If one call
         brings more than `capacity`, only its last `capacity` transitions are kept.
         """
         n_dims = samples["reward"].ndim
-        flat = {name: samples[name].reshape(-1, *samples[name].shape[n_dims:]) for name in FIELDS}
+        stride = int(samples["reward"].shape[1]) if n_dims >= 2 else 1
+        columns = {**samples, "done": samples.get("done", samples["terminated"])}
+        flat = {name: columns[name].reshape(-1, *columns[name].shape[n_dims:]) for name in WRITTEN}
         n = len(flat["reward"])
         keep = min(n, self.capacity)
         with self._locked():
-            cursor = int(self._counters[_CURSOR])
+            cursor, total = int(self._counters[_CURSOR]), int(self._counters[_TOTAL])
             idx = (cursor + np.arange(n - keep, n)) % self.capacity
-            for name in FIELDS:
+            for name in WRITTEN:
                 self._arrays[name][idx] = flat[name][n - keep :]
+            self._arrays["serial"][idx] = total + np.arange(n - keep, n)
             self._counters[_CURSOR] = (cursor + n) % self.capacity
             self._counters[_SIZE] = min(self.capacity, int(self._counters[_SIZE]) + n)
             self._counters[_TOTAL] += n
+            self._counters[_STRIDE] = stride
+            self._stored(idx)
         return n
 
-    def sample(self, batch_size: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
-        """`batch_size` transitions drawn uniformly with replacement (copies)."""
+    def _stored(self, idx: np.ndarray) -> None:
+        """Called under the lock with the slots an append just wrote (a prioritized replay
+        gives them their first priority)."""
+
+    def sample(
+        self, batch_size: int, rng: np.random.Generator, n_step: int = 1, gamma: float | None = None
+    ) -> dict[str, np.ndarray]:
+        """`batch_size` transitions drawn uniformly with replacement (copies).
+
+        With `gamma` the transitions are n-step ones (`rlplex.replays.nstep`): `reward` is
+        the discounted sum of up to `n_step` rewards and `discount` the factor of the
+        bootstrap from `next_observation`.
+        """
         with self._locked():
             size = int(self._counters[_SIZE])
             if size == 0:
                 raise RlplexError("cannot sample from an empty replay buffer")
-            idx = rng.integers(0, size, size=batch_size)
+            return self._gather(rng.integers(0, size, size=batch_size), n_step, gamma)
+
+    def _gather(self, idx: np.ndarray, n_step: int, gamma: float | None) -> dict[str, np.ndarray]:
+        if gamma is None:
             return {name: self._arrays[name][idx] for name in FIELDS}
+        return nstep_transitions(self._arrays, idx, n_step, gamma, int(self._counters[_STRIDE]))
 
     # ----- snapshots ------------------------------------------------------------------------
     def state_dict(self, include_data: bool = True) -> dict[str, Any]:
@@ -148,8 +188,15 @@ class UniformReplayBuffer:
             if include_data:
                 size = int(self._counters[_SIZE])
                 # Slots [0, size) are exactly the filled ones, whether or not the ring wrapped.
-                state["data"] = {name: self._arrays[name][:size].copy() for name in FIELDS}
+                state["data"] = {name: self._arrays[name][:size].copy() for name in STORED}
+                state.update(self._extra_state(size))
         return state
+
+    def _extra_state(self, size: int) -> dict[str, Any]:
+        return {}
+
+    def _load_extra_state(self, state: dict[str, Any], size: int) -> None:
+        """Called under the lock after the data of a snapshot is loaded."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if int(state["capacity"]) != self.capacity:
@@ -157,15 +204,21 @@ class UniformReplayBuffer:
                 f"replay buffer capacity is {state['capacity']} in the snapshot but {self.capacity} now (buffer_size)"
             )
         counters = np.asarray(state["counters"], dtype=np.int64)
+        if "data" in state:
+            missing = [name for name in STORED if name not in state["data"]]
+            if missing:
+                raise SnapshotError(f"the snapshot's replay buffer lacks {missing} (written by an older rlplex)")
         with self._locked():
             if "data" in state:
                 size = int(counters[_SIZE])
-                for name in FIELDS:
+                for name in STORED:
                     self._arrays[name][:size] = state["data"][name]
                 self._counters[:] = counters
+                self._load_extra_state(state, size)
             else:
                 # Without the data, keep the step count (schedules depend on it) but start empty.
-                self._counters[:] = (0, 0, int(counters[_TOTAL]))
+                self._counters[:] = (0, 0, int(counters[_TOTAL]), 1)
+                self._load_extra_state(state, 0)
 
 
 class _Release:

@@ -42,7 +42,15 @@ from rlplex.errors import ConfigError, WaitTimeoutError
 from rlplex.models import unwrap_model
 from rlplex.runners.metrics import episode_metrics, evaluation_metrics
 from rlplex.runners.minibatch import TrainResult
-from rlplex.runners.snapshot import SnapshotMode, check_compatible, read_snapshot, rng_state, save_by_mode
+from rlplex.runners.snapshot import (
+    SnapshotMode,
+    algo_name,
+    check_compatible,
+    check_same_algo,
+    read_snapshot,
+    rng_state,
+    save_by_mode,
+)
 from rlplex.samplers.async_ import POLL_S, AsyncSampler
 from rlplex.samplers.base import Evaluator
 
@@ -167,6 +175,7 @@ class AsyncRl:
             "env_steps": (itr + 1) * self.itr_batch_size,
             "agent": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "algo": self.algo.state_dict(),
+            "algo_name": algo_name(self.algo),
             "rng": rng_state(),
             "seed": self.seed,
             "itr_batch_size": self.itr_batch_size,
@@ -180,6 +189,7 @@ class AsyncRl:
 
     def resume_from(self, snapshot_dir: str | Path) -> None:
         state = read_snapshot(snapshot_dir)
+        check_same_algo(state, self.algo, snapshot_dir)
         state["__source__"] = str(snapshot_dir)
         self._resume_state = state
         self.start_env_steps = int(state["env_steps"])

@@ -24,7 +24,7 @@ from rlplex.algos.ppo import PPO, PPOConfig
 from rlplex.algos.sac import SAC, SACConfig
 from rlplex.algos.td3 import TD3, DDPGConfig, TD3Config
 from rlplex.config import StrictModel, load_config
-from rlplex.envs import EnvConfig, EnvSpaces, probe_spaces
+from rlplex.envs import EnvConfig, EnvSpaces, describe_action_space, probe_spaces
 from rlplex.errors import ConfigError
 from rlplex.runners.snapshot import SnapshotMode
 from rlplex.samplers import Evaluator, ParallelSampler, SerialSampler
@@ -130,8 +130,8 @@ def agent_factory(config: TrainConfig, spaces: EnvSpaces) -> AgentFactory:
     """A picklable factory for the agent this config asks for (workers build their own copy)."""
     factory: AgentFactory
     name = config.algo.name
-    if name == "dqn":
-        factory = partial(DqnAgent, hidden=config.agent.hidden)
+    if isinstance(config.algo, DQNSection):
+        factory = partial(DqnAgent, hidden=config.agent.hidden, **config.algo.agent_options())
     elif name == "sac":
         factory = partial(SacAgent, hidden=config.agent.hidden)
     elif name in ("td3", "ddpg"):
@@ -141,6 +141,27 @@ def agent_factory(config: TrainConfig, spaces: EnvSpaces) -> AgentFactory:
     else:
         factory = partial(GaussianPgAgent, hidden=config.agent.hidden, init_log_std=config.agent.init_log_std)
     return factory
+
+
+# What each algorithm's agent acts in; PPO and A2C handle both kinds.
+ACTION_KINDS: dict[str, tuple[str, str]] = {  # algo.name: (action kind, the space's name)
+    "dqn": ("discrete", "a Discrete"),
+    "sac": ("continuous", "a Box"),
+    "td3": ("continuous", "a Box"),
+    "ddpg": ("continuous", "a Box"),
+}
+
+
+def check_action_space(config: TrainConfig, spaces: EnvSpaces) -> None:
+    """Refuse an algorithm the environment's action space does not suit, before anything is built."""
+    name = config.algo.name
+    if name not in ACTION_KINDS or ACTION_KINDS[name][0] == spaces.action_kind:
+        return
+    suited = [other for other, (kind, _) in ACTION_KINDS.items() if kind == spaces.action_kind]
+    raise ConfigError(
+        f"field 'algo.name': {name.upper()} needs {ACTION_KINDS[name][1]} action space, but {config.env.id!r} has "
+        f"{describe_action_space(spaces)}; use one of {', '.join(['ppo', 'a2c', *suited])}"
+    )
 
 
 def build_sampler(config: TrainConfig) -> Sampler:
@@ -184,6 +205,7 @@ def build_runner(config: TrainConfig, output_dir: str | Path | None, show_progre
     if r.kind in ("sync", "sync_eval"):
         from rlplex.runners.sync import SyncLauncher
 
+        check_action_space(config, probe_spaces(config.env))  # here, not as a failure of every rank
         if r.global_batch:
             config = _global_batch_config(config)
         build = partial(build_sync_rank, config, None if output_dir is None else str(output_dir), show_progress)
@@ -228,6 +250,7 @@ def build_rank_runner(
         raise ConfigError("field 'algo.target_kl': not supported with runner.kind sync/sync_eval; leave it unset")
     _refuse_sync_for_replay_actor_critics(config)
     spaces = probe_spaces(config.env)
+    check_action_space(config, spaces)
     if r.kind in ("async", "async_eval"):
         return _build_async_runner(config, spaces, output_dir, show_progress)
     # The initial weights come from torch's global generator, which a process starts with a

@@ -24,7 +24,9 @@ from rlplex.models import unwrap_model
 from rlplex.runners.metrics import episode_metrics, evaluation_metrics
 from rlplex.runners.snapshot import (
     SnapshotMode,
+    algo_name,
     check_compatible,
+    check_same_algo,
     read_snapshot,
     rng_state,
     save_by_mode,
@@ -117,6 +119,7 @@ class MinibatchRl:
             "elapsed_s": self._elapsed_before_resume + (time.perf_counter() - self._t0),
             "agent": self._model_state(),
             "algo": self.algo.state_dict(),
+            "algo_name": algo_name(self.algo),
             "rng": rng_state(),
             "seed": self.seed,
             "itr_batch_size": self.itr_batch_size,
@@ -132,6 +135,7 @@ class MinibatchRl:
     def resume_from(self, snapshot_dir: str | Path) -> None:
         """Continue a run from a snapshot directory (call before `train`)."""
         state = read_snapshot(snapshot_dir)
+        check_same_algo(state, self.algo, snapshot_dir)
         state["__source__"] = str(snapshot_dir)
         if int(state["itr_batch_size"]) != self.itr_batch_size:
             raise SnapshotError(

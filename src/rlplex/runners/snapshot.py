@@ -185,3 +185,17 @@ def check_compatible(model_state: dict[str, torch.Tensor], saved: dict[str, torc
                 f"{source}: snapshot is from an incompatible config: parameter {key!r} has shape "
                 f"{tuple(saved[key].shape)} in the snapshot but {tuple(tensor.shape)} in the model"
             )
+
+
+def algo_name(algo: Any) -> str:
+    return str(getattr(algo, "name", type(algo).__name__))
+
+
+def check_same_algo(state: dict[str, Any], algo: Any, source: str | Path) -> None:
+    """Refuse a snapshot written by another algorithm (one from before names were recorded passes)."""
+    saved = state.get("algo_name")
+    if saved is not None and saved != algo_name(algo):
+        raise SnapshotError(
+            f"{source}: snapshot was written by {saved}, this run trains {algo_name(algo)}; "
+            "resume it with the config it was written with"
+        )

@@ -2,7 +2,7 @@
 
     SyncLauncher (parent, not a rank)         rank r = 0 .. W-1 (spawned process)
     ---------------------------------         --------------------------------------------
-    TCPStore master on 127.0.0.1:<free>  <--  init_process_group(gloo | nccl, timeout)
+    TCPStore server on 127.0.0.1:<free>  <--  init_process_group(gloo | nccl, timeout)
     start W processes ------------------->    runner = build(r, W)        # SyncRl(Eval)
                                               runner.train():  MinibatchRl loop, where
                                                 agent.model = DDP(model)  # rank 0's weights
@@ -25,12 +25,17 @@ Batch sizes are per rank, as in rlpyt: each rank samples `batch_T * batch_B` ste
 iteration, so one iteration sees W times as many and the effective batch grows with W.
 `n_steps` counts the steps of all ranks. `runner.global_batch = true` in a `TrainConfig`
 divides `batch_B` and the PPO minibatch by W instead, keeping the global batch fixed.
+
+Every rank runs on this machine, so every port the run opens is on the loopback interface: the
+store's (torch's own TCPStore server listens on every interface, and authenticates nobody) and
+gloo's/NCCL's (`GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME=lo` unless set).
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import socket
 import sys
 import time
 import traceback
@@ -48,6 +53,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from rlplex.control.elastic_rdzv import LOCAL_HOST, loopback_collectives_env, serve_tcp_store
 from rlplex.errors import ConfigError, RlplexError, WaitTimeoutError, WorkerDiedError
 from rlplex.models import unwrap_model
 from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval, TrainResult
@@ -177,7 +183,8 @@ def _rank_main(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        store = dist.TCPStore("127.0.0.1", store_port, world_size + 1, is_master=False, timeout=timeout)
+        os.environ.update(loopback_collectives_env())
+        store = dist.TCPStore(LOCAL_HOST, store_port, world_size + 1, is_master=False, timeout=timeout)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
         runner = build(rank, world_size)
         if not isinstance(runner, SyncRl):
@@ -234,15 +241,14 @@ class SyncLauncher:
         self._resume_dir = str(snapshot_dir)
 
     def train(self) -> TrainResult:
-        # The parent holds the store, so its port stays taken from pick to use (no race).
-        store = dist.TCPStore(
-            "127.0.0.1",
-            0,
-            self.world_size + 1,
-            is_master=True,
-            timeout=timedelta(seconds=self.collective_timeout_s),
-            wait_for_workers=False,
-        )
+        # The parent serves the store, so its port stays taken from pick to use (no race); on a
+        # socket bound to 127.0.0.1, which torch's own server would not do.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.bind((LOCAL_HOST, 0))
+            store = serve_tcp_store(sock, self.collective_timeout_s)
+        finally:
+            sock.close()  # serve_tcp_store detached it; a failed bind leaves it to close here
         self.processes, conns = [], []
         try:
             for rank in range(self.world_size):

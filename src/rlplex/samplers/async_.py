@@ -143,12 +143,12 @@ def copier_main(
     counters: SharedArraysHandle,
     sync: SyncObjects,
 ) -> None:
-    from rlplex.replays import UniformReplayBuffer
+    from rlplex.replays import attach_replay
 
     torch.set_num_threads(1)
     algo = algo_factory()
     shared = SharedBatch.attach(batch)
-    buffer = UniformReplayBuffer.attach(replay)
+    buffer = attach_replay(replay)  # a prioritized one gives what it appends the top priority
     buffer.wait_check = partial(_exit_if_stopping, sync.stop)  # e.g. a killed copier holds the replay lock
     block = SharedArrays.attach(counters)
     count, ep_return, ep_length = block.arrays["counters"], block.arrays["ep_return"], block.arrays["ep_length"]

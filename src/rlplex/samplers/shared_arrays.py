@@ -2,7 +2,8 @@
 pickling bulk data (sample batches, the replay buffer, counters).
 
 The creating process owns the segments (`create`, then `close()` unlinks them); children
-attach through the small picklable `SharedArraysHandle`.
+attach through the small picklable `SharedArraysHandle`. Segment names carry rlplex's prefix
+and the creator's pid (`rlplex.control.shm_reaper`), so what a killed process left is found.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from multiprocessing import shared_memory
 from typing import Any
 
 import numpy as np
+
+from rlplex.control.shm_reaper import owned_segment_name
 
 Layout = Mapping[str, tuple[tuple[int, ...], Any]]  # name -> (shape, dtype)
 
@@ -41,7 +44,7 @@ class SharedArrays:
         try:
             for name, (shape, dtype) in layout.items():
                 nbytes = max(1, int(np.prod(shape)) * np.dtype(dtype).itemsize)
-                segment = shared_memory.SharedMemory(create=True, size=nbytes)
+                segment = shared_memory.SharedMemory(owned_segment_name(), create=True, size=nbytes)
                 segments[name] = segment
                 entries.append((name, segment.name, tuple(int(s) for s in shape), np.dtype(dtype).str))
         except BaseException:

@@ -14,6 +14,7 @@ from multiprocessing import shared_memory
 
 import torch
 
+from rlplex.control.shm_reaper import owned_segment_name
 from rlplex.errors import RlplexError
 from rlplex.samplers.shared_arrays import _attach_segment
 
@@ -60,7 +61,7 @@ class SharedWeights:
             entries.append((key, offset, tuple(tensor.shape), str(tensor.dtype)))
             nbytes = tensor.numel() * tensor.element_size()
             offset += -(-nbytes // _ALIGN) * _ALIGN
-        segment = shared_memory.SharedMemory(create=True, size=offset)
+        segment = shared_memory.SharedMemory(owned_segment_name(), create=True, size=offset)
         shared = cls(segment, SharedWeightsHandle(segment.name, tuple(entries)), owner=True)
         shared.write(state)
         shared._version[0] = 1
