@@ -6,19 +6,23 @@ import asyncio
 import itertools
 import os
 import signal
+import socket
 import threading
+import time
 from functools import partial
 from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 import pytest
-from process_interfaces import GRAPH, SHARED_GRAPH, Generator, Reward, ScoreTrainer, Shared, Trainer
+from process_interfaces import GRAPH, INF, SHARED_GRAPH, Generator, Reward, ScoreTrainer, Shared, Trainer
 
-from rlplex.dataflow import FunctionExecutor
-from rlplex.dataflow.process_worker import ProcessModelWorker
-from rlplex.errors import WaitTimeoutError
+from rlplex.control.rpc import RpcClient
+from rlplex.dataflow import DataPlane, FunctionExecutor, LocalTensorStore, MFCDef
+from rlplex.dataflow.process_worker import ProcessModelWorker, RemoteTensorStore, ValueInfo
+from rlplex.errors import NodeFailedError, WaitTimeoutError
 
 
 @pytest.fixture
@@ -152,3 +156,84 @@ def test_outputs_lost_with_a_killed_worker_are_recomputed_and_the_run_goes_on(wo
     assert executor.recomputed >= 2  # the victim's first-call sequences (and their rewards)
     assert trained(tmp_path) == list(range(16))  # nothing lost, nothing trained twice
     assert executor.plane.n_values == 0 and all(len(w.store) == 0 for ws in group.values() for w in ws)
+
+
+# ----- issues 16 and 18: the model worker speaks the control plane's RPC ----------------------
+REWARD = MFCDef("rew", "reward", INF, ("seq",), ("reward",), 2)
+
+
+def seq_plane(worker: ProcessModelWorker, n: int) -> DataPlane:
+    """Sequences 0..n-1 held in this process (sent inline), and the worker's store."""
+    data = LocalTensorStore("data")
+    data.put_many(list(range(n)), "seq", [np.arange(i + 1, dtype=np.int64) for i in range(n)])
+    plane = DataPlane([data, worker.store])
+    plane.record("data", list(range(n)), ["seq"])
+    return plane
+
+
+def run_reward(worker: ProcessModelWorker, plane: DataPlane, ids: list[int]) -> dict[str, list[Any]]:
+    loop = asyncio.new_event_loop()
+    try:
+        return loop.run_until_complete(worker.run(REWARD, ids, plane))
+    finally:
+        loop.close()
+
+
+def test_idle_garbage_and_wrong_key_clients_do_not_block_a_model_worker() -> None:
+    key = os.urandom(16)
+    worker = ProcessModelWorker("rew0", Reward, key).start()
+    socks: list[socket.socket] = []
+    try:
+        address = worker.store.address
+        assert address is not None
+        plane = seq_plane(worker, 4)
+        for garbage in (b"", b"GET / HTTP/1.1\r\n\r\n", b"\x00\x00\x00\x10not a handshake"):
+            socks.append(socket.create_connection(address, timeout=5.0))
+            socks[-1].sendall(garbage)  # b"": an idle client that connected and says nothing
+        with pytest.raises(NodeFailedError, match=r"cannot connect to intruder at 127\.0\.0\.1:\d+: .*(digest|Auth)"):
+            RpcClient(address, b"not the key", "intruder", connect_timeout_s=5.0)
+        start = time.monotonic()
+        outputs = run_reward(worker, plane, [0, 1])  # the connection opened at start
+        fresh = RemoteTensorStore("rew0-view")  # a new connection: its handshake queues behind nobody
+        fresh.connect(address, key)
+        assert len(fresh) == 2
+        took = time.monotonic() - start
+        assert outputs == {"reward": [ValueInfo("float32", 0)] * 2}
+        assert took < 1.0, f"a call and a new connection took {took:.2f} s with idle clients connected"
+    finally:
+        for sock in socks:
+            sock.close()
+        worker.close()
+
+
+def test_a_call_to_a_hung_worker_times_out_naming_it_and_the_next_call_gets_its_own_reply() -> None:
+    worker = ProcessModelWorker("rew0", Reward, os.urandom(16), call_timeout_s=1.0).start()
+    pid = worker.process.pid
+    try:
+        plane = seq_plane(worker, 4)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(WaitTimeoutError, match=r"MFC 'rew' on model worker 'rew0': .*no reply within 1 s"):
+                run_reward(worker, plane, [0, 1])
+            assert time.monotonic() - start < 3.0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        # Resumed, the worker answers the timed-out call late; the next call skips that reply.
+        assert run_reward(worker, plane, [2, 3]) == {"reward": [ValueInfo("float32", 0)] * 2}
+        assert worker.restarts == 0 and len(worker.store) == 4
+    finally:
+        worker.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_store_at_a_dead_address_fails_at_once_naming_it() -> None:
+    with socket.socket() as probe:  # a port nobody listens on once this closes
+        probe.bind(("127.0.0.1", 0))
+        dead = probe.getsockname()
+    store = RemoteTensorStore("gone", connect_timeout_s=2.0)
+    store.connect(dead, b"k")
+    start = time.monotonic()
+    with pytest.raises(NodeFailedError, match=r"cannot connect to store 'gone' at 127\.0\.0\.1:\d+: .*refused"):
+        len(store)
+    assert time.monotonic() - start < 2.0

@@ -13,15 +13,15 @@ between reading and storing must not have acknowledged (the node then tells the 
 
 from __future__ import annotations
 
-import json
 import selectors
 import threading
 import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from rlplex.control.rpc import AuthListener, format_address, send_json
+from rlplex.control.rpc import AuthListener, format_address, recv_message, send_message
 from rlplex.control.scheduler import NodeEvent
+from rlplex.errors import NodeFailedError
 
 _POLL_S = 0.1
 _COALESCE_S = 0.1
@@ -63,8 +63,11 @@ class HeartbeatServer:
             for key, _ in selector.select(timeout=_POLL_S):
                 conn = key.data
                 try:
-                    message = json.loads(conn.recv_bytes())
-                except (EOFError, OSError, ValueError):
+                    message = recv_message(conn, None, "node")
+                except NodeFailedError:  # gone, or not our protocol
+                    self._drop(conn, selector)
+                    continue
+                if not isinstance(message, dict):
                     self._drop(conn, selector)
                     continue
                 if message.get("type") == "hello":
@@ -101,7 +104,7 @@ class HeartbeatServer:
             if conn is None:
                 return False
             try:
-                send_json(conn, {"type": "ack"})
+                send_message(conn, {"type": "ack"})
             except (OSError, ValueError):  # gone meanwhile: it sends its final again to whoever is master
                 return False
         return True

@@ -20,7 +20,6 @@ From the master: ack (of the final message).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
@@ -32,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 from rlplex.control.job_token import expose_token, read_token
-from rlplex.control.rpc import AuthListener, connect, format_address, parse_address, send_json, serve
+from rlplex.control.rpc import AuthListener, connect, format_address, parse_address, recv_message, send_message, serve
 from rlplex.control.store import JobStore
 from rlplex.control.worker import FAILED, FINISHED, SubMaster, Worker, WorkerContext, load_entrypoint
+from rlplex.errors import NodeFailedError, WaitTimeoutError
 
 JOB_DIR_ENV = "RLPLEX_JOB_DIR"
 
@@ -127,7 +127,7 @@ class NodeRuntime:
                 if not address:
                     return False
                 self.master = connect(parse_address(address), self.token, max(self.interval, 1.0), "master")
-                send_json(
+                send_message(
                     self.master,
                     {
                         "type": "hello",
@@ -141,7 +141,7 @@ class NodeRuntime:
                 self.master = None
                 return False
         try:
-            send_json(self.master, {"node_id": self.node_id, "incarnation": self.incarnation, **message})
+            send_message(self.master, {"node_id": self.node_id, "incarnation": self.incarnation, **message})
             return True
         except OSError:
             self.master = None
@@ -198,14 +198,15 @@ class NodeRuntime:
         conn = self.master
         while conn is not None and time.monotonic() < deadline:
             try:
-                if not conn.poll(self.interval):
-                    continue
-                if json.loads(conn.recv_bytes()).get("type") == "ack":
-                    conn.close()
-                    self.master = None
-                    return True
-            except (EOFError, OSError, ValueError):
+                message = recv_message(conn, self.interval, "master")
+            except WaitTimeoutError:
+                continue
+            except NodeFailedError:  # gone, or not our protocol
                 break
+            if isinstance(message, dict) and message.get("type") == "ack":
+                conn.close()
+                self.master = None
+                return True
         if conn is not None:
             conn.close()
         self.master = None

@@ -5,7 +5,8 @@
     group.call_rank(0, "save")          # one rank -> one future
     group.scatter("train", batches)     # item i to rank i % size -> list of futures
 
-Calls go over the same authenticated control RPC as the master's (JSON arguments and results).
+Calls go over the same authenticated RPC as the master's (`rlplex.control.rpc`: JSON-like arguments
+and results, bytes and arrays too).
 """
 
 from __future__ import annotations

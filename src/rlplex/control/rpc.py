@@ -1,36 +1,82 @@
-"""Control RPC between our processes: JSON over HMAC-authenticated `multiprocessing.connection`.
+"""Our one RPC between processes: msgpack over HMAC-authenticated `multiprocessing.connection`.
 
-Payloads are JSON (never pickle), sent with `send_bytes`. Every wait has a timeout; connecting
-runs in a helper thread because the HMAC handshake of `Client` has no timeout of its own and a
-stopped peer (SIGSTOP) would otherwise block the master forever. For the same reason the
-serving side is `AuthListener`, not `multiprocessing.connection.Listener`: the listener's
-`accept()` runs the handshake on the accepting thread, so one client that connects and sends
-nothing would lock every other client out.
+It carries the control plane (master <-> node calls, heartbeats) and the dataflow (master <->
+model worker calls, peer-to-peer tensor fetches) alike:
+
+    RpcClient(address, key, name).call(method, *args, timeout_s=...)  --request {id, method, args, kwargs}-->
+    AuthListener(host, key, lambda conn: serve(conn, handler))         <--reply {id, ok, result | error}--
+
+- Authenticated: the HMAC challenge of `multiprocessing.connection` with a shared key (a job's
+  token, an executor's random key), both ways, before any message is read.
+- Every wait has a timeout. Connecting runs in a helper thread because the handshake of
+  `Client` has no timeout of its own and a stopped peer (SIGSTOP) would otherwise block the
+  caller forever; a call waits `timeout_s` for its reply. For the same reason the serving side
+  is `AuthListener`, not `multiprocessing.connection.Listener`: the listener's `accept()` runs
+  the handshake on the accepting thread, so one client that connects and sends nothing would
+  lock every other client out.
+- Request ids: a reply answers the request with its id; one that arrives after its call timed
+  out is skipped by the next call, so a connection never gets out of step.
+- Payloads: JSON-like values plus bytes, numpy arrays and torch tensors (their raw bytes laid
+  after a msgpack header: the codec of `rlplex.control.channel`), never pickle. Dict keys are
+  str; tuples arrive as lists.
 """
 
 from __future__ import annotations
 
-import json
+import itertools
+import math
 import os
+import select
 import socket
 import threading
+import time
+import traceback
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from typing import Any
 
+from rlplex.control.channel import decode_item, encode_item
 from rlplex.errors import NodeFailedError, WaitTimeoutError
 
 Address = tuple[str, int]
+Handler = Callable[[str, list[Any], dict[str, Any]], Any]
 
 
-def send_json(conn: Connection, message: Any) -> None:
-    conn.send_bytes(json.dumps(message).encode())
+class RpcConnectionLost(NodeFailedError):
+    """The peer closed the connection or died; nothing more can be sent or read on it."""
 
 
-def recv_json(conn: Connection, timeout_s: float, what: str) -> Any:
-    if not conn.poll(timeout_s):
-        raise WaitTimeoutError(f"no message from {what} within {timeout_s:g} s")
-    return json.loads(conn.recv_bytes())
+class RpcRemoteError(NodeFailedError):
+    """The called method raised on the serving side; `remote_traceback` is the peer's traceback."""
+
+    def __init__(self, message: str, remote_traceback: str) -> None:
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
+
+
+def send_message(conn: Connection, message: Any) -> None:
+    encoded = encode_item(message)
+    buffer = bytearray(encoded.size)
+    encoded.write(memoryview(buffer))
+    conn.send_bytes(buffer)
+
+
+def recv_message(conn: Connection, timeout_s: float | None, what: str) -> Any:
+    """The next message; `timeout_s=None` when the caller knows one is ready (a selector said so)."""
+    try:
+        if timeout_s is not None:
+            # select.poll, not conn.poll: that builds a selector per call, 7x the cost of this
+            poller = select.poll()
+            poller.register(conn.fileno(), select.POLLIN)
+            if not poller.poll(math.ceil(timeout_s * 1000)):
+                raise WaitTimeoutError(f"no message from {what} within {timeout_s:g} s")
+        data = conn.recv_bytes()
+    except (EOFError, OSError) as error:
+        raise RpcConnectionLost(f"{what}: connection lost ({error!r})") from None
+    try:
+        return decode_item(memoryview(data))
+    except Exception as error:  # framing is intact (a whole message was read): the connection is usable
+        raise NodeFailedError(f"{what}: undecodable message of {len(data)} bytes ({error})") from None
 
 
 def parse_address(text: str) -> Address:
@@ -44,6 +90,7 @@ def format_address(address: Any) -> str:
 
 
 def connect(address: Address, authkey: bytes, timeout_s: float, what: str) -> Connection:
+    """An authenticated connection to `address`, or `WaitTimeoutError` / `NodeFailedError` naming `what`."""
     result: dict[str, Any] = {}
 
     def attempt() -> None:
@@ -58,29 +105,52 @@ def connect(address: Address, authkey: bytes, timeout_s: float, what: str) -> Co
     if thread.is_alive():
         raise WaitTimeoutError(f"connecting to {what} at {format_address(address)} took over {timeout_s:g} s")
     if "error" in result:
-        raise NodeFailedError(f"cannot connect to {what} at {format_address(address)}: {result['error']}")
+        raise NodeFailedError(f"cannot connect to {what} at {format_address(address)}: {result['error']!r}")
     conn: Connection = result["conn"]
     return conn
 
 
 class RpcClient:
-    """Calls `method(*args, **kwargs)` on a node; thread-safe (one call at a time per connection)."""
+    """Calls `method(*args, **kwargs)` on a peer; thread-safe (one call at a time per connection).
 
-    def __init__(self, address: Address, authkey: bytes, name: str, timeout_s: float = 10.0) -> None:
+    Connects at construction (within `connect_timeout_s`, by default `timeout_s`). A call raises
+    `WaitTimeoutError` past its timeout, `RpcConnectionLost` when the peer is gone (the client
+    is unusable then) and `RpcRemoteError` when the method raised; each message names the peer."""
+
+    def __init__(
+        self, address: Address, authkey: bytes, name: str, timeout_s: float = 10.0,
+        connect_timeout_s: float | None = None,
+    ) -> None:  # fmt: skip
         self.name, self.address, self.timeout_s = name, address, timeout_s
-        self._conn = connect(address, authkey, timeout_s, name)
+        self._conn = connect(address, authkey, timeout_s if connect_timeout_s is None else connect_timeout_s, name)
         self._lock = threading.Lock()
+        self._ids = itertools.count()
 
     def call(self, method: str, *args: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         timeout = self.timeout_s if timeout_s is None else timeout_s
+        what = f"{self.name}.{method}()"
         with self._lock:
+            request_id = next(self._ids)
             try:
-                send_json(self._conn, {"method": method, "args": list(args), "kwargs": kwargs})
-                reply = recv_json(self._conn, timeout, f"{self.name}.{method}()")
-            except (OSError, EOFError) as error:
-                raise NodeFailedError(f"{self.name}: call {method}() failed: connection lost ({error})") from None
+                send_message(self._conn, {"id": request_id, "method": method, "args": list(args), "kwargs": kwargs})
+            except (OSError, ValueError) as error:  # ValueError: the connection was closed here
+                raise RpcConnectionLost(f"{what}: connection lost ({error!r})") from None
+            deadline = time.monotonic() + timeout
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    reply = recv_message(self._conn, max(left, 0.0), what)
+                except WaitTimeoutError:
+                    raise WaitTimeoutError(f"{what}: no reply within {timeout:g} s") from None
+                if not isinstance(reply, dict):
+                    raise NodeFailedError(f"{what}: reply is not a message: {reply!r:.200}")
+                if reply.get("id") == request_id:
+                    break
+                if not (isinstance(reply.get("id"), int) and reply["id"] < request_id):
+                    raise NodeFailedError(f"{what}: reply to request {reply.get('id')!r}, not {request_id}")
+                # else: the late reply of a call that timed out
         if not reply.get("ok"):
-            raise NodeFailedError(f"{self.name}: {method}() raised {reply.get('error')}")
+            raise RpcRemoteError(f"{what} raised {reply.get('error')}", str(reply.get("traceback", "")))
         return reply.get("result")
 
     def close(self) -> None:
@@ -90,27 +160,32 @@ class RpcClient:
             pass
 
 
-def serve(conn: Connection, handler: Callable[[str, list[Any], dict[str, Any]], Any]) -> None:
+def serve(conn: Connection, handler: Handler) -> None:
     """Answer requests on one connection until the peer goes away; errors go back as replies."""
-    while True:
-        try:
-            request = json.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            return
-        try:
-            reply = {
-                "ok": True,
-                "result": handler(request["method"], request.get("args", []), request.get("kwargs", {})),
-            }
-        except BaseException as error:
-            reply = {"ok": False, "error": f"{type(error).__name__}: {error}"}
-        try:
-            send_json(conn, reply)
-        except (OSError, ValueError, TypeError) as error:
+    with conn:
+        while True:
             try:
-                send_json(conn, {"ok": False, "error": f"reply not sendable: {error}"})
-            except OSError:
+                request = recv_message(conn, None, "rpc client")
+            except RpcConnectionLost:
                 return
+            except NodeFailedError:
+                continue  # an undecodable request of an authenticated peer: nothing to answer
+            request_id = request.get("id") if isinstance(request, dict) else None
+            try:
+                result = handler(str(request["method"]), list(request.get("args", [])), dict(request.get("kwargs", {})))
+                reply = {"id": request_id, "ok": True, "result": result}
+            except BaseException as error:
+                reply = {
+                    "id": request_id, "ok": False, "error": f"{type(error).__name__}: {error}",
+                    "traceback": "".join(traceback.format_exception(error)),
+                }  # fmt: skip
+            try:
+                send_message(conn, reply)
+            except Exception as error:  # a result the codec cannot carry; a peer gone (OSError)
+                try:
+                    send_message(conn, {"id": request_id, "ok": False, "error": f"reply not sendable: {error}"})
+                except OSError:
+                    return
 
 
 HANDSHAKE_TIMEOUT_S = 2.0

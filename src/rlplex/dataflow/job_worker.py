@@ -1,10 +1,10 @@
 """Model workers placed and supervised by the control plane.
 
 A role of a `rlplex.control` job whose entry point is `ModelWorkerNode` hosts one model
-worker per node: the interface named in the role's config, its tensor store, and the call
-and peer listeners of `ModelServer`. The dataflow master (a driver role of the same job)
-reaches node `rank` of the role through a `JobModelWorker`, which the `FunctionExecutor`
-uses exactly like a `ProcessModelWorker`:
+worker per node: the interface named in the role's config, its tensor store, and the
+listener of `ModelServer` (calls from the master, fetches from peers). The dataflow master
+(a driver role of the same job) reaches node `rank` of the role through a `JobModelWorker`,
+which the `FunctionExecutor` uses exactly like a `ProcessModelWorker`:
 
     [roles.actor]                                    # in the job's TOML
     entrypoint = "rlplex.dataflow.job_worker:ModelWorkerNode"
@@ -17,14 +17,13 @@ uses exactly like a `ProcessModelWorker`:
 Restarts are the control plane's: when a node dies mid-call, its handle waits for the
 master to start the node's next incarnation (the role's restart policy and budgets decide
 whether it does), connects to it and issues the call again. A call's outputs are recorded
-only when it returns, so no datapoint is lost or run twice. The node's listeners use the
+only when it returns, so no datapoint is lost or run twice. The node's listener uses the
 job's token as HMAC key, so the master and every peer node authenticate one another.
 """
 
 from __future__ import annotations
 
 import importlib
-import threading
 from typing import Any
 
 from pydantic import Field
@@ -33,7 +32,7 @@ from rlplex.config import StrictModel
 from rlplex.control.rpc import RpcClient, parse_address
 from rlplex.control.store import JobStore, NodeRecord
 from rlplex.control.worker import Worker, WorkerContext
-from rlplex.dataflow.process_worker import ModelServer, ProcessModelWorker
+from rlplex.dataflow.process_worker import CALL_TIMEOUT_S, ModelServer, ProcessModelWorker
 from rlplex.errors import ConfigError, WaitTimeoutError, WorkerDiedError
 
 _POLL_S = 0.05
@@ -66,7 +65,6 @@ class ModelWorkerNode(Worker):
         config = ModelWorkerConfig.model_validate(context.config)
         self.target, self.kwargs = config.interface, config.kwargs
         self.server: ModelServer | None = None
-        self.calls = 0
 
     def self_check(self) -> None:
         # Built here, before start, so that a broken interface fails `prepare()` with its reason.
@@ -75,29 +73,21 @@ class ModelWorkerNode(Worker):
         torch.set_num_threads(1)
         if self.server is None:
             interface = load_interface(self.target, self.kwargs)
-            self.server = ModelServer(self.context.node_id, interface, self.context.token)
+            self.server = ModelServer(self.context.node_id, interface, self.context.token, self._called)
+
+    def _called(self) -> None:
+        assert self.server is not None
+        self.context.report_progress(calls=self.server.calls)
 
     def start(self) -> None:
-        self.self_check()
+        self.self_check()  # the listener serves from here on: a master that reconnects is served again
         super().start()
-        threading.Thread(target=self._serve, name=f"{self.context.node_id}-serve", daemon=True).start()
 
-    def _serve(self) -> None:
-        assert self.server is not None
-        while not self.context.should_stop():
-            try:
-                self.server.serve_one()  # a master that reconnects (after its own restart) is served again
-            except OSError:
-                return  # listeners closed by stop()
-            self.calls += 1
-            self.context.report_progress(connections=self.calls)
-
-    def addresses(self) -> dict[str, list[Any]]:
-        """Where the master sends calls and peers fetch tensors (JSON for the control RPC)."""
+    def address(self) -> list[Any]:
+        """Where the master sends calls and peers fetch tensors."""
         if self.server is None:
             raise WorkerDiedError(f"{self.context.node_id}: model server not built (self_check not run)")
-        control, store = self.server.addresses
-        return {"control": list(control), "store": list(store)}
+        return list(self.server.address)
 
     def stop(self) -> None:
         super().stop()
@@ -108,8 +98,13 @@ class ModelWorkerNode(Worker):
 class JobModelWorker(ProcessModelWorker):
     """The master's handle on node `rank` of a `ModelWorkerNode` role (see the module docstring)."""
 
-    def __init__(self, context: WorkerContext, role: str, rank: int, restart_timeout_s: float = 60.0) -> None:
-        super().__init__(f"{role}-{rank}", factory=object, authkey=context.token, max_restarts=1 << 30)
+    def __init__(
+        self, context: WorkerContext, role: str, rank: int, restart_timeout_s: float = 60.0,
+        call_timeout_s: float = CALL_TIMEOUT_S,
+    ) -> None:  # fmt: skip
+        super().__init__(
+            f"{role}-{rank}", factory=object, authkey=context.token, max_restarts=1 << 30, call_timeout_s=call_timeout_s
+        )
         self.context, self.role, self.rank = context, role, rank
         self.restart_timeout_s = restart_timeout_s
         self.incarnation = -1
@@ -151,27 +146,21 @@ class JobModelWorker(ProcessModelWorker):
         record = self._wait_running(self.incarnation, self.restart_timeout_s)
         rpc = RpcClient(parse_address(record.address), self.context.token, record.node_id)
         try:
-            addresses = rpc.call("call", "addresses")
+            host, port = rpc.call("call", "address")
         finally:
             rpc.close()
-        control = (str(addresses["control"][0]), int(addresses["control"][1]))
-        store = (str(addresses["store"][0]), int(addresses["store"][1]))
-        self._connect_control(control)
-        self.store.connect(store, self.authkey)
+        self._connect_control((str(host), int(port)))
+        self.store.connect((str(host), int(port)), self.authkey)
         self.incarnation = record.incarnation
         return self
 
     def _restart(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._disconnect()
         self.store.reset()
         self.start()
 
     def close(self) -> None:
         self._closed = True
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._disconnect()
         self.store.reset()
         self._calls.shutdown(wait=False, cancel_futures=True)
