@@ -20,8 +20,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from rlplex.cli_mainjob import check_file_kind, print_error
-from rlplex.errors import RlplexError, RunFailedError
+from rlplex.cli_mainjob import check_file_kind, guard
 
 app = typer.Typer(
     rich_markup_mode=None,
@@ -30,8 +29,6 @@ app = typer.Typer(
     add_completion=False,
 )
 console = Console()
-EXIT_USER_ERROR = 2
-EXIT_RUN_FAILED = 1
 
 
 @app.callback()
@@ -76,21 +73,16 @@ def train(
     """Train a classic RL agent with the runners (MinibatchRl, SyncRl, AsyncRl, ...)."""
     with _sigterm_as_interrupt() as received:
         try:
-            _train(config_file, output, resume, overwrite, seed, n_steps, schedule_steps, progress)
+            guard(
+                console,
+                debug,
+                lambda: _train(config_file, output, resume, overwrite, seed, n_steps, schedule_steps, progress),
+                "run failed",
+            )
         except KeyboardInterrupt:
             signum = received[-1] if received else signal.SIGINT
             console.print(f"stopped by {signal.Signals(signum).name}; continue with --resume", highlight=False)
             raise typer.Exit(128 + signum) from None
-        except RunFailedError as error:
-            if debug:
-                raise
-            print_error(console, "run failed", error)
-            raise typer.Exit(EXIT_RUN_FAILED) from None
-        except RlplexError as error:
-            if debug:
-                raise
-            print_error(console, "error", error)
-            raise typer.Exit(EXIT_USER_ERROR) from None
 
 
 @contextmanager
@@ -198,18 +190,7 @@ app.add_typer(job_app, name="job")
 
 
 def _run_job_command(body: Any, debug: bool) -> None:
-    try:
-        body()
-    except RunFailedError as error:
-        if debug:
-            raise
-        print_error(console, "job failed", error)
-        raise typer.Exit(EXIT_RUN_FAILED) from None
-    except RlplexError as error:
-        if debug:
-            raise
-        print_error(console, "error", error)
-        raise typer.Exit(EXIT_USER_ERROR) from None
+    guard(console, debug, body, "job failed")
 
 
 def _drive(master: Any) -> None:

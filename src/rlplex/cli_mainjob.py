@@ -54,26 +54,22 @@ def check_file_kind(path: Path, expected: str) -> None:
             raise ConfigError(f"{path}: this is {what}, not {wanted}; run it with `{command}`")
 
 
-def _guard(console: Console, debug: bool, body: Callable[[], int]) -> None:
+def guard(console: Console, debug: bool, body: Callable[[], int | None], failed: str = "failed") -> None:
+    """Run a command's body; its errors become one line and the exit code every command shares:
+    1 when the run or job failed, 2 for a user error, 128 + N when signal N stopped it."""
     from rlplex.errors import JobInterruptedError, RunFailedError
 
     try:
         code = body()
-    except JobInterruptedError as error:
+    except (JobInterruptedError, RunFailedError, RlplexError) as error:
         if debug:
             raise
-        print_error(console, "stopped", error)
-        raise typer.Exit(128 + error.signum) from None
-    except RunFailedError as error:
-        if debug:
-            raise
-        print_error(console, "failed", error)
-        raise typer.Exit(EXIT_JOB_FAILED) from None
-    except RlplexError as error:
-        if debug:
-            raise
-        print_error(console, "error", error)
-        raise typer.Exit(EXIT_USER_ERROR) from None
+        if isinstance(error, JobInterruptedError):
+            print_error(console, "stopped", error)
+            raise typer.Exit(128 + error.signum) from None
+        failed_run = isinstance(error, RunFailedError)
+        print_error(console, failed if failed_run else "error", error)
+        raise typer.Exit(EXIT_JOB_FAILED if failed_run else EXIT_USER_ERROR) from None
     if code:
         raise typer.Exit(code)
 
@@ -127,7 +123,7 @@ def register(app: typer.Typer, console: Console) -> None:
             state = run_main_job(config, console, live=live, source=str(job_file))
             return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
 
-        _guard(console, debug, body)
+        guard(console, debug, body)
 
     @app.command("resume")
     def resume(
@@ -145,7 +141,7 @@ def register(app: typer.Typer, console: Console) -> None:
             state = resume_main_job(output_dir, console, live=live)
             return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
 
-        _guard(console, debug, body)
+        guard(console, debug, body)
 
     @app.command("stop")
     def stop(
@@ -162,7 +158,7 @@ def register(app: typer.Typer, console: Console) -> None:
             console.print(stop_main_job(output_dir.resolve(), console, timeout_s), highlight=False, soft_wrap=True)
             return 0
 
-        _guard(console, debug, body)
+        guard(console, debug, body)
 
     @app.command("status")
     def status(
@@ -181,7 +177,7 @@ def register(app: typer.Typer, console: Console) -> None:
             console.print(render(collect(output_dir)))
             return 0
 
-        _guard(console, debug, body)
+        guard(console, debug, body)
 
     @runs_app.command("add")
     def runs_add(
@@ -234,7 +230,7 @@ def register(app: typer.Typer, console: Console) -> None:
             console.print(escape(decision.text), highlight=False, soft_wrap=True)  # admitted, or pending and where
             return 0
 
-        _guard(console, debug, body)
+        guard(console, debug, body)
 
     @runs_app.command("evict")
     def runs_evict(
@@ -266,4 +262,4 @@ def register(app: typer.Typer, console: Console) -> None:
             console.print(f"{run_id}: evicted ({reason})", highlight=False)
             return 0
 
-        _guard(console, debug, body)
+        guard(console, debug, body)

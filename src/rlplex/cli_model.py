@@ -15,7 +15,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rlplex.cli_mainjob import DEBUG_HELP, _guard
+from rlplex.cli_mainjob import DEBUG_HELP, guard
 
 
 def register(app: typer.Typer, console: Console) -> None:
@@ -62,4 +62,4 @@ def register(app: typer.Typer, console: Console) -> None:
             console.print(f"tiny model ({names}; key {config.key()}): {path}", highlight=False)
             return 0
 
-        _guard(console, debug, body)
+        guard(console, debug, body)
