@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -38,6 +39,21 @@ def job_processes(output_dir: Path) -> list[psutil.Process]:
     for process in psutil.process_iter(["cmdline"]):
         if any(str(output_dir) in part for part in process.info["cmdline"] or []):
             found.append(process)
+    return found
+
+
+def listening_sockets(processes: list[psutil.Process]) -> list[tuple[str, str, int]]:
+    """(process, address, port) of every listening TCP socket and bound UDP socket of `processes`."""
+    found = []
+    for process in processes:
+        try:
+            name = f"{process.pid} {' '.join(process.cmdline()[-3:])}"
+            connections = process.net_connections("inet")
+        except psutil.Error:
+            continue  # it ended meanwhile
+        for conn in connections:
+            if conn.status == psutil.CONN_LISTEN or (conn.type == socket.SOCK_DGRAM and conn.laddr):
+                found.append((name, conn.laddr.ip, conn.laddr.port))
     return found
 
 

@@ -7,14 +7,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from node_helpers import node_processes, wait_for
+from node_helpers import listening_sockets, node_processes, wait_for
 from rlplex.control import (
     JobBuilder,
     JobSpec,
@@ -198,21 +197,6 @@ def test_local_rank_counts_the_ranks_on_the_same_machine() -> None:
     assert all(e["TORCHELASTIC_USE_AGENT_STORE"] == "True" and "GLOO_SOCKET_IFNAME" not in e for e in envs)
     one_machine = local_layout(["127.0.0.1"] * 2)
     assert [(x["local_rank"], x["local_world"], x["group_rank"]) for x in one_machine] == [(0, 2, 0), (1, 2, 0)]
-
-
-def listening_sockets(processes: list[psutil.Process]) -> list[tuple[str, str, int]]:
-    """(process, address, port) of every listening TCP socket and bound UDP socket of `processes`."""
-    found = []
-    for process in processes:
-        try:
-            name = f"{process.pid} {' '.join(process.cmdline()[-3:])}"
-            connections = process.net_connections("inet")
-        except psutil.Error:
-            continue  # it ended meanwhile
-        for conn in connections:
-            if conn.status == psutil.CONN_LISTEN or (conn.type == socket.SOCK_DGRAM and conn.laddr):
-                found.append((name, conn.laddr.ip, conn.laddr.port))
-    return found
 
 
 def test_every_port_of_a_job_is_on_loopback(job_dir: Path) -> None:

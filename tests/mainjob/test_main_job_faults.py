@@ -7,6 +7,7 @@ checkpoint steps behind it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -17,7 +18,7 @@ from pathlib import Path
 import psutil
 from mainjob_helpers import BATCH, run_config, tiny_job
 
-from node_helpers import job_processes, wait_for
+from node_helpers import job_processes, listening_sockets, wait_for
 from rlplex.control.elastic import read_elastic_status
 from rlplex.mainjob.view import collect, read_progress_rows
 from rlplex.multirun.rundir import RunDir, stable_steps
@@ -66,6 +67,16 @@ def test_sigkill_of_an_orchestrator_and_a_trainer_rank_loses_and_repeats_no_step
 
     try:
         wait_for(lambda: trained_while_running("run_a", 1), 240, "run_a's first trained step")
+        # Every port of the running main job (master, trainer ranks and their rank-0 store, gloo,
+        # orchestrators, conductor) is on loopback: issue 18's socket check.
+        master = psutil.Process(job.pid)
+        processes = {p.pid: p for p in [master, *master.children(recursive=True), *job_processes(out)]}
+        for process in list(processes.values()):
+            with contextlib.suppress(psutil.Error):
+                processes.update({c.pid: c for c in process.children(recursive=True)})
+        found = listening_sockets(list(processes.values()))
+        assert len(found) >= 3, found  # at least the master's listener and two nodes' RPC
+        assert [f for f in found if f[1] not in ("127.0.0.1", "::1")] == []
         orchestrator = wait_for(lambda: node_process(out, "orchestrator-0"), 30, "orchestrator-0's process")
         assert isinstance(orchestrator, psutil.Process)
         orchestrator.send_signal(signal.SIGKILL)
