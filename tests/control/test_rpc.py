@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -70,6 +71,32 @@ def test_a_hung_call_times_out_naming_the_peer_and_its_late_reply_is_skipped(ser
         handler.release.set()  # the late reply ("late") arrives before the next call's
         assert client.call("echo", 1) == {"args": [1], "kwargs": {}}
     finally:
+        client.close()
+
+
+def test_a_call_cut_off_by_ctrl_c_leaves_no_connection_to_hang_on(server: Any) -> None:
+    """A call interrupted mid-exchange (Ctrl-C in the master) may leave the stream out of frame;
+    the client drops the connection, so the next call (the master's stop of its nodes) fails at
+    once instead of reading a body as a length and blocking for ever."""
+    listener, handler = server
+    client = RpcClient(listener.address, KEY, "node 'n'", timeout_s=30.0)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.2)
+        with pytest.raises(KeyboardInterrupt):
+            client.call("hang")
+        handler.release.set()
+        start = time.monotonic()
+        with pytest.raises(RpcConnectionLost, match=r"node 'n'\.stop\(\): connection lost"):
+            client.call("stop", timeout_s=1.0)
+        assert time.monotonic() - start < 0.5
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
         client.close()
 
 

@@ -130,28 +130,39 @@ class RpcClient:
         timeout = self.timeout_s if timeout_s is None else timeout_s
         what = f"{self.name}.{method}()"
         with self._lock:
-            request_id = next(self._ids)
             try:
-                send_message(self._conn, {"id": request_id, "method": method, "args": list(args), "kwargs": kwargs})
-            except (OSError, ValueError) as error:  # ValueError: the connection was closed here
-                raise RpcConnectionLost(f"{what}: connection lost ({error!r})") from None
-            deadline = time.monotonic() + timeout
-            while True:
-                left = deadline - time.monotonic()
-                try:
-                    reply = recv_message(self._conn, max(left, 0.0), what)
-                except WaitTimeoutError:
-                    raise WaitTimeoutError(f"{what}: no reply within {timeout:g} s") from None
-                if not isinstance(reply, dict):
-                    raise NodeFailedError(f"{what}: reply is not a message: {reply!r:.200}")
-                if reply.get("id") == request_id:
-                    break
-                if not (isinstance(reply.get("id"), int) and reply["id"] < request_id):
-                    raise NodeFailedError(f"{what}: reply to request {reply.get('id')!r}, not {request_id}")
-                # else: the late reply of a call that timed out
+                reply = self._exchange(method, args, kwargs, timeout, what)
+            except (WaitTimeoutError, NodeFailedError):
+                raise  # whole messages only were read or written: the connection stays in step
+            except BaseException:
+                # Cut off mid-message (Ctrl-C's KeyboardInterrupt, say): the stream is out of
+                # frame, and a later call would read a body as a length and block for ever.
+                self.close()
+                raise
         if not reply.get("ok"):
             raise RpcRemoteError(f"{what} raised {reply.get('error')}", str(reply.get("traceback", "")))
         return reply.get("result")
+
+    def _exchange(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float, what: str) -> Any:
+        request_id = next(self._ids)
+        try:
+            send_message(self._conn, {"id": request_id, "method": method, "args": list(args), "kwargs": kwargs})
+        except (OSError, ValueError) as error:  # ValueError: the connection was closed here
+            raise RpcConnectionLost(f"{what}: connection lost ({error!r})") from None
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                reply = recv_message(self._conn, max(left, 0.0), what)
+            except WaitTimeoutError:
+                raise WaitTimeoutError(f"{what}: no reply within {timeout:g} s") from None
+            if not isinstance(reply, dict):
+                raise NodeFailedError(f"{what}: reply is not a message: {reply!r:.200}")
+            if reply.get("id") == request_id:
+                return reply
+            if not (isinstance(reply.get("id"), int) and reply["id"] < request_id):
+                raise NodeFailedError(f"{what}: reply to request {reply.get('id')!r}, not {request_id}")
+            # else: the late reply of a call that timed out
 
     def close(self) -> None:
         try:
