@@ -246,7 +246,8 @@ def test_control_plane_job_commands(copy: Path, background: list[Background]) ->
 
         def reattached() -> bool:
             found = read_job(out)
-            return again.running() and found is not None and found[0].master_pid == again.process.pid
+            named = found is not None and found[0].master_pid == again.process.pid
+            return again.running() and named and "status: rlplex job status" in again.tail()  # in its loop
 
         wait_for(reattached, 90, "the resumed master", interval=0.5)
         after = {p.pid for p in job_processes(out.resolve()) if "rlplex.control.node" in " ".join(p.cmdline())}
