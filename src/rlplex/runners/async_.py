@@ -20,8 +20,11 @@ steps/s, batch size 100 and ratio 1 the optimizer does at most 10 updates/s; if 
 only 5, both sides run at full speed and the logged ratio is 0.5). The log has the ratio of
 each interval, the cumulative ratio and the fraction of time the optimizer was busy.
 
-Resuming restores parameters, the algorithm (optimizer, replay buffer, counters) and the
-step counters; it cannot be bit-exact, because the interleaving of the processes is not.
+Resuming restores parameters, the algorithm (optimizer, replay buffer, counters), the step
+counters and the random streams: the master's generators, and the sampler's (its process's,
+its workers', its environments') as they were right after the last batch the snapshot counts,
+so the resumed sampler draws on where the uninterrupted one did. The optimizer's side cannot
+be bit-exact, because the interleaving of the processes is not.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import torch
 from rlplex.agents.base import Agent, AgentFactory
 from rlplex.diagnostics import MetricsLogger, ProgressLine
 from rlplex.envs import EnvConfig, probe_spaces
-from rlplex.errors import ConfigError, WaitTimeoutError
+from rlplex.errors import ConfigError, SnapshotError, WaitTimeoutError
 from rlplex.models import unwrap_model
 from rlplex.runners.metrics import episode_metrics, evaluation_metrics
 from rlplex.runners.minibatch import TrainResult
@@ -52,9 +55,11 @@ from rlplex.runners.snapshot import (
     rng_state,
     save_by_mode,
     schedule_itrs,
+    set_rng_state,
 )
 from rlplex.samplers.async_ import POLL_S, AsyncSampler
 from rlplex.samplers.base import Evaluator
+from rlplex.samplers.rng import streams_digest
 
 
 class ReplayAlgo(Protocol):
@@ -113,13 +118,16 @@ class AsyncRl:
         show_progress: bool = True,
         max_updates_per_chunk: int = 32,
         schedule_steps: int | None = None,
+        n_workers: int | None = None,
     ) -> None:
+        """`n_workers`: None samples in one sampler process; a number, in that many worker
+        processes behind it (`[sampler] kind = "parallel"`)."""
         if n_steps <= 0 or replay_ratio <= 0:
             raise ConfigError(
                 f"field 'runner': n_steps and replay_ratio must be positive (got {n_steps}, {replay_ratio})"
             )
         self.algo, self.agent_factory, self.env_config = algo, agent_factory, env
-        self.batch_T, self.batch_B = batch_T, batch_B
+        self.batch_T, self.batch_B, self.n_workers = batch_T, batch_B, n_workers
         self.itr_batch_size = batch_T * batch_B
         self.n_itr = max(1, -(-n_steps // self.itr_batch_size))
         self.schedule_itrs = schedule_itrs(schedule_steps, n_steps, self.itr_batch_size)
@@ -137,6 +145,8 @@ class AsyncRl:
         self._resume_state: dict[str, Any] | None = None
         self.start_env_steps = 0
         self.logger: MetricsLogger | None = None
+        self._sampler_state: dict[str, Any] | None = None  # streams that go with the logged env steps
+        self.final_streams_digest: str | None = None  # the sampler's streams at the end of a completed run
 
     # ----- setup and teardown -------------------------------------------------------------
     def startup(self) -> None:
@@ -148,10 +158,11 @@ class AsyncRl:
         self.algo.initialize(self.agent, n_itr=self.schedule_itrs, world_size=1, shared_replay=True)
         if self._resume_state is not None:
             self._load_resume_state(self._resume_state)
-        self.sampler = AsyncSampler(self.env_config, self.batch_T, self.batch_B)
+        self.sampler = AsyncSampler(self.env_config, self.batch_T, self.batch_B, self.n_workers)
         algo_class: Any = type(self.algo)
         algo_factory = partial(algo_class, self.algo.config)
         start_batches = self.start_env_steps // self.itr_batch_size
+        restore = None if self._resume_state is None else self._resume_state.get("sampler")
         self.sampler.start(
             self.agent_factory,
             self.spaces,
@@ -159,8 +170,10 @@ class AsyncRl:
             algo_factory,
             self.algo.replay.handle,
             n_batches=self.n_itr - start_batches,
-            seed=self.seed + start_batches,  # a resumed run's envs start from fresh, distinct seeds
+            # A snapshot from before streams were saved: fresh, distinct seeds rather than a repeat.
+            seed=self.seed if restore is not None or not start_batches else self.seed + start_batches,
             start_env_steps=self.start_env_steps,
+            restore=restore,
         )
         self.algo.replay.wait_check = self.sampler.check_alive
         self.logger = MetricsLogger(self.log_dir) if self.log_dir is not None else None
@@ -182,6 +195,7 @@ class AsyncRl:
             "algo": self.algo.state_dict(),
             "algo_name": algo_name(self.algo),
             "rng": rng_state(),
+            **({"sampler": self._sampler_state} if self._sampler_state is not None else {}),
             "seed": self.seed,
             "itr_batch_size": self.itr_batch_size,
             "schedule_itrs": self.schedule_itrs,
@@ -206,6 +220,10 @@ class AsyncRl:
         check_compatible(inner.state_dict(), state["agent"], Path(state["__source__"]))
         inner.load_state_dict(state["agent"])
         self.algo.load_state_dict(state["algo"])
+        try:
+            set_rng_state(state["rng"])
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise SnapshotError(f"{state['__source__']}: malformed random generator state: {error}") from None
 
     # ----- the loop -----------------------------------------------------------------------
     def evaluate_performance(self) -> dict[str, float]:
@@ -292,8 +310,10 @@ class AsyncRl:
                         return result
             if sampler.env_steps > interval.env_steps or not result.history:
                 result.history.append(self._log_row(interval, opt_info))
-            result.env_steps = sampler.env_steps
+            result.env_steps, self._sampler_state = sampler.progress_state()
             result.itr = result.env_steps // self.itr_batch_size - 1
+            if self._sampler_state is not None:
+                self.final_streams_digest = streams_digest(self._sampler_state["processes"])
             self._advance_schedules(result.itr, last_itr)
             self.save_itr_snapshot(result.itr)
             return result
@@ -316,7 +336,10 @@ class AsyncRl:
 
     def _log_row(self, interval: _Interval, opt_info: dict[str, list[float]]) -> dict[str, float]:
         now = time.perf_counter()
-        env_steps, updates = self.sampler.env_steps, self.algo.update_count
+        # The states with the count: the snapshot of this row then resumes the sampler's streams
+        # from right after the last batch it counts.
+        env_steps, self._sampler_state = self.sampler.progress_state()
+        updates = self.algo.update_count
         elapsed = max(now - interval.t0, 1e-9)
         d_steps, d_updates = env_steps - interval.env_steps, updates - interval.updates
         batch = self.algo.batch_size

@@ -35,7 +35,9 @@ class SamplerConfig(StrictModel):
     kind: Literal["serial", "parallel"] = "serial"
     batch_T: int = Field(128, ge=1, description="time steps per environment per batch")
     batch_B: int = Field(8, ge=1, description="environments per rank")
-    n_workers: int = Field(2, ge=1, description="worker processes (parallel sampler only)")
+    n_workers: int = Field(
+        2, ge=1, description="worker processes (parallel sampler only; under async runners, behind the double buffer)"
+    )
 
 
 class AgentConfig(StrictModel):
@@ -309,6 +311,7 @@ def _build_async_runner(config: TrainConfig, spaces: EnvSpaces, output_dir: str 
         stop_at_return=r.stop_at_return,
         show_progress=show,
         schedule_steps=r.schedule_steps,
+        n_workers=config.sampler.n_workers if config.sampler.kind == "parallel" else None,
     )
     if r.kind == "async":
         return AsyncRl(**args)

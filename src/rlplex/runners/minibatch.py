@@ -35,6 +35,7 @@ from rlplex.runners.snapshot import (
     set_rng_state,
 )
 from rlplex.samplers.base import Evaluator, Sampler
+from rlplex.samplers.rng import process_rng_state, streams_digest
 
 
 @dataclass
@@ -97,6 +98,7 @@ class MinibatchRl:
         self.start_itr = 0
         self._resume_state: dict[str, Any] | None = None
         self._elapsed_before_resume = 0.0
+        self.final_streams_digest: str | None = None  # set by a train() that completes
 
     # ----- setup and teardown -------------------------------------------------------------
     def startup(self) -> None:
@@ -128,6 +130,7 @@ class MinibatchRl:
             "algo": self.algo.state_dict(),
             "algo_name": algo_name(self.algo),
             "rng": rng_state(),
+            "sampler": self.sampler.state_dict(),
             "seed": self.seed,
             "itr_batch_size": self.itr_batch_size,
             "schedule_itrs": self.schedule_itrs,
@@ -163,7 +166,23 @@ class MinibatchRl:
             self.algo.load_state_dict(state["algo"])
         except SnapshotError as error:
             raise SnapshotError(f"{state['__source__']}: {error}") from None
+        try:
+            self._load_streams(state)
+        except SnapshotError as error:
+            raise SnapshotError(f"{state['__source__']}: {error}") from None
+
+    def _load_streams(self, state: dict[str, Any]) -> None:
+        """Continue the run's random streams: this process's generators (action sampling and
+        the algorithm's own draws) and the sampler's (its workers', its environments')."""
         set_rng_state(state["rng"])
+        if "sampler" in state:  # older snapshots: environments restart from their seeds
+            self.sampler.load_state_dict(state["sampler"])
+
+    def streams_digest(self) -> str:
+        """Digest of every generator whose use does not depend on the data (this process's and
+        the sampler workers'; environments' are not: resets come when episodes end). After the
+        same number of iterations, an uninterrupted and a resumed run have equal digests."""
+        return streams_digest([process_rng_state(), *self.sampler.state_dict()["processes"]])
 
     # ----- the loop -----------------------------------------------------------------------
     def gather_episodes(self, returns: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -176,7 +195,9 @@ class MinibatchRl:
     def train(self) -> TrainResult:
         self.startup()
         try:
-            return self._loop()
+            result = self._loop()
+            self.final_streams_digest = self.streams_digest()
+            return result
         finally:
             self.shutdown()
 

@@ -60,6 +60,7 @@ from rlplex.errors import ConfigError, RlplexError, RunFailedError, WaitTimeoutE
 from rlplex.models import unwrap_model
 from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval, TrainResult
 from rlplex.samplers.processes import CONTEXT, die_with_launcher, stop_processes
+from rlplex.samplers.rng import process_rng_state, set_process_rng_state
 
 Backend = Literal["gloo", "nccl"]
 RankBuilder = Callable[[int, int], "SyncRl"]
@@ -108,12 +109,41 @@ class SyncRl(MinibatchRl):
         super().startup()
         self.digests["start"] = param_digest(self.agent.model)
 
-    def _load_resume_state(self, state: dict[str, Any]) -> None:
-        super()._load_resume_state(state)
-        if self.rank != 0:
-            # Every rank loaded rank 0's RNG state; keep the ranks' action noise apart.
-            torch.manual_seed(self.seed + self.rank + 7919 * self.start_itr)
-            np.random.seed((self.seed + self.rank + 7919 * self.start_itr) % 2**32)
+    def save_itr_snapshot(self, itr: int) -> Path | None:
+        # Every rank's streams go into rank 0's snapshot, so each rank continues its own on resume.
+        # Every rank gets here at the same iterations (the loop is in lockstep), so the
+        # collective cannot be left waiting.
+        mine = {"process": process_rng_state(), "sampler": self.sampler.state_dict()}
+        every: list[Any] = [None] * self.world_size
+        dist.all_gather_object(every, mine)
+        self._rank_streams = every
+        return super().save_itr_snapshot(itr)
+
+    def get_itr_snapshot(self, itr: int) -> dict[str, Any]:
+        state = super().get_itr_snapshot(itr)
+        if getattr(self, "_rank_streams", None) is not None:
+            state["ranks"] = self._rank_streams
+        return state
+
+    def _load_streams(self, state: dict[str, Any]) -> None:
+        ranks = state.get("ranks")
+        if isinstance(ranks, list) and len(ranks) == self.world_size:
+            set_process_rng_state(ranks[self.rank]["process"])
+            self.sampler.load_state_dict(ranks[self.rank]["sampler"])
+            return
+        if self.rank == 0:
+            super()._load_streams(state)
+            return
+        # A snapshot of another world size (or of MinibatchRl) has no streams for this rank: a
+        # new seed, distinct per rank and resume point, rather than rank 0's streams or a repeat.
+        torch.manual_seed(self.seed + self.rank + 7919 * self.start_itr)
+        np.random.seed((self.seed + self.rank + 7919 * self.start_itr) % 2**32)
+
+    def train(self) -> TrainResult:
+        result = super().train()
+        if self.final_streams_digest is not None:
+            self.digests["streams"] = self.final_streams_digest
+        return result
 
     def shutdown(self) -> None:
         self.digests["final"] = param_digest(self.agent.model)

@@ -10,6 +10,18 @@
    -> release copied[h]
 ```
 
+With `n_workers` given, the sampler process runs a `ParallelSampler` instead of a
+`SerialSampler`: its worker processes step the environments and run the agent, the sampler
+process hands each batch over to a half (a copy of [T, B] arrays, microseconds beside the
+stepping) and does the double buffer's bookkeeping. A worker that dies ends the sampler
+process, which writes the worker's error where the master reads it (`check_alive`).
+
+Random streams: after each batch the sampler process writes its generator states (its own,
+its workers', its environments'; `rlplex.samplers.rng`) beside the half; the copier moves them
+to the "copied" slot in the same critical section that counts the batch, so the master reads
+the env-step count and the states that belong together (`progress_state`). A resumed sampler
+starts from them: it continues the streams rather than repeating the run's seeds.
+
 Backpressure: the sampler blocks only when both halves wait to be copied (copying is
 fast); the copiers block only on the replay lock. The optimizer never slows the sampler;
 it slows itself (the replay-ratio throttle in `rlplex.runners.async_`).
@@ -26,8 +38,10 @@ notices within a batch and the copiers within `POLL_S` of it.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -39,8 +53,10 @@ import torch
 from torch import nn
 
 from rlplex.envs import EnvConfig, EnvSpaces
-from rlplex.errors import WaitTimeoutError
+from rlplex.errors import ConfigError, RlplexError, WaitTimeoutError, WorkerDiedError
+from rlplex.samplers.parallel import RNG_SLOT_BYTES, RNG_SLOT_BYTES_PER_ENV, ParallelSampler
 from rlplex.samplers.processes import CONTEXT, check_alive, die_with_launcher, start_process, stop_processes
+from rlplex.samplers.rng import process_rng_state, set_process_rng_state
 from rlplex.samplers.serial import SerialSampler
 from rlplex.samplers.shared import SharedBatch, SharedBatchHandle
 from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle
@@ -53,6 +69,8 @@ LOCK_TIMEOUT_S = 30.0
 EPISODE_RING = 4096
 # counters: env steps copied, batches copied, episodes completed, weight version
 ENV_STEPS, BATCHES, EPISODES, VERSION = range(4)
+COPIED = 2  # slot of the generator states that go with the copied env steps (0 and 1: the halves)
+ERROR_BYTES = 4096
 
 BufferSelector = Callable[[Any], dict[str, np.ndarray]]
 AlgoFactory = Callable[[], Any]  # builds an object with `sampler_to_buffer(samples)`
@@ -95,10 +113,12 @@ def sampler_main(
     env: EnvConfig,
     batch_T: int,
     batch_B: int,
+    n_workers: int | None,
     agent_factory: AgentFactory,
     spaces: EnvSpaces,
     n_batches: int,
     seed: int,
+    restore: str | None,
     halves: tuple[SharedBatchHandle, SharedBatchHandle],
     weights: SharedArraysHandle,
     counters: SharedArraysHandle,
@@ -107,12 +127,61 @@ def sampler_main(
     die_with_launcher()
     torch.set_num_threads(1)
     torch.manual_seed(seed)
+    counter_block = SharedArrays.attach(counters)
+    try:
+        _sample(
+            env,
+            batch_T,
+            batch_B,
+            n_workers,
+            agent_factory,
+            spaces,
+            n_batches,
+            seed,
+            restore,
+            halves,
+            weights,
+            counter_block,
+            sync,
+        )
+    except BaseException as error:
+        if not isinstance(error, SystemExit | KeyboardInterrupt):
+            # The master sees only an exit code: leave it the cause (e.g. which worker died).
+            message = f"{type(error).__name__}: {error}".encode()[:ERROR_BYTES]
+            counter_block.arrays["error"][: len(message)] = np.frombuffer(message, dtype=np.uint8)
+            traceback.print_exc()
+        raise
+
+
+def _sample(
+    env: EnvConfig,
+    batch_T: int,
+    batch_B: int,
+    n_workers: int | None,
+    agent_factory: AgentFactory,
+    spaces: EnvSpaces,
+    n_batches: int,
+    seed: int,
+    restore: str | None,
+    halves: tuple[SharedBatchHandle, SharedBatchHandle],
+    weights: SharedArraysHandle,
+    counter_block: SharedArrays,
+    sync: SyncObjects,
+) -> None:
     shared = [SharedBatch.attach(h) for h in halves]
-    weight_block, counter_block = SharedArrays.attach(weights), SharedArrays.attach(counters)
+    weight_block = SharedArrays.attach(weights)
     count = counter_block.arrays["counters"]
     agent = agent_factory(spaces)
-    sampler = SerialSampler(env, batch_T, batch_B)
+    sampler: SerialSampler | ParallelSampler
+    if n_workers is None:
+        sampler = SerialSampler(env, batch_T, batch_B)
+    else:
+        sampler = ParallelSampler(env, batch_T, batch_B, n_workers, agent_factory=agent_factory)
     sampler.initialize(agent, seed=seed, rank=0)
+    if restore is not None:
+        state = json.loads(restore)
+        set_process_rng_state(state["processes"][0])
+        sampler.load_state_dict({"processes": state["processes"][1:], "envs": state["envs"]})
     version = -1
     try:
         for itr in range(n_batches):
@@ -134,11 +203,23 @@ def sampler_main(
             out = dict(shared[half].batch.arrays())
             for name, array in batch.arrays():
                 np.copyto(out[name], array)
+            inner = sampler.state_dict()
+            streams = {"processes": [process_rng_state(), *inner["processes"]], "envs": inner["envs"]}
+            _write_rng(counter_block, half, streams)
             sync.ready[half].release()
         while not sync.stop.wait(POLL_S) and _parent_alive():
             pass  # done sampling; stay alive (a live child is a healthy child) until told to stop
     finally:
         sampler.shutdown()
+
+
+def _write_rng(block: SharedArrays, slot: int, state: dict[str, Any]) -> None:
+    payload = json.dumps(state).encode()
+    target = block.arrays[f"rng{slot}"]
+    if len(payload) > len(target):
+        raise RlplexError(f"async sampler: generator state of {len(payload)} B exceeds its {len(target)} B slot")
+    target[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    block.arrays["rng_length"][slot] = len(payload)
 
 
 def copier_main(
@@ -168,6 +249,9 @@ def copier_main(
         try:
             slots = (int(count[EPISODES]) + np.arange(len(returns))) % EPISODE_RING
             ep_return[slots], ep_length[slots] = returns, lengths
+            n = int(block.arrays["rng_length"][half])
+            block.arrays[f"rng{COPIED}"][:n] = block.arrays[f"rng{half}"][:n]
+            block.arrays["rng_length"][COPIED] = n
             count[EPISODES] += len(returns)
             count[ENV_STEPS] += samples.T * samples.B
             count[BATCHES] += 1
@@ -189,8 +273,14 @@ def _semaphore_names(obj: Any) -> list[str]:
 class AsyncSampler:
     """Master-side owner of the sampler and copier processes and of their shared memory."""
 
-    def __init__(self, env: EnvConfig, batch_T: int, batch_B: int) -> None:
-        self.env_config, self.batch_T, self.batch_B = env, batch_T, batch_B
+    def __init__(self, env: EnvConfig, batch_T: int, batch_B: int, n_workers: int | None = None) -> None:
+        """`n_workers`: None samples in the sampler process itself; a number, in that many
+        worker processes behind it (`ParallelSampler`)."""
+        if n_workers is not None and not 1 <= n_workers <= batch_B:
+            raise ConfigError(
+                f"field 'sampler.n_workers': {n_workers} workers need 1 <= n_workers <= batch_B ({batch_B})"
+            )
+        self.env_config, self.batch_T, self.batch_B, self.n_workers = env, batch_T, batch_B, n_workers
         self.processes: list[SpawnProcess] = []
         self._owned: list[Any] = []
         self._episodes_read = 0
@@ -205,9 +295,13 @@ class AsyncSampler:
         n_batches: int,
         seed: int,
         start_env_steps: int = 0,
+        restore: dict[str, Any] | None = None,
     ) -> None:
+        """`restore`: generator states from `progress_state()` of an earlier run to continue."""
         try:
-            self._start(agent_factory, spaces, model, algo_factory, replay_handle, n_batches, seed, start_env_steps)
+            restored = None if restore is None else json.dumps(restore)
+            args = (agent_factory, spaces, model, algo_factory, replay_handle, n_batches, seed, start_env_steps)
+            self._start(*args, restored)
         except BaseException:
             self.shutdown()
             raise
@@ -222,18 +316,26 @@ class AsyncSampler:
         n_batches: int,
         seed: int,
         start_env_steps: int,
+        restore: str | None,
     ) -> None:
         info_spec = agent_factory(spaces).info_spec
         halves = [SharedBatch.create(spaces, info_spec, self.batch_T, self.batch_B) for _ in range(2)]
         self._owned += halves
         state = model.state_dict()
-        self._weights = SharedArrays.create({k: (tuple(v.shape), v.numpy().dtype) for k, v in state.items()})
+        self._weights = SharedArrays.create(
+            {k: (tuple(v.shape), torch.empty((), dtype=v.dtype).numpy().dtype) for k, v in state.items()}
+        )
         self._owned.append(self._weights)
+        n_processes = 1 + (self.n_workers or 0)
+        rng_bytes = RNG_SLOT_BYTES * n_processes + RNG_SLOT_BYTES_PER_ENV * self.batch_B
         self._stats = SharedArrays.create(
             {
                 "counters": ((4,), np.int64),
                 "ep_return": ((EPISODE_RING,), np.float64),
                 "ep_length": ((EPISODE_RING,), np.int64),
+                "rng_length": ((3,), np.int64),
+                **{f"rng{slot}": ((rng_bytes,), np.uint8) for slot in range(3)},
+                "error": ((ERROR_BYTES,), np.uint8),
             }
         )
         self._owned.append(self._stats)
@@ -255,16 +357,19 @@ class AsyncSampler:
                     self.env_config,
                     self.batch_T,
                     self.batch_B,
+                    self.n_workers,
                     agent_factory,
                     spaces,
                     n_batches,
                     seed,
+                    restore,
                     handles,
                     self._weights.handle,
                     self._stats.handle,
                     self.sync,
                 ),
                 name="async-sampler",
+                daemon=self.n_workers is None,  # a parallel sampler starts worker processes
             )
         )
         for half in range(2):
@@ -287,7 +392,24 @@ class AsyncSampler:
         return names
 
     def check_alive(self) -> None:
-        check_alive(self.processes)
+        try:
+            check_alive(self.processes)
+        except WorkerDiedError as error:
+            cause = bytes(self._stats.arrays["error"]).rstrip(b"\0").decode(errors="replace")
+            if cause:
+                raise WorkerDiedError(f"{error}: {cause}") from None
+            raise
+
+    def progress_state(self) -> tuple[int, dict[str, Any] | None]:
+        """The env steps copied so far and the sampler's generator states right after the
+        batch that completed them, read together (None before the first batch is copied)."""
+        self._acquire(self.sync.progress, "progress condition")
+        try:
+            env_steps, n = int(self._count[ENV_STEPS]), int(self._stats.arrays["rng_length"][COPIED])
+            state = json.loads(self._stats.arrays[f"rng{COPIED}"][:n].tobytes()) if n else None
+            return env_steps, state
+        finally:
+            self.sync.progress.release()
 
     def _acquire(self, primitive: Any, what: str) -> None:
         waited = 0.0
@@ -329,8 +451,11 @@ class AsyncSampler:
     def publish_weights(self, model: nn.Module) -> None:
         self._acquire(self.sync.weight_lock, "weight lock")
         try:
-            for key, value in model.state_dict().items():
-                np.copyto(self._weights.arrays[key], value.detach().numpy())
+            with torch.no_grad():
+                for key, value in model.state_dict().items():
+                    # from_numpy shares the segment's memory: one copy, device to host where the
+                    # model is on a GPU, with no intermediate array.
+                    torch.from_numpy(self._weights.arrays[key]).copy_(value.detach())
             self._count[VERSION] += 1
         finally:
             self.sync.weight_lock.release()

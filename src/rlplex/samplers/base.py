@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -19,7 +19,8 @@ class Sampler(Protocol):
 
     `initialize` builds environments (and workers, for parallel samplers). `obtain_samples`
     first brings any remote copy of the agent up to date, then returns a batch that stays
-    valid until the next call. `shutdown` releases every process and shared buffer.
+    valid until the next call. `state_dict`/`load_state_dict` carry the random streams
+    across a resume. `shutdown` releases every process and shared buffer.
     """
 
     batch_T: int
@@ -28,6 +29,16 @@ class Sampler(Protocol):
     def initialize(self, agent: Agent, seed: int, rank: int = 0) -> None: ...
 
     def obtain_samples(self, itr: int) -> SampleBatch: ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """Generator states that a snapshot needs to continue sampling's random streams:
+        `processes` (one JSON state per worker process; empty when the policy runs in the
+        caller's process) and `envs` (one per environment, in batch order)."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the streams of `state` (after `initialize`, before the next batch)."""
+        ...
 
     def shutdown(self) -> None: ...
 

@@ -16,6 +16,7 @@ import gymnasium as gym
 import numpy as np
 
 from rlplex.envs import EnvSpaces
+from rlplex.samplers.rng import check_env_count, env_rng_state, set_env_rng_state
 
 Policy = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
 
@@ -24,7 +25,7 @@ class EnvCollector:
     def __init__(self, envs: Sequence[gym.Env[Any, Any]], spaces: EnvSpaces, seeds: Sequence[int]) -> None:
         self.envs = list(envs)
         self.spaces = spaces
-        self._seeds = list(seeds)
+        self._seeds: list[int | None] = list(seeds)
         self._clip = spaces.action_kind == "continuous"
         if self._clip:
             self._low = np.asarray(spaces.action_low, dtype=np.float32).reshape(spaces.action_shape)
@@ -42,6 +43,20 @@ class EnvCollector:
         self._episode_return[:] = 0
         self._episode_length[:] = 0
         self._started = True
+
+    def rng_states(self) -> list[Any]:
+        """Each environment's generator state (JSON values; None before its first reset)."""
+        return [env_rng_state(env) for env in self.envs]
+
+    def restore_rng_states(self, states: Sequence[Any]) -> None:
+        """Continue each environment's generator from `states`: the next batch starts new
+        episodes, reset without a seed so that they draw from the restored generator."""
+        check_env_count(states, len(self.envs), "this sampler")
+        for i, (env, state) in enumerate(zip(self.envs, states, strict=True)):
+            if state is not None:
+                set_env_rng_state(env, state)
+                self._seeds[i] = None
+        self._started = False
 
     def collect(self, policy: Policy, out: Any) -> None:
         """Fill every time step of `out` (a SampleBatch whose B equals the number of envs)."""

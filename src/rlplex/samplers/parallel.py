@@ -32,6 +32,11 @@ stayed ahead of subprocess vector envs (12-15k) either way.
 Weights travel through `SharedWeights` (the `state_dict`, parameters and buffers, in one
 shared segment, with a version counter); each worker reloads only when the version moved.
 
+Random streams: after each batch a worker writes its generator states (its process's, for
+action sampling, and its environments') as JSON into its slot of a shared block, so
+`state_dict()` reads them without a round trip; `load_state_dict()` writes states into the
+workers' other slots, and each restores them before its next batch (see `rlplex.samplers.rng`).
+
 Faults: every wait polls with a short timeout and checks that the workers are alive, so a
 worker killed with SIGKILL becomes `WorkerDiedError` (naming rank, worker index, pid and
 exit code) within about `POLL_S`. The sampler then stops cleanly rather than restarting the
@@ -43,6 +48,7 @@ exit on their own if the master disappears (their parent pid changes).
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -55,15 +61,20 @@ import torch
 
 from rlplex.agents.base import Agent, AgentFactory
 from rlplex.envs import EnvConfig, EnvSpaces, env_seed, make_env, probe_spaces
-from rlplex.errors import ConfigError, RlplexError, WaitTimeoutError
+from rlplex.errors import ConfigError, RlplexError, SnapshotError, WaitTimeoutError
 from rlplex.models import unwrap_model
 from rlplex.samplers.batch import SampleBatch
 from rlplex.samplers.collector import EnvCollector
 from rlplex.samplers.processes import CONTEXT, check_alive, die_with_launcher, start_process, stop_processes
+from rlplex.samplers.rng import process_rng_state, set_process_rng_state, streams_digest
 from rlplex.samplers.shared import SharedBatch, SharedBatchHandle
+from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle
 from rlplex.samplers.weights import SharedWeights, SharedWeightsHandle
 
 POLL_S = 0.1  # how often a waiting side checks the other side's liveness
+# A process's generator states take about 23 kB of JSON, an environment's about 150 B.
+RNG_SLOT_BYTES, RNG_SLOT_BYTES_PER_ENV = 64 << 10, 512
+SAVED, TO_LOAD = 0, 1  # columns of the "lengths" array: bytes of JSON in each of a worker's slots
 
 
 @dataclass(frozen=True)
@@ -81,6 +92,7 @@ class _WorkerSpec:
     seeds: tuple[int, ...]
     rng_seed: int  # the worker's torch and numpy generators (action sampling)
     parent_pid: int
+    rng: SharedArraysHandle  # "lengths" [n_workers, 2], and per worker "save{w}" / "load{w}" bytes
 
 
 @dataclass(frozen=True)
@@ -152,6 +164,8 @@ class ParallelSampler:
         self._go: list[Semaphore] = []
         self._done: list[Semaphore] = []
         self._stop: Event | None = None
+        self._rng: SharedArrays | None = None
+        self._ranges: list[tuple[int, int]] = []
         self._rank = 0
 
     # ----- lifecycle ----------------------------------------------------------------------
@@ -161,13 +175,18 @@ class ParallelSampler:
         self._agent, self._rank = agent, rank
         spaces = probe_spaces(self.env_config)
         factory = self.agent_factory if self.agent_factory is not None else _PickledAgent(agent)
-        ranges = split_envs(self.batch_B, self.n_workers)
+        ranges = self._ranges = split_envs(self.batch_B, self.n_workers)
         self.env_seeds = [
             tuple(env_seed(seed, rank, w, j) for j in range(stop - start)) for w, (start, stop) in enumerate(ranges)
         ]
         try:
             self._shared = SharedBatch.create(spaces, agent.info_spec, self.batch_T, self.batch_B)
             self._weights = SharedWeights.create(self._model_state())
+            slot = {w: RNG_SLOT_BYTES + RNG_SLOT_BYTES_PER_ENV * (b - a) for w, (a, b) in enumerate(ranges)}
+            self._rng = SharedArrays.create(
+                {"lengths": ((self.n_workers, 2), np.int64)}
+                | {f"{kind}{w}": ((n,), np.uint8) for w, n in slot.items() for kind in ("save", "load")}
+            )
             self._stop = CONTEXT.Event()
             self._go = [CONTEXT.Semaphore(0) for _ in range(self.n_workers)]
             self._done = [CONTEXT.Semaphore(0) for _ in range(self.n_workers)]
@@ -184,6 +203,7 @@ class ParallelSampler:
                     self.env_seeds[w],
                     worker_rng_seed(seed, rank, w),
                     os.getpid(),
+                    self._rng.handle,
                 )
                 process = start_process(
                     _worker_main, (spec, self._go[w], self._done[w], self._stop), f"rank {rank} sampler worker {w}"
@@ -208,6 +228,41 @@ class ParallelSampler:
             raise
         return self._shared.batch
 
+    def state_dict(self) -> dict[str, Any]:
+        """Every worker's generator states as of its last batch (workers are idle between batches)."""
+        if self._rng is None:
+            raise RlplexError("ParallelSampler.state_dict called before initialize() or after shutdown()")
+        lengths = self._rng.arrays["lengths"]
+        states = [
+            json.loads(self._rng.arrays[f"save{w}"][: lengths[w, SAVED]].tobytes()) for w in range(self.n_workers)
+        ]
+        return {"processes": [s["process"] for s in states], "envs": [e for s in states for e in s["envs"]]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Workers continue the streams of `state` from their next batch.
+
+        A snapshot with another number of sampling processes (a serial sampler's, or other
+        `n_workers`) cannot give each worker its own stream: workers then draw from new seeds
+        derived from the snapshot's states, so no stream of the run is repeated."""
+        if self._rng is None:
+            raise RlplexError("ParallelSampler.load_state_dict called before initialize() or after shutdown()")
+        envs, processes = list(state["envs"]), list(state["processes"])
+        if len(envs) != self.batch_B:
+            raise SnapshotError(
+                f"snapshot is from an incompatible config: {len(envs)} environment generator states, "
+                f"{self.batch_B} environments now (sampler.batch_B changed)"
+            )
+        reseed = len(processes) != self.n_workers
+        entropy = int(streams_digest([*processes, *envs])[:16], 16)
+        for w, (start, stop) in enumerate(self._ranges):
+            process: Any = worker_rng_seed(entropy, self._rank, w) if reseed else processes[w]
+            payload = json.dumps({"process": process, "envs": envs[start:stop]}).encode()
+            target = self._rng.arrays[f"load{w}"]
+            if len(payload) > len(target):
+                raise SnapshotError(f"generator state of sampler worker {w} ({len(payload)} B) exceeds its slot")
+            target[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+            self._rng.arrays["lengths"][w, TO_LOAD] = len(payload)
+
     def shutdown(self) -> None:
         """Stop every worker (politely, then by force) and unlink all shared memory. Idempotent."""
         if self._stop is not None:
@@ -227,6 +282,9 @@ class ParallelSampler:
         if self._shared is not None:
             self._shared.close()
             self._shared = None
+        if self._rng is not None:
+            self._rng.close()
+            self._rng = None
 
     # ----- internals ----------------------------------------------------------------------
     def _model_state(self) -> dict[str, torch.Tensor]:
@@ -266,19 +324,47 @@ def _worker_main(spec: _WorkerSpec, go: Semaphore, done: Semaphore, stop: Event)
     envs = [make_env(spec.env) for _ in range(spec.env_stop - spec.env_start)]
     collector = EnvCollector(envs, spec.spaces, spec.seeds)
     view = shared.batch.env_slice(spec.env_start, spec.env_stop)
+    rng = SharedArrays.attach(spec.rng)
     loaded_version = 0
+    _save_rng(rng, spec.index, collector)
     done.release()  # started
     try:
         while _wait_for_go(go, stop, spec.parent_pid):
+            _load_rng(rng, spec.index, collector)
             if weights.version != loaded_version:
                 loaded_version = weights.version
                 model.load_state_dict(weights.tensors)
             # inference_mode: no autograd bookkeeping at all, a few µs less per policy call.
             with torch.inference_mode():
                 collector.collect(agent.step, view)
+            _save_rng(rng, spec.index, collector)
             done.release()
     finally:
         collector.close()
         del view
+        rng.close()
         weights.close()
         shared.close()
+
+
+def _save_rng(rng: SharedArrays, w: int, collector: EnvCollector) -> None:
+    payload = json.dumps({"process": process_rng_state(), "envs": collector.rng_states()}).encode()
+    target = rng.arrays[f"save{w}"]
+    if len(payload) > len(target):
+        raise RlplexError(f"sampler worker {w}: generator state of {len(payload)} B exceeds its {len(target)} B slot")
+    target[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
+    rng.arrays["lengths"][w, SAVED] = len(payload)
+
+
+def _load_rng(rng: SharedArrays, w: int, collector: EnvCollector) -> None:
+    lengths = rng.arrays["lengths"]
+    if lengths[w, TO_LOAD] == 0:
+        return
+    state = json.loads(rng.arrays[f"load{w}"][: lengths[w, TO_LOAD]].tobytes())
+    lengths[w, TO_LOAD] = 0
+    if isinstance(state["process"], int):  # a new seed (see ParallelSampler.load_state_dict)
+        torch.manual_seed(state["process"])
+        np.random.seed(state["process"])
+    else:
+        set_process_rng_state(state["process"])
+    collector.restore_rng_states(state["envs"])

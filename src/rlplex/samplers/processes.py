@@ -27,8 +27,9 @@ def die_with_launcher() -> None:
     die_with_parent(signal.SIGTERM, None if parent is None else parent.pid)
 
 
-def start_process(target: Callable[..., Any], args: tuple[Any, ...], name: str) -> SpawnProcess:
-    process = CONTEXT.Process(target=target, args=args, name=name, daemon=True)
+def start_process(target: Callable[..., Any], args: tuple[Any, ...], name: str, daemon: bool = True) -> SpawnProcess:
+    """`daemon=False` for a child that starts children of its own (a daemon may not)."""
+    process = CONTEXT.Process(target=target, args=args, name=name, daemon=daemon)
     process.start()
     return process
 

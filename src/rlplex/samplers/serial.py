@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -39,6 +39,18 @@ class SerialSampler:
         with torch.inference_mode():
             self._collector.collect(self._agent.step, self._batch)
         return self._batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The environments' generator states. The policy samples from this process's global
+        generators, which the runner's snapshot holds itself: no process states here."""
+        if self._collector is None:
+            raise RlplexError("SerialSampler.state_dict called before initialize()")
+        return {"processes": [], "envs": self._collector.rng_states()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._collector is None:
+            raise RlplexError("SerialSampler.load_state_dict called before initialize()")
+        self._collector.restore_rng_states(state["envs"])
 
     def shutdown(self) -> None:
         if self._collector is not None:

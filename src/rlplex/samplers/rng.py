@@ -1,0 +1,80 @@
+"""Random-generator state as plain JSON values, so that a resumed run continues its streams.
+
+Two kinds of stream exist in sampling: a process's global generators (torch, numpy, Python's
+`random`: the agents' action sampling and exploration noise) and each environment's own
+`np_random` (initial states at every reset). Both are captured here as JSON-able values
+(ints, strings, lists) that travel in a snapshot's JSON and between processes without pickle.
+
+An environment's state cannot be saved (gymnasium has no portable state), so a resumed run
+starts new episodes; but with its generator restored, the first reset draws what the
+uninterrupted run's next reset would have drawn, rather than repeating the run's first seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+import torch
+
+from rlplex.errors import SnapshotError
+
+JsonState = dict[str, Any]
+
+
+def process_rng_state() -> JsonState:
+    """The calling process's torch, numpy and Python global generator states."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+    version, internal, py_gauss = random.getstate()
+    return {
+        "torch": torch.get_rng_state().numpy().tobytes().hex(),
+        "numpy": [str(name), np.asarray(keys, dtype=np.uint32).tobytes().hex(), int(pos), int(has_gauss), float(gauss)],
+        "python": [version, list(internal), py_gauss],
+    }
+
+
+def set_process_rng_state(state: JsonState) -> None:
+    try:
+        torch.set_rng_state(torch.frombuffer(bytearray(bytes.fromhex(state["torch"])), dtype=torch.uint8))
+        name, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((name, np.frombuffer(bytes.fromhex(keys), dtype=np.uint32).copy(), pos, has_gauss, gauss))
+        version, internal, py_gauss = state["python"]
+        random.setstate((version, tuple(internal), py_gauss))
+    except (KeyError, TypeError, ValueError, RuntimeError) as error:
+        raise SnapshotError(f"malformed random generator state in snapshot: {error}") from None
+
+
+def env_rng_state(env: gym.Env[Any, Any]) -> JsonState | None:
+    """The environment's `np_random` state; None before its first seeded reset."""
+    inner = env.unwrapped
+    if getattr(inner, "_np_random", None) is None:
+        return None
+    state = inner.np_random.bit_generator.state
+    return json.loads(json.dumps(state))  # ints of any size and strings: JSON as it is
+
+
+def set_env_rng_state(env: gym.Env[Any, Any], state: JsonState) -> None:
+    try:
+        bit_generator = getattr(np.random, state["bit_generator"])()
+        bit_generator.state = state
+    except (AttributeError, KeyError, TypeError, ValueError) as error:
+        raise SnapshotError(f"malformed environment generator state in snapshot: {error}") from None
+    env.unwrapped.np_random = np.random.Generator(bit_generator)
+
+
+def check_env_count(states: Sequence[Any], n_envs: int, where: str) -> None:
+    if len(states) != n_envs:
+        raise SnapshotError(
+            f"snapshot is from an incompatible config: {len(states)} environment generator states for {where}, "
+            f"{n_envs} environments now (sampler.batch_B or n_workers changed)"
+        )
+
+
+def streams_digest(process_states: Sequence[JsonState | None]) -> str:
+    """SHA-256 of process generator states: equal digests mean equal streams from here on."""
+    return hashlib.sha256(json.dumps(list(process_states), sort_keys=True).encode()).hexdigest()
