@@ -6,7 +6,12 @@ that same replay ratio. MinibatchRl alternates the two; AsyncRl overlaps them in
 processes, so up to 2x on two free cores. AsyncRl's time starts at its first batch
 (process start-up excluded) and its achieved ratio is reported beside the set point.
 
-    python -m benchmarks.async_vs_minibatch [--quick] [--repeats 3]
+A third run per seed, AsyncRl with the parallel sampler behind the double buffer
+(`[sampler] kind = "parallel"`, `--workers` processes stepping the environments and running
+the agent), shows what sampling workers add when there are cores for them (on two cores the
+optimizer, the sampler process and the workers share them).
+
+    python -m benchmarks.async_vs_minibatch [--quick] [--repeats 3] [--workers 2]
 """
 
 from __future__ import annotations
@@ -57,8 +62,9 @@ def config(updates: int) -> DQNConfig:
     return DQNConfig(batch_size=BATCH, learning_starts=1000, updates_per_itr=updates, target_update_interval=updates)
 
 
-def run_pair(updates: int, n_steps: int, seed: int) -> tuple[float, float, float]:
-    """(MinibatchRl env steps/s, AsyncRl env steps/s, AsyncRl's achieved replay ratio), back to back."""
+def run_set(updates: int, n_steps: int, seed: int, workers: int) -> tuple[float, float, float, float, float]:
+    """(MinibatchRl env steps/s, AsyncRl env steps/s and achieved replay ratio, the same for
+    AsyncRl with `workers` parallel sampler workers), back to back."""
     ratio = updates * BATCH / (T * B)
     minibatch = MinibatchRl(
         DQN(config(updates), seed=seed), DqnAgent(probe_spaces(CARTPOLE), hidden=HIDDEN),
@@ -66,43 +72,64 @@ def run_pair(updates: int, n_steps: int, seed: int) -> tuple[float, float, float
         show_progress=False,
     )  # fmt: skip
     mb = minibatch.train()
-    run = AsyncRl(
-        DQN(config(updates), seed=seed), partial(DqnAgent, hidden=HIDDEN), CARTPOLE, batch_T=T, batch_B=B,
-        n_steps=n_steps, replay_ratio=ratio, seed=seed, log_interval_steps=n_steps // 4, show_progress=False,
-    )  # fmt: skip
-    asy = run.train()
-    achieved = float(asy.history[-1]["charts/replay_ratio_cumulative"])
-    return mb.env_steps / mb.wall_time_s, asy.env_steps / asy.wall_time_s, achieved
+    rates = []
+    for n_workers in (None, workers):
+        run = AsyncRl(
+            DQN(config(updates), seed=seed), partial(DqnAgent, hidden=HIDDEN), CARTPOLE, batch_T=T, batch_B=B,
+            n_steps=n_steps, replay_ratio=ratio, seed=seed, log_interval_steps=n_steps // 4, show_progress=False,
+            n_workers=n_workers,
+        )  # fmt: skip
+        asy = run.train()
+        rates += [asy.env_steps / asy.wall_time_s, float(asy.history[-1]["charts/replay_ratio_cumulative"])]
+    return mb.env_steps / mb.wall_time_s, rates[0], rates[1], rates[2], rates[3]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--repeats", type=int, default=3, help="pairs run back to back; the median ratio is quoted")
+    parser.add_argument("--repeats", type=int, default=3, help="sets run back to back; the median ratio is quoted")
+    parser.add_argument("--workers", type=int, default=2, help="parallel sampler workers of the third run")
     args = parser.parse_args()
     n_steps = 20_480 if args.quick else 81_920
     repeats = 1 if args.quick else args.repeats
     updates = calibrate()
     ratio = updates * BATCH / (T * B)
-    pairs = [run_pair(updates, n_steps, seed) for seed in range(repeats)]
-    speedups = [asy / mb for mb, asy, _ in pairs]
-    speedup = statistics.median(speedups)
+    sets = [run_set(updates, n_steps, seed, args.workers) for seed in range(repeats)]
+    speedups = [asy / mb for mb, asy, _, _, _ in sets]
+    parallel_speedups = [par / mb for mb, _, _, par, _ in sets]
+    speedup, parallel_speedup = statistics.median(speedups), statistics.median(parallel_speedups)
     print(f"\nupdates per {T * B}-step batch: {updates} (replay ratio set point {ratio:g})")
-    print(f"{'seed':>4} {'MinibatchRl steps/s':>20} {'AsyncRl steps/s':>16} {'achieved ratio':>15} {'speed-up':>9}")
-    for seed, ((mb_rate, asy_rate, achieved), up) in enumerate(zip(pairs, speedups, strict=True)):
-        print(f"{seed:>4} {mb_rate:>20.0f} {asy_rate:>16.0f} {achieved:>15.3f} {up:>8.2f}x")
-    print(f"\nmedian speed-up {speedup:.2f}x (goal >= 1.6x)")
+    print(f"{'seed':>4} {'MinibatchRl':>12} {'AsyncRl':>9} {'ratio':>6} {'speed-up':>9} "
+          f"{f'AsyncRl+{args.workers}w':>11} {'ratio':>6} {'speed-up':>9}   (env steps/s)")  # fmt: skip
+    for seed, ((mb_rate, asy_rate, achieved, par_rate, par_achieved), up, par_up) in enumerate(
+        zip(sets, speedups, parallel_speedups, strict=True)
+    ):
+        print(f"{seed:>4} {mb_rate:>12.0f} {asy_rate:>9.0f} {achieved:>6.3f} {up:>8.2f}x "
+              f"{par_rate:>11.0f} {par_achieved:>6.3f} {par_up:>8.2f}x")  # fmt: skip
+    print(
+        f"\nmedian speed-up {speedup:.2f}x (goal >= 1.6x); with {args.workers} sampler workers {parallel_speedup:.2f}x"
+    )
     OUT.mkdir(exist_ok=True)
     summary = {
         "updates_per_batch": updates,
         "replay_ratio_set_point": ratio,
         "n_steps": n_steps,
-        "pairs": [
-            {"seed": i, "minibatch_env_steps_per_s": m, "async_env_steps_per_s": a, "async_achieved_replay_ratio": r}
-            for i, (m, a, r) in enumerate(pairs)
+        "parallel_workers": args.workers,
+        "runs": [
+            {
+                "seed": i,
+                "minibatch_env_steps_per_s": m,
+                "async_env_steps_per_s": a,
+                "async_achieved_replay_ratio": r,
+                "async_parallel_env_steps_per_s": p,
+                "async_parallel_achieved_replay_ratio": pr,
+            }
+            for i, (m, a, r, p, pr) in enumerate(sets)
         ],
         "speedups": speedups,
         "speedup": speedup,
+        "parallel_speedups": parallel_speedups,
+        "parallel_speedup": parallel_speedup,
         "goal_met": speedup >= 1.6,
     }
     (OUT / "async_vs_minibatch.json").write_text(json.dumps(summary, indent=1))

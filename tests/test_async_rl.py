@@ -237,3 +237,72 @@ def test_resume_continues_counters_epsilon_and_replay(tmp_path: Path) -> None:
     eps_final = DQNConfig().eps_final
     assert float(saved["agent"]["epsilon"]) == pytest.approx(eps_final)
     assert float(final["agent"]["epsilon"]) == pytest.approx(eps_final)
+
+
+def child_pids(pid: int, n: int, timeout: float = 60.0) -> list[int]:
+    """The first `n` children of `pid` (Linux /proc), waiting until that many exist."""
+    deadline = time.monotonic() + timeout
+    children: list[int] = []
+    while time.monotonic() < deadline:
+        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        if len(children) >= n:
+            return children[:n]
+        time.sleep(0.05)  # polling /proc for a condition, with a deadline
+    raise AssertionError(f"process {pid} has {len(children)} children, expected {n}")
+
+
+def test_parallel_async_sampler_sigkilled_worker_fails_fast_and_leaves_nothing() -> None:
+    run = runner(replay_ratio=1.0, n_steps=10_000_000, batch_B=4, log_interval_steps=512, n_workers=2)
+    outcome: dict[str, Any] = {}
+
+    def train() -> None:
+        try:
+            outcome["result"] = run.train()
+        except BaseException as error:
+            outcome["error"] = error
+            outcome["at"] = time.monotonic()
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    try:
+        # Three processes import torch before the first row: on a loaded machine, minutes.
+        assert run.started.wait(timeout=300), "AsyncRl did not start"
+        sampler_pid = run.pids[0]
+        workers = child_pids(sampler_pid, 2)
+        killed_at = time.monotonic()
+        os.kill(workers[1], signal.SIGKILL)
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "AsyncRl did not stop after a sampler worker was killed"
+    finally:
+        if thread.is_alive():
+            run.sampler.sync.stop.set()
+            thread.join(timeout=30)
+    error = outcome.get("error")
+    assert isinstance(error, WorkerDiedError), outcome
+    # The master names its child and, from the child's report, the worker that died.
+    assert "async-sampler" in str(error) and "sampler worker 1" in str(error) and "-9" in str(error), error
+    assert outcome["at"] - killed_at < 5.0
+    assert_cleaned_up(run)
+    for pid in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    # The sampler process unlinked the segments it created for its workers before it exited.
+    assert list(Path("/dev/shm").glob(f"rlplex-shm-{sampler_pid}-*")) == []
+
+
+def test_toml_parallel_sampler_under_async_trains_sac(tmp_path: Path) -> None:
+    data = {
+        "env": {"id": "Pendulum-v1"},
+        "algo": {"name": "sac", "batch_size": 64, "learning_starts": 256, "critic_hidden": [32, 32]},
+        "agent": {"hidden": [32, 32]},
+        "sampler": {"kind": "parallel", "n_workers": 2, "batch_T": 32, "batch_B": 4},
+        "runner": {"kind": "async", "replay_ratio": 2.0, "n_steps": 2048, "log_interval_steps": 512},
+    }
+    built = build_runner(validate_config(TrainConfig, data), output_dir=tmp_path, show_progress=False)
+    assert isinstance(built, AsyncRl) and built.n_workers == 2
+    result = built.train()
+    assert result.env_steps == 2048
+    assert any("losses/critic" in row for row in result.history), result.history[-1]
+    # 4 environments of 512 steps each, 200-step Pendulum episodes: 2 complete episodes each.
+    assert sum(row["charts/episodes"] for row in result.history) == 8
+    assert not [p for p in mp.active_children() if p.is_alive()]

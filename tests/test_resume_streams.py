@@ -27,11 +27,11 @@ from rlplex.agents import CategoricalPgAgent, DqnAgent
 from rlplex.algos import DQN, PPO, DQNConfig, PPOConfig
 from rlplex.config import validate_config
 from rlplex.envs import EnvConfig, probe_spaces
-from rlplex.runners import MinibatchRl
+from rlplex.runners import MinibatchRl, MinibatchRlEval
 from rlplex.runners.async_ import AsyncRl
 from rlplex.runners.config import TrainConfig, build_runner
 from rlplex.runners.snapshot import list_snapshots, read_snapshot
-from rlplex.samplers import ParallelSampler, SampleBatch, SerialSampler
+from rlplex.samplers import Evaluator, ParallelSampler, SampleBatch, SerialSampler
 
 CARTPOLE = EnvConfig(id="CartPole-v1")
 
@@ -186,3 +186,31 @@ def test_async_resume_continues_the_samplers_streams(tmp_path: Path, n_workers: 
     assert result.env_steps == 1024
     assert whole.final_streams_digest is not None
     assert resumed.final_streams_digest == whole.final_streams_digest
+
+
+def test_an_eval_runner_resumes_its_evaluation_count(tmp_path: Path) -> None:
+    """Evaluation seeds come from the count of evaluations: a resume goes on counting, so it
+    evaluates on new episodes rather than on those of the first evaluations again."""
+
+    def make(log_dir: Path) -> MinibatchRlEval:
+        return MinibatchRlEval(
+            PPO(PPOConfig(n_epochs=1, minibatch_size=64)),
+            CategoricalPgAgent(probe_spaces(CARTPOLE)),
+            SerialSampler(CARTPOLE, 32, 4),
+            n_steps=3 * 128,
+            log_interval_steps=128,
+            log_dir=log_dir,
+            snapshot_mode="all",
+            show_progress=False,
+            evaluator=Evaluator(CARTPOLE, n_episodes=2),
+        )
+
+    whole = make(tmp_path / "whole")
+    whole.train()
+    assert whole.evaluator.calls == 3
+    snapshot = list_snapshots(tmp_path / "whole" / "snapshots")[1][1]
+    assert read_snapshot(snapshot)["evaluator_calls"] == 2
+    resumed = make(tmp_path / "resumed")
+    resumed.resume_from(snapshot)
+    resumed.train()
+    assert resumed.evaluator.calls == 3

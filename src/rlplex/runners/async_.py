@@ -374,6 +374,14 @@ class AsyncRlEval(AsyncRl):
     def evaluate_performance(self) -> dict[str, float]:
         return evaluation_metrics(self.evaluator, self.agent)
 
+    def get_itr_snapshot(self, itr: int) -> dict[str, Any]:
+        # A resumed run evaluates on new episodes, not on those of its first evaluations again.
+        return {**super().get_itr_snapshot(itr), "evaluator_calls": self.evaluator.calls}
+
+    def _load_resume_state(self, state: dict[str, Any]) -> None:
+        super()._load_resume_state(state)
+        self.evaluator.calls = int(state.get("evaluator_calls", 0))
+
     def shutdown(self) -> None:
         super().shutdown()
         self.evaluator.close()

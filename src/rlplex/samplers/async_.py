@@ -38,8 +38,12 @@ notices within a batch and the copiers within `POLL_S` of it.
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing as mp
+import os
+import signal
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -125,6 +129,10 @@ def sampler_main(
     sync: SyncObjects,
 ) -> None:
     die_with_launcher()
+    if n_workers is not None:
+        # Terminated (the master's shutdown after its grace, or the master's death): unwind, so
+        # that the parallel sampler stops its workers and unlinks the shared memory it created.
+        signal.signal(signal.SIGTERM, _exit_on_sigterm)
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     counter_block = SharedArrays.attach(counters)
@@ -145,12 +153,20 @@ def sampler_main(
             sync,
         )
     except BaseException as error:
-        if not isinstance(error, SystemExit | KeyboardInterrupt):
-            # The master sees only an exit code: leave it the cause (e.g. which worker died).
-            message = f"{type(error).__name__}: {error}".encode()[:ERROR_BYTES]
-            counter_block.arrays["error"][: len(message)] = np.frombuffer(message, dtype=np.uint8)
-            traceback.print_exc()
-        raise
+        if isinstance(error, SystemExit | KeyboardInterrupt):
+            raise
+        # The master sees only an exit code: leave it the cause (e.g. which worker died).
+        message = f"{type(error).__name__}: {error}".encode()[:ERROR_BYTES]
+        counter_block.arrays["error"][: len(message)] = np.frombuffer(message, dtype=np.uint8)
+        traceback.print_exc()
+        sys.stderr.flush()
+        # Locals of the failed frames (a worker's semaphore) would otherwise outlive os._exit
+        # and be left to the resource tracker: release them first.
+        traceback.clear_frames(error.__traceback__)
+        gc.collect()
+        # The sampler (and its workers) are shut down already: skip the interpreter's teardown,
+        # seconds with torch loaded on a busy machine, so that the master learns at once.
+        os._exit(1)
 
 
 def _sample(
@@ -211,6 +227,11 @@ def _sample(
             pass  # done sampling; stay alive (a live child is a healthy child) until told to stop
     finally:
         sampler.shutdown()
+
+
+def _exit_on_sigterm(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the cleanup short
+    raise SystemExit(128 + signum)
 
 
 def _write_rng(block: SharedArrays, slot: int, state: dict[str, Any]) -> None:
@@ -464,9 +485,12 @@ class AsyncSampler:
         if hasattr(self, "sync"):
             self.sync.stop.set()
         # Children notice `stop` within POLL_S; one stuck on a lock that a killed child held
-        # never will, so after a short grace everything left is terminated.
-        deadline = time.monotonic() + 2 * POLL_S + 0.2
-        for process in self.processes:
+        # never will, so after a short grace everything left is terminated. A parallel sampler
+        # process first finishes its batch and stops its workers (ParallelSampler.shutdown).
+        now = time.monotonic()
+        deadlines = [now + 2 * POLL_S + 0.2 + (5.0 if p.name == "async-sampler" and self.n_workers else 0.0)
+                     for p in self.processes]  # fmt: skip
+        for process, deadline in zip(self.processes, deadlines, strict=True):
             process.join(timeout=max(0.0, deadline - time.monotonic()))
         stop_processes(self.processes)
         self.processes = []

@@ -56,12 +56,12 @@ class Evaluator:
         self._envs = [make_env(env) for _ in range(n_episodes)]
         self._seed = seed
         self._rank = rank
-        self._calls = 0
+        self.calls = 0  # evaluations so far: each draws its own seeds (a snapshot keeps the count)
 
     def evaluate(self, agent: Agent) -> tuple[np.ndarray, np.ndarray]:
-        self._calls += 1
+        self.calls += 1
         seeds = [
-            env_seed(self._seed, self.EVAL_RANK_OFFSET + self._rank, self._calls, i) for i in range(self.n_episodes)
+            env_seed(self._seed, self.EVAL_RANK_OFFSET + self._rank, self.calls, i) for i in range(self.n_episodes)
         ]
         return run_episodes(self._envs, self.spaces, agent.eval_step, seeds)
 

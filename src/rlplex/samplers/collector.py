@@ -16,7 +16,7 @@ import gymnasium as gym
 import numpy as np
 
 from rlplex.envs import EnvSpaces
-from rlplex.samplers.rng import check_env_count, env_rng_state, set_env_rng_state
+from rlplex.samplers.rng import env_rng_state, set_env_rng_state
 
 Policy = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
 
@@ -50,10 +50,12 @@ class EnvCollector:
 
     def restore_rng_states(self, states: Sequence[Any]) -> None:
         """Continue each environment's generator from `states`: the next batch starts new
-        episodes, reset without a seed so that they draw from the restored generator."""
-        check_env_count(states, len(self.envs), "this sampler")
+        episodes, reset without a seed so that they draw from the restored generator. An int
+        is a new seed instead (`rlplex.samplers.rng.fit_env_states`); None keeps the seed."""
         for i, (env, state) in enumerate(zip(self.envs, states, strict=True)):
-            if state is not None:
+            if isinstance(state, int):
+                self._seeds[i] = state
+            elif state is not None:
                 set_env_rng_state(env, state)
                 self._seeds[i] = None
         self._started = False

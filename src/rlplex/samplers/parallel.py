@@ -66,7 +66,7 @@ from rlplex.models import unwrap_model
 from rlplex.samplers.batch import SampleBatch
 from rlplex.samplers.collector import EnvCollector
 from rlplex.samplers.processes import CONTEXT, check_alive, die_with_launcher, start_process, stop_processes
-from rlplex.samplers.rng import process_rng_state, set_process_rng_state, streams_digest
+from rlplex.samplers.rng import fit_env_states, process_rng_state, set_process_rng_state, streams_digest
 from rlplex.samplers.shared import SharedBatch, SharedBatchHandle
 from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle
 from rlplex.samplers.weights import SharedWeights, SharedWeightsHandle
@@ -224,7 +224,8 @@ class ParallelSampler:
                 go.release()
             self._wait_all_done(self.batch_timeout_s, f"to finish batch {itr}")
         except BaseException:
-            self.shutdown()
+            # The batch is lost: the other workers are killed, not waited for (see the module).
+            self.shutdown(graceful=False)
             raise
         return self._shared.batch
 
@@ -243,15 +244,12 @@ class ParallelSampler:
 
         A snapshot with another number of sampling processes (a serial sampler's, or other
         `n_workers`) cannot give each worker its own stream: workers then draw from new seeds
-        derived from the snapshot's states, so no stream of the run is repeated."""
+        derived from the snapshot's states, so no stream of the run is repeated (environments
+        likewise when their number differs, `fit_env_states`)."""
         if self._rng is None:
             raise RlplexError("ParallelSampler.load_state_dict called before initialize() or after shutdown()")
-        envs, processes = list(state["envs"]), list(state["processes"])
-        if len(envs) != self.batch_B:
-            raise SnapshotError(
-                f"snapshot is from an incompatible config: {len(envs)} environment generator states, "
-                f"{self.batch_B} environments now (sampler.batch_B changed)"
-            )
+        processes = list(state["processes"])
+        envs = fit_env_states(state["envs"], self.batch_B, self._rank)
         reseed = len(processes) != self.n_workers
         entropy = int(streams_digest([*processes, *envs])[:16], 16)
         for w, (start, stop) in enumerate(self._ranges):
@@ -263,9 +261,10 @@ class ParallelSampler:
             target[: len(payload)] = np.frombuffer(payload, dtype=np.uint8)
             self._rng.arrays["lengths"][w, TO_LOAD] = len(payload)
 
-    def shutdown(self) -> None:
-        """Stop every worker (politely, then by force) and unlink all shared memory. Idempotent."""
-        if self._stop is not None:
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop every worker (politely unless `graceful` is false, then by force) and unlink all
+        shared memory. Idempotent."""
+        if self._stop is not None and graceful:
             self._stop.set()
             for go in self._go:
                 go.release()

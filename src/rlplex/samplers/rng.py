@@ -67,12 +67,16 @@ def set_env_rng_state(env: gym.Env[Any, Any], state: JsonState) -> None:
     env.unwrapped.np_random = np.random.Generator(bit_generator)
 
 
-def check_env_count(states: Sequence[Any], n_envs: int, where: str) -> None:
-    if len(states) != n_envs:
-        raise SnapshotError(
-            f"snapshot is from an incompatible config: {len(states)} environment generator states for {where}, "
-            f"{n_envs} environments now (sampler.batch_B or n_workers changed)"
-        )
+def fit_env_states(states: Sequence[Any], n_envs: int, rank: int) -> list[Any]:
+    """`states` for `n_envs` environments. A snapshot of another layout (e.g. one process with
+    4 environments resumed as 2 ranks with 2 each) has no state for each environment: each then
+    gets a new seed (an int) derived from all the snapshot's states, so that no environment
+    repeats the episodes that an environment of the earlier run started from its seed."""
+    if len(states) == n_envs:
+        return list(states)
+    entropy = int(streams_digest(list(states))[:16], 16)
+    sequence = np.random.SeedSequence(entropy=entropy, spawn_key=(rank,))
+    return [int(s) for s in sequence.generate_state(n_envs, dtype=np.uint32)]
 
 
 def streams_digest(process_states: Sequence[JsonState | None]) -> str:

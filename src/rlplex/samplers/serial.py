@@ -10,6 +10,7 @@ from rlplex.envs import EnvConfig, env_seed, make_env, probe_spaces
 from rlplex.errors import RlplexError
 from rlplex.samplers.batch import SampleBatch, allocate_batch
 from rlplex.samplers.collector import EnvCollector
+from rlplex.samplers.rng import fit_env_states
 
 if TYPE_CHECKING:  # agents import samplers.batch; a run-time import here would be circular
     from rlplex.agents.base import Agent
@@ -23,13 +24,14 @@ class SerialSampler:
         self._collector: EnvCollector | None = None
         self._agent: Agent | None = None
         self._batch: SampleBatch | None = None
+        self._rank = 0
 
     def initialize(self, agent: Agent, seed: int, rank: int = 0) -> None:
         spaces = probe_spaces(self.env_config)
         envs = [make_env(self.env_config) for _ in range(self.batch_B)]
         seeds = [env_seed(seed, rank, 0, i) for i in range(self.batch_B)]
         self._collector = EnvCollector(envs, spaces, seeds)
-        self._agent = agent
+        self._agent, self._rank = agent, rank
         self._batch = allocate_batch(spaces, agent.info_spec, self.batch_T, self.batch_B)
 
     def obtain_samples(self, itr: int) -> SampleBatch:
@@ -50,7 +52,7 @@ class SerialSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._collector is None:
             raise RlplexError("SerialSampler.load_state_dict called before initialize()")
-        self._collector.restore_rng_states(state["envs"])
+        self._collector.restore_rng_states(fit_env_states(state["envs"], self.batch_B, self._rank))
 
     def shutdown(self) -> None:
         if self._collector is not None:
