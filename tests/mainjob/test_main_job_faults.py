@@ -19,7 +19,7 @@ import psutil
 from mainjob_helpers import BATCH, run_config, tiny_job
 
 from node_helpers import job_processes, listening_sockets, wait_for
-from rlplex.control.elastic import read_elastic_status
+from rlplex.control.elastic.master import read_elastic_status
 from rlplex.mainjob.view import collect, read_progress_rows
 from rlplex.multirun.rundir import RunDir, stable_steps
 

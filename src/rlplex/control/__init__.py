@@ -11,12 +11,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rlplex.control.channel import ChannelClosedError, ChannelError, ChannelTimeoutError, DataChannel
-    from rlplex.control.channel_local import LocalDataChannel
-    from rlplex.control.channel_ray import RayDataChannel
-    from rlplex.control.elastic import ElasticMaster, ElasticWorker
-    from rlplex.control.elastic_rdzv import RendezvousError, RendezvousState
-    from rlplex.control.health import (
+    from rlplex.control.backends.local import LocalScheduler
+    from rlplex.control.backends.ray import RayScheduler
+    from rlplex.control.backends.ray_master import RayMasterHandle
+    from rlplex.control.backends.scheduler import NodeClient, NodeEvent, NodeHandle, Scheduler
+    from rlplex.control.channels.base import ChannelClosedError, ChannelError, ChannelTimeoutError, DataChannel
+    from rlplex.control.channels.local import LocalDataChannel
+    from rlplex.control.channels.ray import RayDataChannel
+    from rlplex.control.channels.selfloop import SelfLoopStats, run_self_loop
+    from rlplex.control.elastic.master import ElasticMaster, ElasticWorker
+    from rlplex.control.elastic.rdzv import RendezvousError, RendezvousState
+    from rlplex.control.job.health import (
         Action,
         Decision,
         DefaultFailurePolicy,
@@ -26,74 +31,69 @@ if TYPE_CHECKING:
         RoleStatus,
         detect_failure,
     )
-    from rlplex.control.local_scheduler import LocalScheduler
-    from rlplex.control.manager import PrimeManager
-    from rlplex.control.master import PrimeMaster
-    from rlplex.control.placement import Bundle, Member, Placement
-    from rlplex.control.ray_master import RayMasterHandle
-    from rlplex.control.ray_scheduler import RayScheduler
-    from rlplex.control.role_group import RoleGroup
-    from rlplex.control.scheduler import NodeClient, NodeEvent, NodeHandle, Scheduler
-    from rlplex.control.selfloop import SelfLoopStats, run_self_loop
-    from rlplex.control.slot import NodeInfo
-    from rlplex.control.spec import JobBuilder, JobSpec, Resources, RestartPolicy, RoleSpec, load_job, parse_job
-    from rlplex.control.states import JobState, NodeState, StateMachine
-    from rlplex.control.store import JobStore, SqliteStateStore, StateStore
-    from rlplex.control.worker import FunctionWorker, SubMaster, Worker, WorkerContext, WorkerLoad
+    from rlplex.control.job.manager import PrimeManager
+    from rlplex.control.job.master import PrimeMaster
+    from rlplex.control.job.placement import Bundle, Member, Placement
+    from rlplex.control.job.spec import JobBuilder, JobSpec, Resources, RestartPolicy, RoleSpec, load_job, parse_job
+    from rlplex.control.job.states import JobState, NodeState, StateMachine
+    from rlplex.control.job.store import JobStore, SqliteStateStore, StateStore
+    from rlplex.control.node.role_group import RoleGroup
+    from rlplex.control.node.slot import NodeInfo
+    from rlplex.control.node.worker import FunctionWorker, SubMaster, Worker, WorkerContext, WorkerLoad
 
 _WHERE = {
-    "ChannelClosedError": "channel",
-    "ChannelError": "channel",
-    "ChannelTimeoutError": "channel",
-    "DataChannel": "channel",
-    "LocalDataChannel": "channel_local",
-    "RayDataChannel": "channel_ray",
-    "ElasticMaster": "elastic",
-    "ElasticWorker": "elastic",
-    "RendezvousError": "elastic_rdzv",
-    "RendezvousState": "elastic_rdzv",
-    "SelfLoopStats": "selfloop",
-    "run_self_loop": "selfloop",
-    "Action": "health",
-    "Decision": "health",
-    "DefaultFailurePolicy": "health",
-    "FailurePolicy": "health",
-    "JobStatus": "health",
-    "NodeStatus": "health",
-    "RoleStatus": "health",
-    "detect_failure": "health",
-    "LocalScheduler": "local_scheduler",
-    "PrimeManager": "manager",
-    "PrimeMaster": "master",
-    "Bundle": "placement",
-    "Member": "placement",
-    "Placement": "placement",
-    "RayMasterHandle": "ray_master",
-    "RayScheduler": "ray_scheduler",
-    "RoleGroup": "role_group",
-    "NodeClient": "scheduler",
-    "NodeEvent": "scheduler",
-    "NodeHandle": "scheduler",
-    "Scheduler": "scheduler",
-    "NodeInfo": "slot",
-    "JobBuilder": "spec",
-    "JobSpec": "spec",
-    "Resources": "spec",
-    "RestartPolicy": "spec",
-    "RoleSpec": "spec",
-    "load_job": "spec",
-    "parse_job": "spec",
-    "JobState": "states",
-    "NodeState": "states",
-    "StateMachine": "states",
-    "JobStore": "store",
-    "SqliteStateStore": "store",
-    "StateStore": "store",
-    "FunctionWorker": "worker",
-    "SubMaster": "worker",
-    "Worker": "worker",
-    "WorkerContext": "worker",
-    "WorkerLoad": "worker",
+    "ChannelClosedError": "channels.base",
+    "ChannelError": "channels.base",
+    "ChannelTimeoutError": "channels.base",
+    "DataChannel": "channels.base",
+    "LocalDataChannel": "channels.local",
+    "RayDataChannel": "channels.ray",
+    "ElasticMaster": "elastic.master",
+    "ElasticWorker": "elastic.master",
+    "RendezvousError": "elastic.rdzv",
+    "RendezvousState": "elastic.rdzv",
+    "SelfLoopStats": "channels.selfloop",
+    "run_self_loop": "channels.selfloop",
+    "Action": "job.health",
+    "Decision": "job.health",
+    "DefaultFailurePolicy": "job.health",
+    "FailurePolicy": "job.health",
+    "JobStatus": "job.health",
+    "NodeStatus": "job.health",
+    "RoleStatus": "job.health",
+    "detect_failure": "job.health",
+    "LocalScheduler": "backends.local",
+    "PrimeManager": "job.manager",
+    "PrimeMaster": "job.master",
+    "Bundle": "job.placement",
+    "Member": "job.placement",
+    "Placement": "job.placement",
+    "RayMasterHandle": "backends.ray_master",
+    "RayScheduler": "backends.ray",
+    "RoleGroup": "node.role_group",
+    "NodeClient": "backends.scheduler",
+    "NodeEvent": "backends.scheduler",
+    "NodeHandle": "backends.scheduler",
+    "Scheduler": "backends.scheduler",
+    "NodeInfo": "node.slot",
+    "JobBuilder": "job.spec",
+    "JobSpec": "job.spec",
+    "Resources": "job.spec",
+    "RestartPolicy": "job.spec",
+    "RoleSpec": "job.spec",
+    "load_job": "job.spec",
+    "parse_job": "job.spec",
+    "JobState": "job.states",
+    "NodeState": "job.states",
+    "StateMachine": "job.states",
+    "JobStore": "job.store",
+    "SqliteStateStore": "job.store",
+    "StateStore": "job.store",
+    "FunctionWorker": "node.worker",
+    "SubMaster": "node.worker",
+    "Worker": "node.worker",
+    "WorkerContext": "node.worker",
+    "WorkerLoad": "node.worker",
 }
 
 __all__ = [

@@ -29,9 +29,9 @@ from typing import Any
 from pydantic import Field
 
 from rlplex.config import StrictModel
+from rlplex.control.job.store import JobStore, NodeRecord
+from rlplex.control.node.worker import Worker, WorkerContext
 from rlplex.control.rpc import RpcClient, parse_address
-from rlplex.control.store import JobStore, NodeRecord
-from rlplex.control.worker import Worker, WorkerContext
 from rlplex.dataflow.process_worker import CALL_TIMEOUT_S, ModelServer, ProcessModelWorker
 from rlplex.errors import ConfigError, WaitTimeoutError, WorkerDiedError
 

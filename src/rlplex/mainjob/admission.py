@@ -21,11 +21,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from rlplex.io.safe_files import read_regular_text
 from rlplex.mainjob.config import JOB_CONFIG_FILE
 from rlplex.mainjob.registry import REJECTIONS_DIR, read_registry
 from rlplex.mainjob.view import JobView, collect, run_view
 from rlplex.multirun.rundir import RunDir, stable_steps
-from rlplex.safe_files import read_regular_text
 
 Outcome = Literal["admitted", "rejected", "pending"]
 POLL_S = 0.3

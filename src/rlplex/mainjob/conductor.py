@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from rlplex.config import StrictModel
-from rlplex.control.store import JobStore, NodeRecord
-from rlplex.control.worker import WorkerContext
+from rlplex.control.job.store import JobStore, NodeRecord
+from rlplex.control.node.worker import WorkerContext
 from rlplex.errors import RlplexError, WaitTimeoutError
 from rlplex.mainjob.config import Event, MainJobConfig
 from rlplex.mainjob.registry import submit_add

@@ -27,7 +27,7 @@ from typing import TypeVar
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.text import Text
 
-from rlplex.control.store import NodeRecord
+from rlplex.control.job.store import NodeRecord
 from rlplex.mainjob.timing import format_duration
 from rlplex.mainjob.view import THROUGHPUT_WINDOW_S, JobView, RunView
 

@@ -12,33 +12,33 @@ from typing import TYPE_CHECKING, Any
 # Names resolve on first use (PEP 562): `rlplex status` reads run folders through this package
 # and must not pay for torch, which most of these modules import.
 _EXPORTS = {
-    "AdapterBatch": "rlplex.multirun.lora",
-    "EMPTY_SLOT_SCALING": "rlplex.multirun.manager",
-    "LoraConfig": "rlplex.multirun.orch_config",
-    "MAX_ORCH_CONFIG_BYTES": "rlplex.multirun.orch_config",
-    "MicroBatch": "rlplex.multirun.packer",
-    "ModelConfig": "rlplex.multirun.orch_config",
-    "MultiLoRALinear": "rlplex.multirun.lora",
-    "MultiLoRAModules": "rlplex.multirun.lora",
-    "MultiRunManager": "rlplex.multirun.manager",
-    "OptimConfig": "rlplex.multirun.orch_config",
-    "OrchestratorConfig": "rlplex.multirun.orch_config",
-    "Packer": "rlplex.multirun.packer",
-    "RunCheckpoint": "rlplex.multirun.checkpoint",
+    "AdapterBatch": "rlplex.multirun.trainer.lora",
+    "EMPTY_SLOT_SCALING": "rlplex.multirun.trainer.manager",
+    "LoraConfig": "rlplex.multirun.orchestrator.config",
+    "MAX_ORCH_CONFIG_BYTES": "rlplex.multirun.orchestrator.config",
+    "MicroBatch": "rlplex.multirun.trainer.packer",
+    "ModelConfig": "rlplex.multirun.orchestrator.config",
+    "MultiLoRALinear": "rlplex.multirun.trainer.lora",
+    "MultiLoRAModules": "rlplex.multirun.trainer.lora",
+    "MultiRunManager": "rlplex.multirun.trainer.manager",
+    "OptimConfig": "rlplex.multirun.orchestrator.config",
+    "OrchestratorConfig": "rlplex.multirun.orchestrator.config",
+    "Packer": "rlplex.multirun.trainer.packer",
+    "RunCheckpoint": "rlplex.multirun.rundir.checkpoint",
     "RunDir": "rlplex.multirun.rundir",
-    "RunOptimizers": "rlplex.multirun.run_optim",
-    "RunProgress": "rlplex.multirun.checkpoint",
-    "RunStatus": "rlplex.multirun.manager",
+    "RunOptimizers": "rlplex.multirun.trainer.run_optim",
+    "RunProgress": "rlplex.multirun.rundir.checkpoint",
+    "RunStatus": "rlplex.multirun.trainer.manager",
     "STABLE_MARKER": "rlplex.multirun.rundir",
-    "apply_multi_lora": "rlplex.multirun.lora",
-    "create_run": "rlplex.multirun.orch_config",
-    "default_target_modules": "rlplex.multirun.lora",
-    "get_multi_run_manager": "rlplex.multirun.manager",
-    "load_checkpoint": "rlplex.multirun.checkpoint",
-    "orch_config_to_toml": "rlplex.multirun.orch_config",
-    "read_orch_config": "rlplex.multirun.orch_config",
-    "setup_multi_run_manager": "rlplex.multirun.manager",
-    "write_peft_adapter": "rlplex.multirun.peft_export",
+    "apply_multi_lora": "rlplex.multirun.trainer.lora",
+    "create_run": "rlplex.multirun.orchestrator.config",
+    "default_target_modules": "rlplex.multirun.trainer.lora",
+    "get_multi_run_manager": "rlplex.multirun.trainer.manager",
+    "load_checkpoint": "rlplex.multirun.rundir.checkpoint",
+    "orch_config_to_toml": "rlplex.multirun.orchestrator.config",
+    "read_orch_config": "rlplex.multirun.orchestrator.config",
+    "setup_multi_run_manager": "rlplex.multirun.trainer.manager",
+    "write_peft_adapter": "rlplex.multirun.rundir.peft_export",
 }
 
 
@@ -83,22 +83,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:
-    from rlplex.multirun.checkpoint import RunCheckpoint, RunProgress, load_checkpoint
-    from rlplex.multirun.lora import (
-        AdapterBatch,
-        MultiLoRALinear,
-        MultiLoRAModules,
-        apply_multi_lora,
-        default_target_modules,
-    )
-    from rlplex.multirun.manager import (
-        EMPTY_SLOT_SCALING,
-        MultiRunManager,
-        RunStatus,
-        get_multi_run_manager,
-        setup_multi_run_manager,
-    )
-    from rlplex.multirun.orch_config import (
+    from rlplex.multirun.orchestrator.config import (
         MAX_ORCH_CONFIG_BYTES,
         LoraConfig,
         ModelConfig,
@@ -108,7 +93,22 @@ if TYPE_CHECKING:
         orch_config_to_toml,
         read_orch_config,
     )
-    from rlplex.multirun.packer import MicroBatch, Packer
-    from rlplex.multirun.peft_export import write_peft_adapter
-    from rlplex.multirun.run_optim import RunOptimizers
     from rlplex.multirun.rundir import STABLE_MARKER, RunDir
+    from rlplex.multirun.rundir.checkpoint import RunCheckpoint, RunProgress, load_checkpoint
+    from rlplex.multirun.rundir.peft_export import write_peft_adapter
+    from rlplex.multirun.trainer.lora import (
+        AdapterBatch,
+        MultiLoRALinear,
+        MultiLoRAModules,
+        apply_multi_lora,
+        default_target_modules,
+    )
+    from rlplex.multirun.trainer.manager import (
+        EMPTY_SLOT_SCALING,
+        MultiRunManager,
+        RunStatus,
+        get_multi_run_manager,
+        setup_multi_run_manager,
+    )
+    from rlplex.multirun.trainer.packer import MicroBatch, Packer
+    from rlplex.multirun.trainer.run_optim import RunOptimizers
