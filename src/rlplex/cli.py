@@ -194,8 +194,10 @@ def _run_job_command(body: Any, debug: bool) -> None:
 
 
 def _drive(master: Any) -> None:
+    from rlplex.control.job.states import JobState
+
     try:
-        if master.state.value in ("INIT", "READY") and not master.manager.failover_pending:
+        if master.state in (JobState.INIT, JobState.READY) and not master.manager.failover_pending:
             master.start()
         console.print(
             f"job {master.job_id}: {master.state.value}; status: rlplex job status {master.manager.spec.output_dir}"

@@ -29,7 +29,7 @@ STEPS = 8
 def node_process(out: Path, node_id: str) -> psutil.Process | None:
     for process in job_processes(out):
         cmdline = process.info["cmdline"] or []
-        if "rlplex.control.node" in cmdline and node_id in cmdline:
+        if "rlplex.control.node.runtime" in cmdline and node_id in cmdline:
             return process
     return None
 

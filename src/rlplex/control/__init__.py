@@ -2,13 +2,38 @@
 
 A `PrimeMaster` places, starts, watches and heals the processes of a job declared as a
 `JobSpec` of roles. Names are loaded lazily so that a node process (`python -m
-rlplex.control.node`) imports only what it needs and starts fast.
+rlplex.control.node.runtime`) imports only what it needs and starts fast.
+
+Folders: `job/` (the spec, state machines, SQLite store, placement, health, master and its
+control loop), `node/` (a node's runtime and hooks, the master's view of it), `backends/` (where
+nodes run: local processes or Ray actors), `elastic/` (torchrun-style training under a
+sub-master), `channels/` (`DataChannel` and the self-loop); `rpc.py` is the one RPC they share.
+
+Glossary: the views of "a node", one process of a role (`node_id` = `<role>-<rank>`):
+
+- `RoleSpec` (job/spec): what the user declares; a role's `count` nodes are made from it.
+- `NodeState` (job/states): a node's life, PENDING -> CREATED -> CHECKED -> RUNNING ->
+  FINISHED / FAILED / STOPPED; the one vocabulary for a node's state, whether the master
+  records it, the node reports it or a view shows it.
+- `NodeRecord` (job/store): a node's row in `job.sqlite` (state, incarnation, address), what
+  every reader beside the master sees, through `JobStore`.
+- `NodeSlot` (node/slot): the master's live view: its state machine, backend handle, RPC
+  client, the state the node last `reported` and its last heartbeat.
+- `NodeInfo` (node/slot): a node as the registry lists it (`get_nodes_by_role`).
+- `NodeStatus` (job/health): a frozen snapshot of a slot that the failure policy decides on.
+- `NodeHandle` / `NodeEvent` / `NodeClient` (backends/scheduler): a node as a backend knows
+  it (a Popen or an actor), what it says over the heartbeat connection, the RPC to it.
+- `NodeRuntime` (node/runtime): the node process itself, hosting one `Worker`;
+  `NodeActor` (backends/ray_node) hosts it inside a Ray actor.
+- `Worker` / `WorkerContext` (node/worker): the user's code in the node, and what it knows of
+  its job; its `state` is the `NodeState` it reports.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlplex.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from rlplex.control.backends.local import LocalScheduler
@@ -152,8 +177,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rlplex.control' has no attribute '{name}'")
-    return getattr(importlib.import_module(f"rlplex.control.{module}"), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from rlplex.config import StrictModel
+from rlplex.control.job.states import NodeState
 from rlplex.control.job.store import JobStore, NodeRecord
 from rlplex.control.node.worker import WorkerContext
 from rlplex.errors import RlplexError, WaitTimeoutError
@@ -110,7 +111,7 @@ def _stop_trainer(context: WorkerContext) -> None:
 
 
 def _ended(node: NodeRecord) -> bool:
-    return node.state in ("FINISHED", "STOPPED")
+    return node.state in (NodeState.FINISHED, NodeState.STOPPED)
 
 
 def _ask_trainer_to_stop(context: WorkerContext) -> None:

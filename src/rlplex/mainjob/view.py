@@ -28,7 +28,7 @@ import psutil
 
 from rlplex.control.elastic.master import rendezvous_summaries
 from rlplex.control.job.master import MasterLock
-from rlplex.control.job.states import TERMINAL_JOB_STATES
+from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState
 from rlplex.control.job.store import STORE_FILE, JobRecord, JobStore, NodeRecord
 from rlplex.errors import ConfigError
 from rlplex.io.safe_files import check_regular_file, read_regular_text
@@ -203,7 +203,7 @@ class JobView:
     def master_gone(self) -> bool:
         """The job is not over but the master recorded as carrying it on is gone (a master killed
         with SIGKILL leaves RUNNING behind)."""
-        live = ("RUNNING", "READY", "INIT", "STOPPING")
+        live = (JobState.RUNNING, JobState.READY, JobState.INIT, JobState.STOPPING)
         return self.job_state in live and self.master_pid > 0 and not self.master_alive
 
     @property

@@ -6,39 +6,40 @@ not imported here: it loads transformers, which the run-directory side does not 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlplex.lazy import lazy_getattr
 
 # Names resolve on first use (PEP 562): `rlplex status` reads run folders through this package
 # and must not pay for torch, which most of these modules import.
 _EXPORTS = {
-    "AdapterBatch": "rlplex.multirun.trainer.lora",
-    "EMPTY_SLOT_SCALING": "rlplex.multirun.trainer.manager",
-    "LoraConfig": "rlplex.multirun.orchestrator.config",
-    "MAX_ORCH_CONFIG_BYTES": "rlplex.multirun.orchestrator.config",
-    "MicroBatch": "rlplex.multirun.trainer.packer",
-    "ModelConfig": "rlplex.multirun.orchestrator.config",
-    "MultiLoRALinear": "rlplex.multirun.trainer.lora",
-    "MultiLoRAModules": "rlplex.multirun.trainer.lora",
-    "MultiRunManager": "rlplex.multirun.trainer.manager",
-    "OptimConfig": "rlplex.multirun.orchestrator.config",
-    "OrchestratorConfig": "rlplex.multirun.orchestrator.config",
-    "Packer": "rlplex.multirun.trainer.packer",
-    "RunCheckpoint": "rlplex.multirun.rundir.checkpoint",
-    "RunDir": "rlplex.multirun.rundir",
-    "RunOptimizers": "rlplex.multirun.trainer.run_optim",
-    "RunProgress": "rlplex.multirun.rundir.checkpoint",
-    "RunStatus": "rlplex.multirun.trainer.manager",
-    "STABLE_MARKER": "rlplex.multirun.rundir",
-    "apply_multi_lora": "rlplex.multirun.trainer.lora",
-    "create_run": "rlplex.multirun.orchestrator.config",
-    "default_target_modules": "rlplex.multirun.trainer.lora",
-    "get_multi_run_manager": "rlplex.multirun.trainer.manager",
-    "load_checkpoint": "rlplex.multirun.rundir.checkpoint",
-    "orch_config_to_toml": "rlplex.multirun.orchestrator.config",
-    "read_orch_config": "rlplex.multirun.orchestrator.config",
-    "setup_multi_run_manager": "rlplex.multirun.trainer.manager",
-    "write_peft_adapter": "rlplex.multirun.rundir.peft_export",
+    "AdapterBatch": "trainer.lora",
+    "EMPTY_SLOT_SCALING": "trainer.manager",
+    "LoraConfig": "orchestrator.config",
+    "MAX_ORCH_CONFIG_BYTES": "orchestrator.config",
+    "MicroBatch": "trainer.packer",
+    "ModelConfig": "orchestrator.config",
+    "MultiLoRALinear": "trainer.lora",
+    "MultiLoRAModules": "trainer.lora",
+    "MultiRunManager": "trainer.manager",
+    "OptimConfig": "orchestrator.config",
+    "OrchestratorConfig": "orchestrator.config",
+    "Packer": "trainer.packer",
+    "RunCheckpoint": "rundir.checkpoint",
+    "RunDir": "rundir",
+    "RunOptimizers": "trainer.run_optim",
+    "RunProgress": "rundir.checkpoint",
+    "RunStatus": "trainer.manager",
+    "STABLE_MARKER": "rundir",
+    "apply_multi_lora": "trainer.lora",
+    "create_run": "orchestrator.config",
+    "default_target_modules": "trainer.lora",
+    "get_multi_run_manager": "trainer.manager",
+    "load_checkpoint": "rundir.checkpoint",
+    "orch_config_to_toml": "orchestrator.config",
+    "read_orch_config": "orchestrator.config",
+    "setup_multi_run_manager": "trainer.manager",
+    "write_peft_adapter": "rundir.peft_export",
 }
 
 
@@ -73,13 +74,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rlplex.multirun' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:

@@ -316,17 +316,3 @@ def _kill_ray_worker(pid: int) -> None:
             process.kill()
     except psutil.Error:
         pass
-
-
-def job_leftovers(job_id: str) -> dict[str, list[str]]:
-    """The actors and placement groups of a job that Ray still holds (tests assert there are none)."""
-    prefix = f"rlplex-{job_id}-"
-    actors = [
-        str(e["name"]) for e in ray.util.list_named_actors(all_namespaces=True)
-        if e.get("namespace") == NAMESPACE and str(e.get("name", "")).startswith(prefix)
-    ]  # fmt: skip
-    pgs = [
-        str(info.get("name")) for info in ray.util.placement_group_table().values()
-        if str(info.get("name", "")).startswith(prefix) and info.get("state") != "REMOVED"
-    ]  # fmt: skip
-    return {"actors": actors, "placement_groups": pgs}

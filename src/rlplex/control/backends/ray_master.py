@@ -43,7 +43,7 @@ class MasterActor:
         self._master: Any = None
         self._done = threading.Event()
         self._stop = threading.Event()
-        self._result: dict[str, Any] = {"state": "INIT", "cause": "", "job_id": ""}
+        self._result: dict[str, Any] = {"state": JobState.INIT.value, "cause": "", "job_id": ""}
         threading.Thread(target=self._main, name="prime-master", daemon=True).start()
 
     def _main(self) -> None:

@@ -8,8 +8,9 @@ they resolve on first use, so `python -m rlplex.control.elastic.entry` loads nei
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlplex.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from rlplex.control.elastic.master import ElasticMaster
@@ -18,9 +19,4 @@ if TYPE_CHECKING:
 _WHERE = {"ElasticMaster": "master", "ElasticWorker": "worker"}
 __all__ = ["ElasticMaster", "ElasticWorker"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rlplex.control.elastic' has no attribute '{name}'")
-    return getattr(importlib.import_module(f"rlplex.control.elastic.{module}"), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)

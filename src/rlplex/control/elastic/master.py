@@ -44,14 +44,14 @@ from rlplex.control.elastic.rdzv import (
     slow_nodes,
 )
 from rlplex.control.elastic.worker import ElasticWorker, elastic_dir
-from rlplex.control.job.states import StateMachine
+from rlplex.control.job.states import NodeState, StateMachine
 from rlplex.control.job.store import SqliteStateStore
-from rlplex.control.node.worker import FAILED, FINISHED, SubMaster, WorkerContext
+from rlplex.control.node.worker import SubMaster, WorkerContext
 
 __all__ = ["ElasticMaster", "ElasticWorker", "RendezvousError", "RendezvousState"]
 
 R = RendezvousState
-_LIVE_NODE = ("CREATED", "CHECKED", "RUNNING")
+_LIVE_NODE = (NodeState.CREATED, NodeState.CHECKED, NodeState.RUNNING)
 
 
 class _Stopped(Exception):
@@ -121,9 +121,9 @@ class ElasticMaster(SubMaster):
     # ---- hooks -------------------------------------------------------------------------------
     def status(self) -> str:
         if self.machine.state == R.FAILED:
-            return FAILED
+            return NodeState.FAILED
         if self.machine.state == R.FINISHED:
-            return FINISHED
+            return NodeState.FINISHED
         return self._state
 
     def check_child(self) -> None:
@@ -209,7 +209,7 @@ class ElasticMaster(SubMaster):
             self._pause()
             view = self._store_view()
             live = self._live(view)
-            expected = min(self.max_nodes, sum(1 for state, _inc in view.values() if state != "STOPPED"))
+            expected = min(self.max_nodes, sum(1 for state, _inc in view.values() if state != NodeState.STOPPED))
             waited = time.monotonic() - start
             if live and len(live) >= expected:
                 break
@@ -361,7 +361,7 @@ class ElasticMaster(SubMaster):
             waiting = [
                 n for n, inc in self._round.items()
                 if self._lost(self._members.get(n), inc, view) is None
-                and not self._members[n].report.get("finished") and view.get(n, ("", 0))[0] != "FINISHED"
+                and not self._members[n].report.get("finished") and view.get(n, ("", 0))[0] != NodeState.FINISHED
             ]  # fmt: skip
             if not waiting:
                 break
@@ -385,7 +385,7 @@ class ElasticMaster(SubMaster):
         state, stored = view.get(member.node_id, ("", -1))
         if stored != incarnation:
             return f"node restarted (incarnation {stored})"
-        if state not in _LIVE_NODE and state != "FINISHED":
+        if state not in _LIVE_NODE and state != NodeState.FINISHED:
             return f"node is {state or 'gone'}"
         silent = time.monotonic() - member.last_sync
         if silent > self.config.member_timeout_s:

@@ -30,8 +30,9 @@ from typing import Any
 
 from rlplex.control.elastic.entry import STOP_ENV
 from rlplex.control.elastic.rdzv import CHECK, FINISH, RUN, PortReservation, ScriptConfig, dist_env, parse_role_config
+from rlplex.control.job.states import NodeState
 from rlplex.control.job.store import JobStore
-from rlplex.control.node.worker import FAILED, FINISHED, Worker, WorkerContext
+from rlplex.control.node.worker import Worker, WorkerContext
 from rlplex.control.rpc import RpcClient, parse_address
 from rlplex.errors import JobSpecError, RlplexError
 
@@ -158,8 +159,8 @@ class ElasticWorker(Worker):
     # ---- hooks -------------------------------------------------------------------------------
     def status(self) -> str:
         if self.error is not None:
-            return FAILED
-        return FINISHED if self._finished else self._state
+            return NodeState.FAILED
+        return NodeState.FINISHED if self._finished else self._state
 
     def self_check(self) -> None:
         if self.config.script is not None and not Path(self.config.script).is_file():

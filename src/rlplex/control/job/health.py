@@ -83,7 +83,7 @@ def detect_failure(node: NodeStatus) -> str | None:
     """Why this node counts as failed now, or None when it is healthy (or not running)."""
     if node.state not in (NodeState.CREATED, NodeState.CHECKED, NodeState.RUNNING):
         return None
-    if node.reported == "FAILED":
+    if node.reported == NodeState.FAILED:
         return f"worker reported failure: {node.error or 'no reason given'}"
     if not node.alive:
         code = "unknown" if node.exit_code is None else str(node.exit_code)

@@ -88,7 +88,7 @@ class PrimeManager:
         """PENDING with the incarnation it will be launched under, in one transaction."""
         with self.store.transaction():
             if slot.state == NodeState.PENDING:  # a relaunch under a new incarnation (master failover)
-                self.store.record_transition(self.job_id, slot.node_id, "PENDING", "PENDING", cause)
+                self.store.record_transition(self.job_id, slot.node_id, NodeState.PENDING, NodeState.PENDING, cause)
             else:
                 slot.to(NodeState.PENDING, cause)
             self.store.update_node(
@@ -220,7 +220,7 @@ class PrimeManager:
         for node, incarnation, status in self._finals:
             slot = self.slots.get(node)
             current = slot is not None and slot.incarnation == incarnation
-            if current and status == "FINISHED" and slot is not None and slot.state in LIVE_NODE_STATES:
+            if current and status == NodeState.FINISHED and slot is not None and slot.state in LIVE_NODE_STATES:
                 waiting.append((node, incarnation, status))
                 continue
             self.scheduler.acknowledge(node, incarnation)
@@ -244,11 +244,11 @@ class PrimeManager:
     def _step_nodes(self) -> None:
         self._drain()
         for slot in list(self.slots.values()):
-            if slot.state == NodeState.CREATED and slot.address and slot.reported != "FAILED":
+            if slot.state == NodeState.CREATED and slot.address and slot.reported != NodeState.FAILED:
                 self._check_node(slot)
             if slot.state == NodeState.CHECKED and self.job.state == JobState.RUNNING:
                 self._start_node(slot)
-            if slot.state in LIVE_NODE_STATES and slot.reported == "FINISHED":
+            if slot.state in LIVE_NODE_STATES and slot.reported == NodeState.FINISHED:
                 slot.to(NodeState.FINISHED, "the node reported FINISHED")
 
     def _check_node(self, slot: NodeSlot) -> None:
@@ -261,7 +261,7 @@ class PrimeManager:
             if slot.kind == "submaster":
                 slot.client.call("check_child")
         except RlplexError as error:
-            slot.reported, slot.error = "FAILED", f"check failed: {error}"
+            slot.reported, slot.error = NodeState.FAILED, f"check failed: {error}"
             return
         slot.to(NodeState.CHECKED, "status(), self_check() passed" + (", check_child()" * (slot.kind == "submaster")))
 
@@ -270,7 +270,7 @@ class PrimeManager:
         try:
             slot.client.call("start")
         except RlplexError as error:
-            slot.reported, slot.error = "FAILED", f"start() failed: {error}"
+            slot.reported, slot.error = NodeState.FAILED, f"start() failed: {error}"
             return
         slot.progress_changed = time.monotonic()
         slot.last_heartbeat = max(slot.last_heartbeat, time.monotonic())
@@ -303,7 +303,7 @@ class PrimeManager:
 
     def _record_finished(self, slots: list[NodeSlot]) -> None:
         for slot in slots:
-            if slot.state in (NodeState.CHECKED, NodeState.RUNNING) and slot.reported == "FINISHED":
+            if slot.state in (NodeState.CHECKED, NodeState.RUNNING) and slot.reported == NodeState.FINISHED:
                 slot.to(NodeState.FINISHED, "the node reported FINISHED")
 
     def _decide_restart(self, slot: NodeSlot, cause: str) -> None:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlplex.control.job.states import JobState, NodeState
+
 STORE_FILE = "job.sqlite"
 JOURNAL_ENV = "RLPLEX_SQLITE_JOURNAL"
 # Filesystems whose files other machines (or a user-space daemon) serve: WAL's shared-memory
@@ -238,7 +240,7 @@ class SqliteStateStore:
         with self.transaction() as db:
             db.execute(
                 "INSERT INTO jobs (job_id, name, spec_json, state, created_at, updated_at) VALUES (?,?,?,?,?,?)",
-                (job_id, name, spec_json, "INIT", now, now),
+                (job_id, name, spec_json, JobState.INIT.value, now, now),
             )
 
     def job(self, job_id: str) -> JobRecord:
@@ -359,7 +361,7 @@ class JobStore:
 
         with JobStore.open_readonly(output_dir, job_id) as job:
             spec = job.spec()
-            nodes = job.wait_nodes("trainer", lambda n: n.state == "RUNNING", timeout_s=10.0)
+            nodes = job.wait_nodes("trainer", lambda n: n.state == NodeState.RUNNING, timeout_s=10.0)
     """
 
     def __init__(self, store: SqliteStateStore, job_id: str) -> None:
@@ -435,7 +437,7 @@ class JobStore:
         while True:
             nodes = [
                 n for n in self.nodes(role)
-                if (not live_only or n.state != "STOPPED") and (rank is None or n.rank == rank)
+                if (not live_only or n.state != NodeState.STOPPED) and (rank is None or n.rank == rank)
             ]  # fmt: skip
             if nodes and all(ready(n) for n in nodes):
                 return sorted(nodes, key=lambda n: n.rank)

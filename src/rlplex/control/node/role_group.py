@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+from rlplex.control.job.states import NodeState
 from rlplex.control.job.store import JobStore
 from rlplex.control.rpc import RpcClient, parse_address
 
@@ -31,7 +32,7 @@ class RoleGroup:
     def connect(cls, context: WorkerContext, role: str, timeout_s: float = 10.0) -> RoleGroup:
         """Wait until every node of `role` runs, then connect to each (in rank order)."""
         with JobStore.open_readonly(context.output_dir, context.job_id) as job:
-            nodes = job.wait_nodes(role, lambda n: n.state == "RUNNING" and bool(n.address), timeout_s)
+            nodes = job.wait_nodes(role, lambda n: n.state == NodeState.RUNNING and bool(n.address), timeout_s)
         return cls(role, [RpcClient(parse_address(n.address), context.token, n.node_id) for n in nodes])
 
     @property

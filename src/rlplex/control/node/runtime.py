@@ -30,9 +30,10 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
+from rlplex.control.job.states import NodeState
 from rlplex.control.job.store import JobStore
 from rlplex.control.job.token import expose_token, read_token
-from rlplex.control.node.worker import FAILED, FINISHED, SubMaster, Worker, WorkerContext, load_entrypoint
+from rlplex.control.node.worker import SubMaster, Worker, WorkerContext, load_entrypoint
 from rlplex.control.rpc import AuthListener, connect, format_address, parse_address, recv_message, send_message, serve
 from rlplex.errors import NodeFailedError, WaitTimeoutError
 
@@ -68,7 +69,7 @@ class NodeRuntime:
     def build_worker(self) -> Worker:
         world: dict[str, int] = {}
         for node in self.job.nodes():
-            if node.state != "STOPPED":
+            if node.state != NodeState.STOPPED:
                 world[node.role] = world.get(node.role, 0) + 1
         context = WorkerContext(
             job_id=self.job_id,
@@ -154,7 +155,7 @@ class NodeRuntime:
             self.worker = self.build_worker()
         except BaseException as error:
             traceback.print_exc()
-            return self.finish({"type": "final", "status": FAILED, "error": f"__init__ failed: {error!r}"}, 3)
+            return self.finish({"type": "final", "status": NodeState.FAILED, "error": f"__init__ failed: {error!r}"}, 3)
         worker = self.worker
         lost_since: float | None = None
         lost_timeout = float(self.spec["master_lost_timeout_s"])
@@ -163,9 +164,9 @@ class NodeRuntime:
             message = {"type": "heartbeat", "status": status, "progress": worker.context.progress()}
             if self.stop_requested.is_set():
                 worker.stop()
-                return self.finish({**message, "type": "final", "status": "STOPPED"}, 0)
-            if status in (FINISHED, FAILED):
-                code = 0 if status == FINISHED else 1
+                return self.finish({**message, "type": "final", "status": NodeState.STOPPED}, 0)
+            if status in (NodeState.FINISHED, NodeState.FAILED):
+                code = 0 if status == NodeState.FINISHED else 1
                 return self.finish({**message, "type": "final", "error": worker.error}, code)
             if self.send(message):
                 lost_since = None

@@ -40,7 +40,7 @@ class NodeSlot:
     client: NodeClient | None = None
     address: str = ""
     connected: bool = False
-    reported: str = "CREATED"
+    reported: str = NodeState.CREATED
     error: str | None = None
     progress: dict[str, Any] = field(default_factory=dict)
     last_heartbeat: float = field(default_factory=time.monotonic)
@@ -96,7 +96,7 @@ class NodeSlot:
         if self.client is not None:
             self.client.close()
         self.client, self.address, self.connected = None, "", False
-        self.reported, self.error = "CREATED", None
+        self.reported, self.error = NodeState.CREATED, None
         self.incarnation += 1
         self.restarts += int(count)
 

@@ -24,13 +24,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from rlplex.control.job.states import NodeState
 from rlplex.errors import JobSpecError
 
 if TYPE_CHECKING:
     from rlplex.control.node.role_group import RoleGroup
-
-CREATED, RUNNING, FINISHED, FAILED = "CREATED", "RUNNING", "FINISHED", "FAILED"
-
 
 def job_channel_prefix(job_id: str) -> str:
     return f"{job_id}."
@@ -97,7 +95,7 @@ class Worker:
     def __init__(self, context: WorkerContext) -> None:
         self.context = context
         self.error: str | None = None
-        self._state = CREATED
+        self._state = NodeState.CREATED
 
     def status(self) -> str:
         """CREATED, RUNNING, FINISHED or FAILED (then `self.error` says why)."""
@@ -107,7 +105,7 @@ class Worker:
         """Raise if this node cannot do its work (missing files, no device, ...)."""
 
     def start(self) -> None:
-        self._state = RUNNING
+        self._state = NodeState.RUNNING
 
     def stop(self) -> None:
         self.context.stop_event.set()
@@ -131,7 +129,7 @@ class WorkerLoad(Worker):
         raise NotImplementedError(f"{type(self).__name__}.run()")
 
     def start(self) -> None:
-        self._state = RUNNING
+        self._state = NodeState.RUNNING
         self._thread = threading.Thread(target=self._main, name=f"{self.context.node_id}-run", daemon=True)
         self._thread.start()
 
@@ -141,9 +139,9 @@ class WorkerLoad(Worker):
         except BaseException as error:  # the node reports it; the traceback goes to the node's log
             traceback.print_exc()
             self.error = f"{type(error).__name__}: {error}"
-            self._state = FAILED
+            self._state = NodeState.FAILED
         else:
-            self._state = FINISHED
+            self._state = NodeState.FINISHED
 
 
 class FunctionWorker(WorkerLoad):

@@ -26,6 +26,10 @@ apart. A `RunDir` bound to an identity (`bound`) refuses every write once the di
 disk holds another identity or none, so a write queued for a run that is gone is dropped
 instead of landing in its successor. Every file read from a run goes through
 `rlplex.io.safe_files` (regular files within a size cap, nothing reached through a link out).
+
+This module is the layout and its markers; the folders' contents are the submodules: `rollouts`
+(rollouts/step_N), `checkpoint` (checkpoints/step_N), `peft_export` (broadcast/step_N) and
+`retention` (which step folders stay).
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ resolve on first use: the job file's check reads `run_trainer`'s config model wi
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlplex.lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from rlplex.multirun.trainer.config import TrainerConfig
@@ -19,9 +20,4 @@ if TYPE_CHECKING:
 _WHERE = {"MultiRunTrainer": "loop", "TrainerConfig": "config", "run_trainer": "main"}
 __all__ = ["MultiRunTrainer", "TrainerConfig", "run_trainer"]
 
-
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rlplex.multirun.trainer' has no attribute '{name}'")
-    return getattr(importlib.import_module(f"rlplex.multirun.trainer.{module}"), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)
