@@ -66,14 +66,6 @@ class Plan:
     completes: list[int]
     """Slots whose step has now been packed whole: they step their optimizers after this iteration."""
 
-    def tokens_by_run(self, pending: dict[int, PendingStep]) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for micro in self.micro_batches:
-            for piece in micro:
-                rows = pending[piece.idx].row_loss_tokens[piece.start : piece.stop]
-                out[piece.idx] = out.get(piece.idx, 0) + sum(rows)
-        return out
-
 
 @dataclass
 class MicroBatch:
