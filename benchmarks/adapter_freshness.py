@@ -49,7 +49,7 @@ from rlplex.inference.client import VLLMClient
 from rlplex.inference.config import EngineSettings
 from rlplex.inference.engine import SamplingParams
 from rlplex.inference.vllm_server import vllm_build
-from rlplex.multirun.peft_export import STABLE_MARKER, is_stable_adapter
+from rlplex.multirun.rundir.peft_export import STABLE_MARKER, is_stable_adapter
 
 NAME = "adapter_freshness"
 RANK = 8
@@ -125,7 +125,7 @@ def reference_greedy(
     """Greedy tokens of the in-process engine (transformers + MultiLoRA) for one adapter version."""
     from rlplex.models.hf import load_causal_lm, load_tokenizer
     from rlplex.models.spec import ModelSpec
-    from rlplex.multirun.hf_engine import HFEngine
+    from rlplex.multirun.orchestrator.hf_engine import HFEngine
 
     spec = ModelSpec(name=str(model_dir), device="cpu")
     engine = HFEngine(load_causal_lm(spec), load_tokenizer(spec), max_rank=RANK)

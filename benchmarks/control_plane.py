@@ -132,7 +132,7 @@ def bench_hang(root: Path, timeout_s: float, backend: str) -> float:
 
 def bench_resume_ray(root: Path) -> tuple[float, int, bool]:
     """SIGKILL the master actor; seconds until its next incarnation runs the job with every node re-attached."""
-    from rlplex.control.ray_master import RayMasterHandle
+    from rlplex.control.backends.ray_master import RayMasterHandle
 
     out = root / "resume-ray"
     handle = RayMasterHandle.launch(idle_job(out, 8, backend="ray"))

@@ -23,7 +23,7 @@ from typing import Any
 
 from benchmarks.common import report
 from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster
-from rlplex.control.elastic import read_elastic_status
+from rlplex.control.elastic.master import read_elastic_status
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "examples" / "elastic_train.py")
 

@@ -145,7 +145,7 @@ def lora_state(config: dict[str, Any], rank: int, seed: int) -> dict[str, Any]:
 
 def write_random_adapter(model_dir: Path, out: Path, seed: int, rank: int = 8) -> Path:
     """A STABLE PEFT adapter folder (files first, the marker last), as the trainer broadcasts one."""
-    from rlplex.multirun.peft_export import write_peft_adapter
+    from rlplex.multirun.rundir.peft_export import write_peft_adapter
 
     config = model_config(model_dir)
     return write_peft_adapter(out, lora_state(config, rank, seed), str(model_dir), rank, 2.0 * rank, PROJECTIONS)

@@ -123,7 +123,7 @@ def _hf_worker(
         torch.set_num_threads(threads)
         from rlplex.models.hf import load_causal_lm, load_tokenizer
         from rlplex.models.spec import ModelSpec
-        from rlplex.multirun.hf_engine import HFEngine
+        from rlplex.multirun.orchestrator.hf_engine import HFEngine
 
         spec = ModelSpec(name=folder, device="cpu")
         engine = HFEngine(load_causal_lm(spec), load_tokenizer(spec), max_rank=RANK)

@@ -47,7 +47,7 @@ from rich.table import Table
 from torch import Tensor, nn
 
 from rlplex.multirun import MultiLoRALinear
-from rlplex.multirun.lora import BatchPlan, grouped_mm_available
+from rlplex.multirun.trainer.lora import BatchPlan, grouped_mm_available
 
 RESULTS = Path("bench_results")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

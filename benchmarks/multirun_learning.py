@@ -64,7 +64,7 @@ from benchmarks.common import RESULTS, report, tiny_checkpoint
 from benchmarks.multirun_throughput import process_env, trainer_command
 from rlplex.diagnostics import plot_learning_curves
 from rlplex.multirun import OrchestratorConfig
-from rlplex.multirun.orch_config import orch_config_to_toml
+from rlplex.multirun.orchestrator.config import orch_config_to_toml
 from rlplex.multirun.rundir import RunDir
 
 NAME = "multirun_learning"

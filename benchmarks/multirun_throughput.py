@@ -32,9 +32,9 @@ from rlplex.models.hf import load_causal_lm, load_tokenizer
 from rlplex.models.lm import token_logprobs
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun import OrchestratorConfig, create_run
-from rlplex.multirun.peft_export import is_stable_adapter
-from rlplex.multirun.rollout_io import RolloutBatch, write_rollouts
 from rlplex.multirun.rundir import RunDir
+from rlplex.multirun.rundir.peft_export import is_stable_adapter
+from rlplex.multirun.rundir.rollouts import RolloutBatch, write_rollouts
 
 NAME = "multirun_throughput"
 SRC = Path(__file__).resolve().parents[1] / "src"

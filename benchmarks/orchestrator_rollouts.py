@@ -27,7 +27,7 @@ from benchmarks.common import report, tiny_checkpoint
 from rlplex.diagnostics.metrics import read_metrics_csv
 from rlplex.models.hf import load_causal_lm
 from rlplex.multirun import OrchestratorConfig, apply_multi_lora, create_run, write_peft_adapter
-from rlplex.multirun.orchestrator import WaitOptions, run_orchestrator
+from rlplex.multirun.orchestrator.loop import WaitOptions, run_orchestrator
 
 NAME = "orchestrator_rollouts"
 TARGETS = ("q_proj", "v_proj")

@@ -28,7 +28,7 @@ def node_processes(output_dir: Path) -> list[psutil.Process]:
     found = []
     for process in psutil.process_iter(["cmdline"]):
         cmdline = process.info["cmdline"] or []
-        if "rlplex.control.node" in cmdline and str(output_dir) in cmdline:
+        if "rlplex.control.node.runtime" in cmdline and str(output_dir) in cmdline:
             found.append(process)
     return found
 

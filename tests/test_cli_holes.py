@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rlplex.control.store import SqliteStateStore
+from rlplex.control.job.store import SqliteStateStore
 from rlplex.mainjob.config import RunEntry
 from rlplex.mainjob.registry import write_registry
 from rlplex.multirun.rundir import RunDir, write_eviction

@@ -25,10 +25,10 @@ from typer.testing import CliRunner
 
 from rlplex.cli import app
 from rlplex.cli_mainjob import FILE_KINDS, check_file_kind
-from rlplex.control.spec import load_job
+from rlplex.control.job.spec import load_job
 from rlplex.errors import ConfigError
 from rlplex.mainjob.config import load_main_job
-from rlplex.multirun.orch_config import read_orch_config
+from rlplex.multirun.orchestrator.config import read_orch_config
 from rlplex.runners.config import load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -18,8 +18,8 @@ from benchmarks.inference_common import (
 )
 from benchmarks.inference_rollouts import threads_per_process
 
-from rlplex.multirun.peft_export import STABLE_MARKER, write_peft_adapter
-from rlplex.multirun.policy import read_peft_adapter
+from rlplex.multirun.orchestrator.policy import read_peft_adapter
+from rlplex.multirun.rundir.peft_export import STABLE_MARKER, write_peft_adapter
 
 SMALL: dict[str, Any] = {
     "hidden_size": 64,

@@ -127,9 +127,9 @@ def _train(
     from rlplex.diagnostics.plots import plot_learning_curves
     from rlplex.envs import probe_spaces
     from rlplex.errors import ConfigError
+    from rlplex.io.safe_files import ensure_output_dir
     from rlplex.runners.config import build_runner, check_fits_in_memory, load_train_config
     from rlplex.runners.snapshot import latest_snapshot
-    from rlplex.safe_files import ensure_output_dir
 
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite: choose one")
@@ -194,8 +194,10 @@ def _run_job_command(body: Any, debug: bool) -> None:
 
 
 def _drive(master: Any) -> None:
+    from rlplex.control.job.states import JobState
+
     try:
-        if master.state.value in ("INIT", "READY") and not master.manager.failover_pending:
+        if master.state in (JobState.INIT, JobState.READY) and not master.manager.failover_pending:
             master.start()
         console.print(
             f"job {master.job_id}: {master.state.value}; status: rlplex job status {master.manager.spec.output_dir}"
@@ -209,9 +211,9 @@ def _drive(master: Any) -> None:
 
 def _drive_on_ray(job_file: Path, backend: str | None, ray_address: str | None) -> None:
     """The master as a restartable Ray actor; this command only watches it."""
-    from rlplex.control.master import backend_overrides
-    from rlplex.control.ray_master import RayMasterHandle
-    from rlplex.control.spec import load_job, parse_job
+    from rlplex.control.backends.ray_master import RayMasterHandle
+    from rlplex.control.job.master import backend_overrides
+    from rlplex.control.job.spec import load_job, parse_job
 
     spec = load_job(job_file)
     spec = parse_job(spec.model_dump(mode="json") | backend_overrides(backend, ray_address), str(job_file))
@@ -241,8 +243,8 @@ def job_run(
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
     """Run a job until its drivers (or, without drivers, all its workers) finish."""
-    from rlplex.control.master import PrimeMaster, backend_overrides
-    from rlplex.control.spec import load_job
+    from rlplex.control.job.master import PrimeMaster, backend_overrides
+    from rlplex.control.job.spec import load_job
 
     def body() -> None:
         check_file_kind(job_file, "job")
@@ -267,11 +269,11 @@ def job_resume(
     """Master failover: re-attach to the job's live nodes, restart lost ones, and go on.
 
     A Ray job's new master is a restartable Ray actor, as under `rlplex job run`."""
-    from rlplex.control.master import PrimeMaster, backend_overrides, resumable_spec
+    from rlplex.control.job.master import PrimeMaster, backend_overrides, resumable_spec
 
     def body() -> None:
         if resumable_spec(output_dir).backend == "ray":
-            from rlplex.control.ray_master import RayMasterHandle
+            from rlplex.control.backends.ray_master import RayMasterHandle
 
             address = backend_overrides(None, ray_address).get("ray_address")
             _watch_on_ray(RayMasterHandle.resume(output_dir, address), "resumed")
@@ -315,7 +317,7 @@ def _print_status(output_dir: Path) -> None:
             node.role, str(node.rank), node.state, str(node.restarts), str(node.pid), age, progress, node.cause
         )
     console.print(table)
-    from rlplex.control.elastic import rendezvous_summaries
+    from rlplex.control.elastic.master import rendezvous_summaries
 
     for line in rendezvous_summaries(output_dir):
         console.print(line, highlight=False)

@@ -104,7 +104,7 @@ def register(app: typer.Typer, console: Console) -> None:
 
         def body() -> int:
             from rlplex.config import validate_config
-            from rlplex.control.states import JobState
+            from rlplex.control.job.states import JobState
             from rlplex.mainjob.config import MainJobConfig, load_main_job
             from rlplex.mainjob.driver import resume_main_job, run_main_job
 
@@ -135,7 +135,7 @@ def register(app: typer.Typer, console: Console) -> None:
         if it was stopped or failed, start it again from its checkpoints (unfinished runs only)."""
 
         def body() -> int:
-            from rlplex.control.states import JobState
+            from rlplex.control.job.states import JobState
             from rlplex.mainjob.driver import resume_main_job
 
             state = resume_main_job(output_dir, console, live=live)

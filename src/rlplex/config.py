@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from rlplex.errors import ConfigError
-from rlplex.safe_files import read_regular_file
+from rlplex.io.safe_files import read_regular_file
 
 M = TypeVar("M", bound=BaseModel)
 

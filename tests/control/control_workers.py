@@ -15,7 +15,7 @@ from pydantic import Field
 
 from rlplex.config import StrictModel
 from rlplex.control import SubMaster, Worker, WorkerContext, WorkerLoad
-from rlplex.control.elastic import ElasticWorker
+from rlplex.control.elastic.master import ElasticWorker
 
 
 def faults(context: WorkerContext) -> set[str]:
@@ -144,9 +144,9 @@ class WaiterConfig(StrictModel):
 
 
 def wait_for_stop(config: WaiterConfig) -> int:
-    """A function entry point (`rlplex.control.entry`): writes `ready`, waits until its graceful stop
+    """A function entry point (`rlplex.control.elastic.entry`): writes `ready`, waits until its graceful stop
     (or `seconds`), then writes `stopped` or `timed out` and exits 0."""
-    from rlplex.control.entry import stop_event
+    from rlplex.control.elastic.entry import stop_event
 
     config.out.write_text("ready")
     stopped = stop_event().wait(config.seconds)

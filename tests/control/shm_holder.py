@@ -1,5 +1,5 @@
 """A process that creates every kind of process-owned shared memory, prints the names and holds
-them until killed (the tests of rlplex.control.shm_reaper run it in a process group of its own)."""
+them until killed (the tests of rlplex.io.shm_reaper run it in a process group of its own)."""
 
 from __future__ import annotations
 

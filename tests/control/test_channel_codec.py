@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlplex.control.channel import ChannelError, decode_item, encode_item
+from rlplex.control.channels.base import ChannelError, decode_item, encode_item
 
 
 def round_trip(item: Any) -> Any:

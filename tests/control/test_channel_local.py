@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from rlplex.control import ChannelClosedError, ChannelTimeoutError, DataChannel, LocalDataChannel
-from rlplex.control import channel_ring as ring
-from rlplex.control.channel import encode_item
-from rlplex.control.channel_local import INLINE_BYTES
+from rlplex.control.channels import ring
+from rlplex.control.channels.base import encode_item
+from rlplex.control.channels.local import INLINE_BYTES
 
 CTX = mp.get_context("spawn")
 

@@ -23,8 +23,8 @@ from rlplex.control import (
     SqliteStateStore,
     parse_job,
 )
-from rlplex.control.elastic import read_elastic_status, rendezvous_summaries
-from rlplex.control.elastic_rdzv import (
+from rlplex.control.elastic.master import read_elastic_status, rendezvous_summaries
+from rlplex.control.elastic.rdzv import (
     RDZV_TRANSITIONS,
     ElasticConfig,
     RendezvousError,
@@ -36,10 +36,10 @@ from rlplex.control.elastic_rdzv import (
     rendezvous_endpoint,
     slow_nodes,
 )
-from rlplex.control.master import read_token
-from rlplex.control.role_group import RoleGroup
-from rlplex.control.states import StateMachine
-from rlplex.control.worker import WorkerContext
+from rlplex.control.job.master import read_token
+from rlplex.control.job.states import StateMachine
+from rlplex.control.node.role_group import RoleGroup
+from rlplex.control.node.worker import WorkerContext
 from rlplex.errors import IllegalTransitionError, JobFailedError, JobSpecError
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "elastic_train.py")
@@ -137,7 +137,7 @@ def test_the_rendezvous_store_is_where_rank_0_runs() -> None:
     pytest.importorskip("ray")
     import ray
 
-    from rlplex.control.ray_node import node_host
+    from rlplex.control.backends.ray_node import node_host
 
     assert node_host("127.0.0.1") == "127.0.0.1"  # a one-machine cluster: loopback, as on the local backend
     assert node_host("192.0.2.1") == ray.util.get_node_ip_address()
@@ -350,7 +350,7 @@ def test_nccl_node_check_needs_cuda() -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
-    from rlplex.control.elastic_check import run_check
+    from rlplex.control.elastic.check import run_check
 
     outcome = run_check(0, 1, "127.0.0.1", 1, 8, 1.0, backend="nccl")
     assert outcome == {"ok": False, "error": "backend nccl needs CUDA, and torch.cuda.is_available() is False here"}

@@ -13,14 +13,14 @@ from test_elastic import CKPT_EVERY, STEPS, elastic_job, job_processes, progress
 
 from node_helpers import local_ray, wait_for
 from rlplex.control import JobState, PrimeMaster, parse_job
-from rlplex.control.elastic import read_elastic_status
+from rlplex.control.elastic.master import read_elastic_status
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
 
 ray = pytest.importorskip("ray")
 
-from rlplex.control.ray_scheduler import NAMESPACE  # noqa: E402
+from rlplex.control.backends.ray import NAMESPACE  # noqa: E402
 
 
 @pytest.fixture(scope="module")

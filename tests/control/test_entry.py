@@ -1,4 +1,4 @@
-"""`python -m rlplex.control.entry MODULE:FUNCTION`: a function entry point run as a real process,
+"""`python -m rlplex.control.elastic.entry MODULE:FUNCTION`: a function entry point run as a real process,
 its config in on stdin as the JSON of its model, its graceful stop by SIGTERM or the environment."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from node_helpers import wait_for
-from rlplex.control.entry import STOP_ENV, config_model_of
+from rlplex.control.elastic.entry import STOP_ENV, config_model_of
 from rlplex.errors import JobSpecError
 
 HERE = Path(__file__).resolve().parent
@@ -23,7 +23,7 @@ SRC = HERE.parents[1] / "src"
 def start(config: dict[str, object], **env: str) -> subprocess.Popen[str]:
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), str(HERE)]), **env}
     process = subprocess.Popen(
-        [sys.executable, "-m", "rlplex.control.entry", "control_workers:wait_for_stop"],
+        [sys.executable, "-m", "rlplex.control.elastic.entry", "control_workers:wait_for_stop"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=environ,
     )  # fmt: skip
     assert process.stdin is not None

@@ -12,7 +12,7 @@ from typing import TypeVar
 
 from node_helpers import wait_for
 from rlplex.control import JobBuilder, JobState, NodeState, PrimeMaster
-from rlplex.control.master import read_token
+from rlplex.control.job.master import read_token
 from rlplex.control.rpc import RpcClient, connect, parse_address
 
 

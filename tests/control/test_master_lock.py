@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from rlplex.control.master import MasterLock
+from rlplex.control.job.master import MasterLock
 from rlplex.errors import MasterRunningError
 
 HOLDER = """
 import sys
 from pathlib import Path
-from rlplex.control.master import MasterLock
+from rlplex.control.job.master import MasterLock
 lock = MasterLock.acquire(Path(sys.argv[1]))
 print("held", flush=True)
 sys.stdin.read()

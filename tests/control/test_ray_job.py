@@ -27,8 +27,8 @@ SRC = HERE.parents[1] / "src"
 
 ray = pytest.importorskip("ray")
 
-from rlplex.control.ray_master import RayMasterHandle, master_actor_name  # noqa: E402
-from rlplex.control.ray_scheduler import NAMESPACE  # noqa: E402
+from rlplex.control.backends.ray import NAMESPACE  # noqa: E402
+from rlplex.control.backends.ray_master import RayMasterHandle, master_actor_name  # noqa: E402
 
 JOB = """
 name = "both"

@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from node_helpers import wait_for
-from rlplex.control.local_scheduler import LocalScheduler
-from rlplex.control.shm_reaper import SHM_DIR, group_pids, release, shm_in_use
+from rlplex.control.backends.local import LocalScheduler
+from rlplex.io.shm_reaper import SHM_DIR, group_pids, release, shm_in_use
 from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle
 
 HERE = Path(__file__).resolve().parent

@@ -93,7 +93,7 @@ def test_load_job_reports_file_and_field(tmp_path: Path) -> None:
 
 
 def test_backend_precedence_file_then_environment_then_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from rlplex.control.master import backend_overrides
+    from rlplex.control.job.master import backend_overrides
 
     job = tmp_path / "job.toml"
     job.write_text(f'name = "p"\noutput_dir = "{tmp_path}"\nbackend = "ray"\nray_address = "file:1"\n'

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from rlplex.control import JobState, NodeState, SqliteStateStore
-from rlplex.control.states import job_machine, node_machine
+from rlplex.control.job.states import job_machine, node_machine
 from rlplex.errors import IllegalTransitionError
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from rlplex.control import SqliteStateStore
-from rlplex.control.store import JOURNAL_ENV, NodeRecord, journal_mode_for, mount_fstype
+from rlplex.control.job.store import JOURNAL_ENV, NodeRecord, journal_mode_for, mount_fstype
 from rlplex.errors import ConfigError
 
 

@@ -33,11 +33,11 @@ from rlplex.inference.vllm_server import (
     write_endpoint,
 )
 from rlplex.models.spec import ModelSpec
-from rlplex.multirun.orch_config import OrchestratorConfig, parse_orch_config
-from rlplex.multirun.orchestrator import RunEvictedError, WaitOptions, run_orchestrator
-from rlplex.multirun.peft_export import STABLE_MARKER
-from rlplex.multirun.rollout_io import rollouts_ready
+from rlplex.multirun.orchestrator.config import OrchestratorConfig, parse_orch_config
+from rlplex.multirun.orchestrator.loop import RunEvictedError, WaitOptions, run_orchestrator
 from rlplex.multirun.rundir import RunDir
+from rlplex.multirun.rundir.peft_export import STABLE_MARKER
+from rlplex.multirun.rundir.rollouts import rollouts_ready
 
 
 @contextmanager

@@ -15,7 +15,7 @@ from vllm_helpers import make_adapter, server_config
 
 from lm_models import small_tiny_model
 from node_helpers import wait_for
-from rlplex.control.worker import WorkerContext
+from rlplex.control.node.worker import WorkerContext
 from rlplex.errors import InferenceUnavailableError
 from rlplex.inference.client import VLLMClient
 from rlplex.inference.config import EngineSettings

@@ -207,14 +207,14 @@ def test_runs_take_the_job_model_and_a_local_folder_is_made_absolute(
 def test_trainer_settings_reach_the_trainer_as_one_json_of_its_config_and_the_preflight(tmp_path: Path) -> None:
     from rlplex.mainjob.build import build_job_spec, trainer_config
     from rlplex.mainjob.preflight import run_problems
-    from rlplex.multirun.trainer_config import TrainerConfig
+    from rlplex.multirun.trainer.config import TrainerConfig
 
     settings = "world_size = 2\nmax_off_policy_steps = 1\nretention = {{ checkpoints = {{ keep_last = 2 }} }}"
     config = load_main_job(write_job(tmp_path, JOB.replace("world_size = 2", settings)))
     trainer = trainer_config(config)
     assert trainer.max_off_policy_steps == 1 and trainer.retention.checkpoints.keep_last == 2
     role = build_job_spec(config, "job.toml").roles["trainer"].config
-    assert role["entrypoint"] == "rlplex.multirun.trainer_main:run_trainer"
+    assert role["entrypoint"] == "rlplex.multirun.trainer:run_trainer"
     assert TrainerConfig.model_validate(role["config"]) == trainer  # rebuilt as the same model on the other side
     late = config.runs[0].model_copy(update={"config": {**config.runs[0].config, "max_async_level": 2}})
     problems = run_problems(late, config, "job.toml")

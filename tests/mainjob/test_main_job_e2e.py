@@ -12,7 +12,7 @@ from mainjob_helpers import run_config, tiny_job
 from rich.console import Console
 
 from node_helpers import job_processes
-from rlplex.control.states import JobState
+from rlplex.control.job.states import JobState
 from rlplex.mainjob.config import load_main_job
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect

@@ -19,7 +19,7 @@ import psutil
 from mainjob_helpers import BATCH, run_config, tiny_job
 
 from node_helpers import job_processes, listening_sockets, wait_for
-from rlplex.control.elastic import read_elastic_status
+from rlplex.control.elastic.master import read_elastic_status
 from rlplex.mainjob.view import collect, read_progress_rows
 from rlplex.multirun.rundir import RunDir, stable_steps
 
@@ -29,7 +29,7 @@ STEPS = 8
 def node_process(out: Path, node_id: str) -> psutil.Process | None:
     for process in job_processes(out):
         cmdline = process.info["cmdline"] or []
-        if "rlplex.control.node" in cmdline and node_id in cmdline:
+        if "rlplex.control.node.runtime" in cmdline and node_id in cmdline:
             return process
     return None
 

@@ -11,14 +11,14 @@ from mainjob_helpers import run_config, tiny_job
 from rich.console import Console
 
 from node_helpers import local_ray
-from rlplex.control.states import JobState
+from rlplex.control.job.states import JobState
 from rlplex.mainjob.config import load_main_job
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect
 
 ray = pytest.importorskip("ray")
 
-from rlplex.control.ray_scheduler import NAMESPACE  # noqa: E402
+from rlplex.control.backends.ray import NAMESPACE  # noqa: E402
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

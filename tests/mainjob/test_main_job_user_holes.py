@@ -18,7 +18,7 @@ from rich.console import Console
 
 from node_helpers import job_processes, wait_for
 from rlplex.config import load_config
-from rlplex.control.states import JobState
+from rlplex.control.job.states import JobState
 from rlplex.mainjob.config import MainJobConfig
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect, read_progress_rows

@@ -12,7 +12,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.live import Live
 
-from rlplex.control.store import NodeRecord
+from rlplex.control.job.store import NodeRecord
 from rlplex.mainjob.config import RunEntry
 from rlplex.mainjob.frame import render
 from rlplex.mainjob.registry import write_registry

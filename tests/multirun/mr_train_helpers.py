@@ -11,9 +11,10 @@ from lm_models import untrained_tiny_model
 from rlplex.models.hf import Tokenizer, load_causal_lm, load_tokenizer
 from rlplex.models.lm import token_logprobs
 from rlplex.models.spec import ModelSpec
-from rlplex.multirun.rollout_io import RolloutBatch, write_rollouts
 from rlplex.multirun.rundir import RunDir
-from rlplex.multirun.trainer import MultiRunTrainer, TrainerConfig
+from rlplex.multirun.rundir.rollouts import RolloutBatch, write_rollouts
+from rlplex.multirun.trainer.config import TrainerConfig
+from rlplex.multirun.trainer.loop import MultiRunTrainer
 
 _BASE: dict[int, torch.nn.Module] = {}
 
@@ -115,7 +116,7 @@ class FakeOrchestrator:
     def __init__(self, run: RunDir, rank: int, alpha: float, batch_size: int = 32, seed: int = 0) -> None:
         import copy
 
-        from rlplex.multirun.lora import apply_multi_lora
+        from rlplex.multirun.trainer.lora import apply_multi_lora
 
         self.run, self.batch_size = run, batch_size
         self.tokenizer = tokenizer()

@@ -21,8 +21,8 @@ from rlplex.multirun import (
     get_multi_run_manager,
     setup_multi_run_manager,
 )
-from rlplex.multirun import manager as manager_module
 from rlplex.multirun.rundir import write_finished
+from rlplex.multirun.trainer import manager as manager_module
 
 
 def manager(tmp_path: Path, max_runs: int = 4) -> MultiRunManager:

@@ -19,14 +19,14 @@ from torch import Tensor, nn
 
 from rlplex.errors import AdapterError
 from rlplex.multirun import MultiLoRALinear, apply_multi_lora, write_peft_adapter
-from rlplex.multirun.lora import (
+from rlplex.multirun.rundir.peft_export import ADAPTER_CONFIG
+from rlplex.multirun.trainer.lora import (
     DEFAULT_TARGET_MODULES,
     GPT2_TARGET_MODULES,
     MultiLoRAModules,
     default_target_modules,
     grouped_mm_available,
 )
-from rlplex.multirun.peft_export import ADAPTER_CONFIG
 
 VOCAB = 100
 ARCHS = ["gpt2", "qwen2", "llama"]

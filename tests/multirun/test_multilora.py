@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from rlplex.errors import AdapterError
 from rlplex.multirun import AdapterBatch, MultiLoRALinear, apply_multi_lora
-from rlplex.multirun.lora import BatchPlan, grouped_mm_available
+from rlplex.multirun.trainer.lora import BatchPlan, grouped_mm_available
 
 # Multiples of 8: grouped_mm wants 16-byte aligned rows in bf16.
 IN, OUT, MAX_RANK = 24, 16, 8

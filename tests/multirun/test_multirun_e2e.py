@@ -23,9 +23,9 @@ import pytest
 from test_orchestrator import Orchestrator, Orchestrators, make_config, new_output
 
 from rlplex.multirun import RunDir, create_run
-from rlplex.multirun.peft_export import is_stable_adapter
 from rlplex.multirun.rundir import STABLE_MARKER, stable_steps, write_eviction
-from rlplex.multirun.trainer_log import read_progress_csv
+from rlplex.multirun.rundir.peft_export import is_stable_adapter
+from rlplex.multirun.trainer.log import read_progress_csv
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 TIMEOUT_S = 60.0

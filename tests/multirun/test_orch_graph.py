@@ -20,11 +20,11 @@ from rlplex.dataflow import MFCExecutionError, ModelInterfaceType, ProcessModelW
 from rlplex.models.hf import load_causal_lm, load_tokenizer
 from rlplex.models.lm import generate, pad_id_of
 from rlplex.multirun import OrchestratorConfig, apply_multi_lora, create_run, write_peft_adapter
-from rlplex.multirun.orch_graph import DATASET_KEYS, orchestrator_graph, orchestrator_mfcs
-from rlplex.multirun.orch_models import ActorModel, EnvRewardModel, RolloutHandoff, StepPrompts
-from rlplex.multirun.orchestrator import StepDataflow
-from rlplex.multirun.rollout_io import read_rollouts, rollouts_ready
+from rlplex.multirun.orchestrator.graph import DATASET_KEYS, orchestrator_graph, orchestrator_mfcs
+from rlplex.multirun.orchestrator.loop import StepDataflow
+from rlplex.multirun.orchestrator.models import ActorModel, EnvRewardModel, RolloutHandoff, StepPrompts
 from rlplex.multirun.rundir import RunDir
+from rlplex.multirun.rundir.rollouts import read_rollouts, rollouts_ready
 from rlplex.tasks import Example, load_environment
 
 BATCH, GROUP = 16, 4

@@ -28,11 +28,11 @@ from rlplex.errors import RunConfigError
 from rlplex.models.hf import load_causal_lm
 from rlplex.models.lm import token_logprobs
 from rlplex.multirun import OrchestratorConfig, RunDir, apply_multi_lora, orch_config_to_toml, write_peft_adapter
-from rlplex.multirun.orch_config import read_orch_config
-from rlplex.multirun.orch_graph import orchestrator_mfcs
-from rlplex.multirun.orchestrator import MAX_EMPTY_BATCH_ATTEMPTS, WaitOptions, main, run_orchestrator
-from rlplex.multirun.rollout_io import ROLLOUT_FILE, read_rollouts, rollouts_ready
+from rlplex.multirun.orchestrator.config import read_orch_config
+from rlplex.multirun.orchestrator.graph import orchestrator_mfcs
+from rlplex.multirun.orchestrator.loop import MAX_EMPTY_BATCH_ATTEMPTS, WaitOptions, main, run_orchestrator
 from rlplex.multirun.rundir import write_eviction
+from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE, read_rollouts, rollouts_ready
 
 TIMEOUT_S = 60.0
 TARGETS = ("q_proj", "v_proj")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlplex.multirun.packer import MicroBatch, Packer, Piece
-from rlplex.multirun.rollout_io import RolloutBatch
+from rlplex.multirun.rundir.rollouts import RolloutBatch
+from rlplex.multirun.trainer.packer import MicroBatch, Packer, Piece
 
 
 def batch(run_id: str, n: int, loss_tokens: int, width: int | None = None, step: int = 0) -> RolloutBatch:

@@ -13,7 +13,7 @@ from torch import nn
 
 from rlplex.errors import AdapterError
 from rlplex.multirun import apply_multi_lora, write_peft_adapter
-from rlplex.multirun.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STABLE_MARKER, is_stable_adapter
+from rlplex.multirun.rundir.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, STABLE_MARKER, is_stable_adapter
 
 TARGETS = ("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")
 MAX_RANK = 8
@@ -112,7 +112,7 @@ def test_rewrite_replaces_whole_and_a_failed_write_keeps_the_previous_adapter(mu
     def disk_full(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("rlplex.multirun.peft_export.save_file", disk_full)
+    monkeypatch.setattr("rlplex.multirun.rundir.peft_export.save_file", disk_full)
     with pytest.raises(AdapterError, match="No space left"):
         _export(lora, base, 2, directory)
     assert is_stable_adapter(directory)

@@ -12,15 +12,14 @@ from pydantic import ValidationError
 
 from rlplex.config import validate_config
 from rlplex.errors import ConfigError
-from rlplex.multirun import retention
-from rlplex.multirun.retention import (
+from rlplex.multirun.rundir import STABLE_MARKER, RunDir, retention, stable_steps, step_dir_name
+from rlplex.multirun.rundir.retention import (
     KeepPolicy,
     RetentionConfig,
     prune_steps,
     remove_orphaned_temporaries,
     steps_to_keep,
 )
-from rlplex.multirun.rundir import STABLE_MARKER, RunDir, stable_steps, step_dir_name
 
 
 @pytest.fixture

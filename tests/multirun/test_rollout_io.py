@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlplex.multirun.rollout_io import (
+from rlplex.multirun.rundir import RunDir
+from rlplex.multirun.rundir.rollouts import (
     ROLLOUT_FILE,
     MalformedRolloutError,
     RolloutBatch,
@@ -19,7 +20,6 @@ from rlplex.multirun.rollout_io import (
     rollouts_ready,
     write_rollouts,
 )
-from rlplex.multirun.rundir import RunDir
 
 
 def make_batch(n: int = 3, length: int = 6) -> RolloutBatch:

@@ -10,8 +10,8 @@ from mr_helpers import new_run
 
 from rlplex.errors import CheckpointError, MultiRunError, RunDirGoneError
 from rlplex.multirun import STABLE_MARKER, RunDir, RunProgress, load_checkpoint
-from rlplex.multirun import checkpoint as checkpoint_module
-from rlplex.multirun.checkpoint import latest_stable_checkpoint_path, save_checkpoint
+from rlplex.multirun.rundir import checkpoint as checkpoint_module
+from rlplex.multirun.rundir.checkpoint import latest_stable_checkpoint_path, save_checkpoint
 
 
 def state(value: float) -> tuple[dict, dict, dict]:

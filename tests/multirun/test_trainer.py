@@ -29,11 +29,11 @@ from mr_train_helpers import (
 from safetensors.torch import save_file
 from test_sync_multirank import run_world
 
-from rlplex.multirun.checkpoint import latest_stable_checkpoint_path, load_checkpoint
-from rlplex.multirun.rollout_io import ROLLOUT_FILE
 from rlplex.multirun.rundir import RunDir
-from rlplex.multirun.trainer import MultiRunTrainer
-from rlplex.multirun.trainer_log import read_progress_csv
+from rlplex.multirun.rundir.checkpoint import latest_stable_checkpoint_path, load_checkpoint
+from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE
+from rlplex.multirun.trainer.log import read_progress_csv
+from rlplex.multirun.trainer.loop import MultiRunTrainer
 
 
 @pytest.fixture(scope="module")
@@ -207,7 +207,7 @@ def test_cli_takes_the_model_and_stops_after_steps(tmp_path: Path) -> None:
     import json
     import signal
 
-    from rlplex.multirun.trainer import main
+    from rlplex.multirun.trainer.main import main
 
     make_runs(tmp_path, ["run_c"], steps=3)
     handlers = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))

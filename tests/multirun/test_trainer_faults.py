@@ -30,15 +30,15 @@ from mr_train_helpers import (
 
 from rlplex.errors import RunConfigError
 from rlplex.mainjob.view import unwritten_eviction
-from rlplex.multirun import manager as manager_module
-from rlplex.multirun.checkpoint import PROGRESS_FILE, stable_checkpoints
-from rlplex.multirun.orch_config import orch_config_to_toml, read_orch_config
-from rlplex.multirun.orchestrator import WaitOptions, open_run, wait_for_broadcast
-from rlplex.multirun.peft_export import is_stable_adapter
-from rlplex.multirun.rollout_io import ROLLOUT_FILE, write_rollouts
+from rlplex.multirun.orchestrator.config import orch_config_to_toml, read_orch_config
+from rlplex.multirun.orchestrator.loop import WaitOptions, open_run, wait_for_broadcast
 from rlplex.multirun.rundir import UNWRITTEN_EVICTIONS, RunDir, stable_steps, write_finished
-from rlplex.multirun.trainer import MultiRunTrainer
-from rlplex.multirun.trainer_log import read_progress_csv
+from rlplex.multirun.rundir.checkpoint import PROGRESS_FILE, stable_checkpoints
+from rlplex.multirun.rundir.peft_export import is_stable_adapter
+from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE, write_rollouts
+from rlplex.multirun.trainer import manager as manager_module
+from rlplex.multirun.trainer.log import read_progress_csv
+from rlplex.multirun.trainer.loop import MultiRunTrainer
 
 
 def _iterate(trainer: MultiRunTrainer, times: int = 1) -> None:

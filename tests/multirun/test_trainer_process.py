@@ -17,9 +17,9 @@ import numpy as np
 from mr_train_helpers import FakeOrchestrator, new_train_run, shared_model
 from test_sync_multirank import free_port
 
-from rlplex.multirun.checkpoint import latest_stable_checkpoint_path
-from rlplex.multirun.peft_export import is_stable_adapter
-from rlplex.multirun.trainer_log import read_progress_csv
+from rlplex.multirun.rundir.checkpoint import latest_stable_checkpoint_path
+from rlplex.multirun.rundir.peft_export import is_stable_adapter
+from rlplex.multirun.trainer.log import read_progress_csv
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 

@@ -14,11 +14,11 @@ from mr_train_helpers import make_trainer, new_train_run, write_synthetic
 from safetensors.torch import load_file
 
 from rlplex.mainjob.view import read_progress_rows
-from rlplex.multirun.checkpoint import PROGRESS_FILE, stable_checkpoints
-from rlplex.multirun.rollout_io import ROLLOUT_FILE
 from rlplex.multirun.rundir import RunDir, stable_steps
-from rlplex.multirun.trainer import MultiRunTrainer
-from rlplex.multirun.trainer_log import progress_csv_path
+from rlplex.multirun.rundir.checkpoint import PROGRESS_FILE, stable_checkpoints
+from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE
+from rlplex.multirun.trainer.log import progress_csv_path
+from rlplex.multirun.trainer.loop import MultiRunTrainer
 
 NAMES = ("run_p", "run_q", "run_r", "run_s")
 DATA_STEPS = 5

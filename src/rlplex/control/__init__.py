@@ -2,21 +2,51 @@
 
 A `PrimeMaster` places, starts, watches and heals the processes of a job declared as a
 `JobSpec` of roles. Names are loaded lazily so that a node process (`python -m
-rlplex.control.node`) imports only what it needs and starts fast.
+rlplex.control.node.runtime`) imports only what it needs and starts fast.
+
+Folders: `job/` (the spec, state machines, SQLite store, placement, health, master and its
+control loop), `node/` (a node's runtime and hooks, the master's view of it), `backends/` (where
+nodes run: local processes or Ray actors), `elastic/` (torchrun-style training under a
+sub-master), `channels/` (`DataChannel` and the self-loop); `rpc.py` is the one RPC they share.
+
+Glossary: the views of "a node", one process of a role (`node_id` = `<role>-<rank>`):
+
+- `RoleSpec` (job/spec): what the user declares; a role's `count` nodes are made from it.
+- `NodeState` (job/states): a node's life, PENDING -> CREATED -> CHECKED -> RUNNING ->
+  FINISHED / FAILED / STOPPED; the one vocabulary for a node's state, whether the master
+  records it, the node reports it or a view shows it.
+- `NodeRecord` (job/store): a node's row in `job.sqlite` (state, incarnation, address), what
+  every reader beside the master sees, through `JobStore`.
+- `NodeSlot` (node/slot): the master's live view: its state machine, backend handle, RPC
+  client, the state the node last `reported` and its last heartbeat.
+- `NodeInfo` (node/slot): a node as the registry lists it (`get_nodes_by_role`).
+- `NodeStatus` (job/health): a frozen snapshot of a slot that the failure policy decides on.
+- `NodeHandle` / `NodeEvent` / `NodeClient` (backends/scheduler): a node as a backend knows
+  it (a Popen or an actor), what it says over the heartbeat connection, the RPC to it.
+- `NodeRuntime` (node/runtime): the node process itself, hosting one `Worker`;
+  `NodeActor` (backends/ray_node) hosts it inside a Ray actor.
+- `Worker` / `WorkerContext` (node/worker): the user's code in the node, and what it knows of
+  its job; its `state` is the `NodeState` it reports.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlplex.lazy import lazy_getattr
 
 if TYPE_CHECKING:
-    from rlplex.control.channel import ChannelClosedError, ChannelError, ChannelTimeoutError, DataChannel
-    from rlplex.control.channel_local import LocalDataChannel
-    from rlplex.control.channel_ray import RayDataChannel
-    from rlplex.control.elastic import ElasticMaster, ElasticWorker
-    from rlplex.control.elastic_rdzv import RendezvousError, RendezvousState
-    from rlplex.control.health import (
+    from rlplex.control.backends.local import LocalScheduler
+    from rlplex.control.backends.ray import RayScheduler
+    from rlplex.control.backends.ray_master import RayMasterHandle
+    from rlplex.control.backends.scheduler import NodeClient, NodeEvent, NodeHandle, Scheduler
+    from rlplex.control.channels.base import ChannelClosedError, ChannelError, ChannelTimeoutError, DataChannel
+    from rlplex.control.channels.local import LocalDataChannel
+    from rlplex.control.channels.ray import RayDataChannel
+    from rlplex.control.channels.selfloop import SelfLoopStats, run_self_loop
+    from rlplex.control.elastic.master import ElasticMaster, ElasticWorker
+    from rlplex.control.elastic.rdzv import RendezvousError, RendezvousState
+    from rlplex.control.job.health import (
         Action,
         Decision,
         DefaultFailurePolicy,
@@ -26,74 +56,69 @@ if TYPE_CHECKING:
         RoleStatus,
         detect_failure,
     )
-    from rlplex.control.local_scheduler import LocalScheduler
-    from rlplex.control.manager import PrimeManager
-    from rlplex.control.master import PrimeMaster
-    from rlplex.control.placement import Bundle, Member, Placement
-    from rlplex.control.ray_master import RayMasterHandle
-    from rlplex.control.ray_scheduler import RayScheduler
-    from rlplex.control.role_group import RoleGroup
-    from rlplex.control.scheduler import NodeClient, NodeEvent, NodeHandle, Scheduler
-    from rlplex.control.selfloop import SelfLoopStats, run_self_loop
-    from rlplex.control.slot import NodeInfo
-    from rlplex.control.spec import JobBuilder, JobSpec, Resources, RestartPolicy, RoleSpec, load_job, parse_job
-    from rlplex.control.states import JobState, NodeState, StateMachine
-    from rlplex.control.store import JobStore, SqliteStateStore, StateStore
-    from rlplex.control.worker import FunctionWorker, SubMaster, Worker, WorkerContext, WorkerLoad
+    from rlplex.control.job.manager import PrimeManager
+    from rlplex.control.job.master import PrimeMaster
+    from rlplex.control.job.placement import Bundle, Member, Placement
+    from rlplex.control.job.spec import JobBuilder, JobSpec, Resources, RestartPolicy, RoleSpec, load_job, parse_job
+    from rlplex.control.job.states import JobState, NodeState, StateMachine
+    from rlplex.control.job.store import JobStore, SqliteStateStore, StateStore
+    from rlplex.control.node.role_group import RoleGroup
+    from rlplex.control.node.slot import NodeInfo
+    from rlplex.control.node.worker import FunctionWorker, SubMaster, Worker, WorkerContext, WorkerLoad
 
 _WHERE = {
-    "ChannelClosedError": "channel",
-    "ChannelError": "channel",
-    "ChannelTimeoutError": "channel",
-    "DataChannel": "channel",
-    "LocalDataChannel": "channel_local",
-    "RayDataChannel": "channel_ray",
-    "ElasticMaster": "elastic",
-    "ElasticWorker": "elastic",
-    "RendezvousError": "elastic_rdzv",
-    "RendezvousState": "elastic_rdzv",
-    "SelfLoopStats": "selfloop",
-    "run_self_loop": "selfloop",
-    "Action": "health",
-    "Decision": "health",
-    "DefaultFailurePolicy": "health",
-    "FailurePolicy": "health",
-    "JobStatus": "health",
-    "NodeStatus": "health",
-    "RoleStatus": "health",
-    "detect_failure": "health",
-    "LocalScheduler": "local_scheduler",
-    "PrimeManager": "manager",
-    "PrimeMaster": "master",
-    "Bundle": "placement",
-    "Member": "placement",
-    "Placement": "placement",
-    "RayMasterHandle": "ray_master",
-    "RayScheduler": "ray_scheduler",
-    "RoleGroup": "role_group",
-    "NodeClient": "scheduler",
-    "NodeEvent": "scheduler",
-    "NodeHandle": "scheduler",
-    "Scheduler": "scheduler",
-    "NodeInfo": "slot",
-    "JobBuilder": "spec",
-    "JobSpec": "spec",
-    "Resources": "spec",
-    "RestartPolicy": "spec",
-    "RoleSpec": "spec",
-    "load_job": "spec",
-    "parse_job": "spec",
-    "JobState": "states",
-    "NodeState": "states",
-    "StateMachine": "states",
-    "JobStore": "store",
-    "SqliteStateStore": "store",
-    "StateStore": "store",
-    "FunctionWorker": "worker",
-    "SubMaster": "worker",
-    "Worker": "worker",
-    "WorkerContext": "worker",
-    "WorkerLoad": "worker",
+    "ChannelClosedError": "channels.base",
+    "ChannelError": "channels.base",
+    "ChannelTimeoutError": "channels.base",
+    "DataChannel": "channels.base",
+    "LocalDataChannel": "channels.local",
+    "RayDataChannel": "channels.ray",
+    "ElasticMaster": "elastic.master",
+    "ElasticWorker": "elastic.master",
+    "RendezvousError": "elastic.rdzv",
+    "RendezvousState": "elastic.rdzv",
+    "SelfLoopStats": "channels.selfloop",
+    "run_self_loop": "channels.selfloop",
+    "Action": "job.health",
+    "Decision": "job.health",
+    "DefaultFailurePolicy": "job.health",
+    "FailurePolicy": "job.health",
+    "JobStatus": "job.health",
+    "NodeStatus": "job.health",
+    "RoleStatus": "job.health",
+    "detect_failure": "job.health",
+    "LocalScheduler": "backends.local",
+    "PrimeManager": "job.manager",
+    "PrimeMaster": "job.master",
+    "Bundle": "job.placement",
+    "Member": "job.placement",
+    "Placement": "job.placement",
+    "RayMasterHandle": "backends.ray_master",
+    "RayScheduler": "backends.ray",
+    "RoleGroup": "node.role_group",
+    "NodeClient": "backends.scheduler",
+    "NodeEvent": "backends.scheduler",
+    "NodeHandle": "backends.scheduler",
+    "Scheduler": "backends.scheduler",
+    "NodeInfo": "node.slot",
+    "JobBuilder": "job.spec",
+    "JobSpec": "job.spec",
+    "Resources": "job.spec",
+    "RestartPolicy": "job.spec",
+    "RoleSpec": "job.spec",
+    "load_job": "job.spec",
+    "parse_job": "job.spec",
+    "JobState": "job.states",
+    "NodeState": "job.states",
+    "StateMachine": "job.states",
+    "JobStore": "job.store",
+    "SqliteStateStore": "job.store",
+    "StateStore": "job.store",
+    "FunctionWorker": "node.worker",
+    "SubMaster": "node.worker",
+    "Worker": "node.worker",
+    "WorkerContext": "node.worker",
+    "WorkerLoad": "node.worker",
 }
 
 __all__ = [
@@ -152,8 +177,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rlplex.control' has no attribute '{name}'")
-    return getattr(importlib.import_module(f"rlplex.control.{module}"), name)
+__getattr__ = lazy_getattr(__name__, _WHERE)

@@ -17,7 +17,7 @@ model worker calls, peer-to-peer tensor fetches) alike:
 - Request ids: a reply answers the request with its id; one that arrives after its call timed
   out is skipped by the next call, so a connection never gets out of step.
 - Payloads: JSON-like values plus bytes, numpy arrays and torch tensors (their raw bytes laid
-  after a msgpack header: the codec of `rlplex.control.channel`), never pickle. Dict keys are
+  after a msgpack header: the codec of `rlplex.control.channels.base`), never pickle. Dict keys are
   str; tuples arrive as lists.
 """
 
@@ -35,7 +35,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, answer_challenge, deliver_challenge
 from typing import Any
 
-from rlplex.control.channel import decode_item, encode_item
+from rlplex.control.channels.base import decode_item, encode_item
 from rlplex.errors import NodeFailedError, WaitTimeoutError
 
 Address = tuple[str, int]

@@ -29,9 +29,10 @@ from typing import Any
 from pydantic import Field
 
 from rlplex.config import StrictModel
+from rlplex.control.job.states import JobState, NodeState
+from rlplex.control.job.store import JobStore, NodeRecord
+from rlplex.control.node.worker import Worker, WorkerContext
 from rlplex.control.rpc import RpcClient, parse_address
-from rlplex.control.store import JobStore, NodeRecord
-from rlplex.control.worker import Worker, WorkerContext
 from rlplex.dataflow.process_worker import CALL_TIMEOUT_S, ModelServer, ProcessModelWorker
 from rlplex.errors import ConfigError, WaitTimeoutError, WorkerDiedError
 
@@ -117,15 +118,15 @@ class JobModelWorker(ProcessModelWorker):
         with JobStore.open_readonly(self.context.output_dir, self.context.job_id) as job:
 
             def running(node: NodeRecord) -> bool:
-                return node.state == "RUNNING" and bool(node.address) and node.incarnation > after_incarnation
+                return node.state == NodeState.RUNNING and bool(node.address) and node.incarnation > after_incarnation
 
             def gone() -> bool:
                 """A node that failed or stopped for good: the job is ending, so no restart will come."""
                 last = self._node(job)
                 return (
-                    last is not None and after_incarnation >= 0 and last.state in ("FAILED", "STOPPED")
+                    last is not None and after_incarnation >= 0 and last.state in (NodeState.FAILED, NodeState.STOPPED)
                     and last.incarnation <= after_incarnation
-                    and job.job().state in ("STOPPING", "STOPPED", "FAILED")
+                    and job.job().state in (JobState.STOPPING, JobState.STOPPED, JobState.FAILED)
                 )  # fmt: skip
 
             try:

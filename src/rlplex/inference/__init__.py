@@ -1,6 +1,6 @@
 """Inference engines for rollouts: one protocol (`InferenceEngine`), a vLLM server process
 (`VLLMServer`) and its OpenAI-API client (`VLLMClient`); the in-process engine is
-`rlplex.multirun.hf_engine.HFEngine`.
+`rlplex.multirun.orchestrator.hf_engine.HFEngine`.
 """
 
 from rlplex.inference.config import EngineSettings, InferenceConfig

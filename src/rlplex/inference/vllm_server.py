@@ -35,9 +35,9 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from rlplex.control.shm_reaper import group_pids, release, shm_in_use
 from rlplex.errors import ConfigError, InferenceError, InferenceUnavailableError
 from rlplex.inference.config import SMALL_MACHINE_CORES, InferenceConfig
+from rlplex.io.shm_reaper import group_pids, release, shm_in_use
 from rlplex.models.spec import ModelSpec
 from rlplex.parent_death import die_with_parent
 
@@ -309,7 +309,7 @@ class VLLMServer:
         (`kill_tree`): when the API server was killed its engine core is an orphan, outside any
         tree, yet still in the group. The SIGKILL also takes the group's multiprocessing resource
         tracker, which would have unlinked vLLM's shared memory: what the group held and left
-        is unlinked here (`rlplex.control.shm_reaper`)."""
+        is unlinked here (`rlplex.io.shm_reaper`)."""
         process = self.process
         if process is None:
             return

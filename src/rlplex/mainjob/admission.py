@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from rlplex.control.job.states import JobState
+from rlplex.io.safe_files import read_regular_text
 from rlplex.mainjob.config import JOB_CONFIG_FILE
 from rlplex.mainjob.registry import REJECTIONS_DIR, read_registry
 from rlplex.mainjob.view import JobView, collect, run_view
 from rlplex.multirun.rundir import RunDir, stable_steps
-from rlplex.safe_files import read_regular_text
 
 Outcome = Literal["admitted", "rejected", "pending"]
 POLL_S = 0.3
@@ -95,7 +96,7 @@ def wait_for_trainer(
 
 def _job_over(view: JobView) -> bool:
     """No decision can come any more: the job ended, or its master is gone."""
-    return view.job_state in ("STOPPED", "FAILED") or bool(view.master_pid and not view.master_alive)
+    return view.job_state in (JobState.STOPPED, JobState.FAILED) or bool(view.master_pid and not view.master_alive)
 
 
 def _max_runs(output_dir: Path) -> int | None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from rlplex.control.spec import JobSpec, parse_job
+from rlplex.control.job.spec import JobSpec, parse_job
 from rlplex.mainjob.config import MainJobConfig
-from rlplex.multirun.trainer_config import TrainerConfig
+from rlplex.multirun.trainer.config import TrainerConfig
 
 
 def trainer_config(config: MainJobConfig) -> TrainerConfig:
@@ -56,7 +56,7 @@ def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec
                 "restart": {"scope": "worker", "max_restarts": trainer.max_restarts},
                 "heartbeat_timeout_s": 10.0,
                 "config": {
-                    "entrypoint": "rlplex.multirun.trainer_main:run_trainer",
+                    "entrypoint": "rlplex.multirun.trainer:run_trainer",
                     "config": trainer_config(config).model_dump(mode="json"),
                     # A trainer told to stop checkpoints every run ahead of its last checkpoint.
                     "stop_grace_s": 15.0,

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 from rlplex.config import StrictModel
-from rlplex.control.store import JobStore, NodeRecord
-from rlplex.control.worker import WorkerContext
+from rlplex.control.job.states import NodeState
+from rlplex.control.job.store import JobStore, NodeRecord
+from rlplex.control.node.worker import WorkerContext
 from rlplex.errors import RlplexError, WaitTimeoutError
 from rlplex.mainjob.config import Event, MainJobConfig
 from rlplex.mainjob.registry import submit_add
@@ -110,7 +111,7 @@ def _stop_trainer(context: WorkerContext) -> None:
 
 
 def _ended(node: NodeRecord) -> bool:
-    return node.state in ("FINISHED", "STOPPED")
+    return node.state in (NodeState.FINISHED, NodeState.STOPPED)
 
 
 def _ask_trainer_to_stop(context: WorkerContext) -> None:

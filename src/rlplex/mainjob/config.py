@@ -38,9 +38,9 @@ from pydantic import Field, field_validator, model_validator
 from rlplex.config import StrictModel, load_config
 from rlplex.inference.config import InferenceConfig
 from rlplex.models.spec import ModelSpec
-from rlplex.multirun.orch_config import OrchestratorConfig, parse_orch_config
-from rlplex.multirun.retention import RetentionConfig
+from rlplex.multirun.orchestrator.config import OrchestratorConfig, parse_orch_config
 from rlplex.multirun.rundir import is_valid_run_name
+from rlplex.multirun.rundir.retention import RetentionConfig
 
 INFERENCE_DIR = "inference"
 JOB_CONFIG_FILE = "main_job.json"  # the job as JSON, written at creation (`rlplex resume` and the view read it)

@@ -17,11 +17,12 @@ from rich.console import Console
 from rich.live import Live
 
 from rlplex.config import validate_config
-from rlplex.control.master import PrimeMaster
-from rlplex.control.states import TERMINAL_JOB_STATES, JobState
+from rlplex.control.job.master import PrimeMaster
+from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState
 from rlplex.errors import ConfigError, JobInterruptedError, RlplexError, WaitTimeoutError
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.vllm_server import ensure_api_key, require_vllm
+from rlplex.io.safe_files import ensure_output_dir, read_regular_text
 from rlplex.mainjob.build import build_job_spec
 from rlplex.mainjob.conductor import TERMINAL_RUN_STATES
 from rlplex.mainjob.config import JOB_CONFIG_FILE, MainJobConfig
@@ -32,7 +33,6 @@ from rlplex.mainjob.report import write_report
 from rlplex.mainjob.view import collect
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir import write_file_atomic
-from rlplex.safe_files import ensure_output_dir, read_regular_text
 
 STOP_REQUEST_FILE = f"{REQUESTS_DIR}/stop"
 

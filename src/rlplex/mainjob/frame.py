@@ -27,7 +27,8 @@ from typing import TypeVar
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.text import Text
 
-from rlplex.control.store import NodeRecord
+from rlplex.control.job.states import NodeState
+from rlplex.control.job.store import NodeRecord
 from rlplex.mainjob.timing import format_duration
 from rlplex.mainjob.view import THROUGHPUT_WINDOW_S, JobView, RunView
 
@@ -101,7 +102,10 @@ def _take(lines: list[Text], room: int, what: str, states: Sequence[str] = (), h
 
 # When rows must be left out, these come first: what may still change, or went wrong.
 RUN_ATTENTION = {"running": 0, "waiting": 1, "evicted": 2, "rejected": 3, "finished": 4}
-NODE_ATTENTION = {"FAILED": 0, "PENDING": 1, "CREATED": 1, "CHECKED": 1, "RUNNING": 2, "STOPPED": 3, "FINISHED": 3}
+NODE_ATTENTION: dict[str, int] = {
+    NodeState.FAILED: 0, NodeState.PENDING: 1, NodeState.CREATED: 1, NodeState.CHECKED: 1,
+    NodeState.RUNNING: 2, NodeState.STOPPED: 3, NodeState.FINISHED: 3,
+}
 
 
 RUN_COLUMNS = (

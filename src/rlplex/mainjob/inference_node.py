@@ -15,7 +15,7 @@ import logging
 import time
 
 from rlplex.config import StrictModel
-from rlplex.control.worker import WorkerContext, WorkerLoad
+from rlplex.control.node.worker import WorkerContext, WorkerLoad
 from rlplex.errors import InferenceUnavailableError
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.vllm_server import (

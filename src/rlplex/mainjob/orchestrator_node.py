@@ -19,7 +19,7 @@ import logging
 from pydantic import Field
 
 from rlplex.config import StrictModel
-from rlplex.control.worker import WorkerContext, WorkerLoad
+from rlplex.control.node.worker import WorkerContext, WorkerLoad
 from rlplex.errors import ConfigError
 from rlplex.mainjob.registry import rejection_reason, run_for_rank, write_rejection
 from rlplex.multirun.rundir import RunDir, write_eviction
@@ -46,7 +46,7 @@ class OrchestratorNode(WorkerLoad):
         self.entry.orch_config(str(self.context.output_dir / "runs.json"))  # a bad config fails prepare
 
     def run(self) -> None:
-        from rlplex.multirun.orchestrator import RunEvictedError, run_orchestrator
+        from rlplex.multirun.orchestrator.loop import RunEvictedError, run_orchestrator
 
         run = RunDir(self.runs_dir, self.entry.id)
         if rejection_reason(self.context.output_dir, self.entry.id) is not None or run.is_finished():

@@ -18,7 +18,7 @@ from typing import Any
 from rlplex.errors import ConfigError, RlplexError
 from rlplex.mainjob.config import MainJobConfig, RunEntry
 from rlplex.models.spec import ModelSpec
-from rlplex.multirun.orch_config import OrchestratorConfig
+from rlplex.multirun.orchestrator.config import OrchestratorConfig
 
 FLOAT32_BYTES = 4
 # LoRA weights, their gradients and Adam's two moments, all float32.

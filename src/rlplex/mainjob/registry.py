@@ -20,9 +20,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from rlplex.errors import ConfigError, WaitTimeoutError
+from rlplex.io.safe_files import read_regular_text
 from rlplex.mainjob.config import RunEntry
 from rlplex.multirun.rundir import write_file_atomic
-from rlplex.safe_files import read_regular_text
 
 REGISTRY_FILE = "runs.json"
 REQUESTS_DIR = "requests"

@@ -26,16 +26,16 @@ from pathlib import Path
 
 import psutil
 
-from rlplex.control.elastic import rendezvous_summaries
-from rlplex.control.master import MasterLock
-from rlplex.control.states import TERMINAL_JOB_STATES
-from rlplex.control.store import STORE_FILE, JobRecord, JobStore, NodeRecord
+from rlplex.control.elastic.master import rendezvous_summaries
+from rlplex.control.job.master import MasterLock
+from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState
+from rlplex.control.job.store import STORE_FILE, JobRecord, JobStore, NodeRecord
 from rlplex.errors import ConfigError
+from rlplex.io.safe_files import check_regular_file, read_regular_text
 from rlplex.mainjob.config import INFERENCE_DIR, JOB_CONFIG_FILE, RunEntry
 from rlplex.mainjob.registry import REJECTIONS_DIR, read_registry, rejection_reason
 from rlplex.mainjob.timing import eta_s, job_eta_s, seconds_per_step, step_history
 from rlplex.multirun.rundir import UNWRITTEN_EVICTIONS, RunDir, read_unwritten_evictions, stable_steps
-from rlplex.safe_files import check_regular_file, read_regular_text
 
 MAX_PROGRESS_BYTES = 256 << 20
 MAX_STORE_BYTES = 64 << 30
@@ -203,7 +203,7 @@ class JobView:
     def master_gone(self) -> bool:
         """The job is not over but the master recorded as carrying it on is gone (a master killed
         with SIGKILL leaves RUNNING behind)."""
-        live = ("RUNNING", "READY", "INIT", "STOPPING")
+        live = (JobState.RUNNING, JobState.READY, JobState.INIT, JobState.STOPPING)
         return self.job_state in live and self.master_pid > 0 and not self.master_alive
 
     @property

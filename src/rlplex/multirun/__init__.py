@@ -6,39 +6,40 @@ not imported here: it loads transformers, which the run-directory side does not 
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from rlplex.lazy import lazy_getattr
 
 # Names resolve on first use (PEP 562): `rlplex status` reads run folders through this package
 # and must not pay for torch, which most of these modules import.
 _EXPORTS = {
-    "AdapterBatch": "rlplex.multirun.lora",
-    "EMPTY_SLOT_SCALING": "rlplex.multirun.manager",
-    "LoraConfig": "rlplex.multirun.orch_config",
-    "MAX_ORCH_CONFIG_BYTES": "rlplex.multirun.orch_config",
-    "MicroBatch": "rlplex.multirun.packer",
-    "ModelConfig": "rlplex.multirun.orch_config",
-    "MultiLoRALinear": "rlplex.multirun.lora",
-    "MultiLoRAModules": "rlplex.multirun.lora",
-    "MultiRunManager": "rlplex.multirun.manager",
-    "OptimConfig": "rlplex.multirun.orch_config",
-    "OrchestratorConfig": "rlplex.multirun.orch_config",
-    "Packer": "rlplex.multirun.packer",
-    "RunCheckpoint": "rlplex.multirun.checkpoint",
-    "RunDir": "rlplex.multirun.rundir",
-    "RunOptimizers": "rlplex.multirun.run_optim",
-    "RunProgress": "rlplex.multirun.checkpoint",
-    "RunStatus": "rlplex.multirun.manager",
-    "STABLE_MARKER": "rlplex.multirun.rundir",
-    "apply_multi_lora": "rlplex.multirun.lora",
-    "create_run": "rlplex.multirun.orch_config",
-    "default_target_modules": "rlplex.multirun.lora",
-    "get_multi_run_manager": "rlplex.multirun.manager",
-    "load_checkpoint": "rlplex.multirun.checkpoint",
-    "orch_config_to_toml": "rlplex.multirun.orch_config",
-    "read_orch_config": "rlplex.multirun.orch_config",
-    "setup_multi_run_manager": "rlplex.multirun.manager",
-    "write_peft_adapter": "rlplex.multirun.peft_export",
+    "AdapterBatch": "trainer.lora",
+    "EMPTY_SLOT_SCALING": "trainer.manager",
+    "LoraConfig": "orchestrator.config",
+    "MAX_ORCH_CONFIG_BYTES": "orchestrator.config",
+    "MicroBatch": "trainer.packer",
+    "ModelConfig": "orchestrator.config",
+    "MultiLoRALinear": "trainer.lora",
+    "MultiLoRAModules": "trainer.lora",
+    "MultiRunManager": "trainer.manager",
+    "OptimConfig": "orchestrator.config",
+    "OrchestratorConfig": "orchestrator.config",
+    "Packer": "trainer.packer",
+    "RunCheckpoint": "rundir.checkpoint",
+    "RunDir": "rundir",
+    "RunOptimizers": "trainer.run_optim",
+    "RunProgress": "rundir.checkpoint",
+    "RunStatus": "trainer.manager",
+    "STABLE_MARKER": "rundir",
+    "apply_multi_lora": "trainer.lora",
+    "create_run": "orchestrator.config",
+    "default_target_modules": "trainer.lora",
+    "get_multi_run_manager": "trainer.manager",
+    "load_checkpoint": "rundir.checkpoint",
+    "orch_config_to_toml": "orchestrator.config",
+    "read_orch_config": "orchestrator.config",
+    "setup_multi_run_manager": "trainer.manager",
+    "write_peft_adapter": "rundir.peft_export",
 }
 
 
@@ -73,32 +74,11 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'rlplex.multirun' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _EXPORTS)
 
 
 if TYPE_CHECKING:
-    from rlplex.multirun.checkpoint import RunCheckpoint, RunProgress, load_checkpoint
-    from rlplex.multirun.lora import (
-        AdapterBatch,
-        MultiLoRALinear,
-        MultiLoRAModules,
-        apply_multi_lora,
-        default_target_modules,
-    )
-    from rlplex.multirun.manager import (
-        EMPTY_SLOT_SCALING,
-        MultiRunManager,
-        RunStatus,
-        get_multi_run_manager,
-        setup_multi_run_manager,
-    )
-    from rlplex.multirun.orch_config import (
+    from rlplex.multirun.orchestrator.config import (
         MAX_ORCH_CONFIG_BYTES,
         LoraConfig,
         ModelConfig,
@@ -108,7 +88,22 @@ if TYPE_CHECKING:
         orch_config_to_toml,
         read_orch_config,
     )
-    from rlplex.multirun.packer import MicroBatch, Packer
-    from rlplex.multirun.peft_export import write_peft_adapter
-    from rlplex.multirun.run_optim import RunOptimizers
     from rlplex.multirun.rundir import STABLE_MARKER, RunDir
+    from rlplex.multirun.rundir.checkpoint import RunCheckpoint, RunProgress, load_checkpoint
+    from rlplex.multirun.rundir.peft_export import write_peft_adapter
+    from rlplex.multirun.trainer.lora import (
+        AdapterBatch,
+        MultiLoRALinear,
+        MultiLoRAModules,
+        apply_multi_lora,
+        default_target_modules,
+    )
+    from rlplex.multirun.trainer.manager import (
+        EMPTY_SLOT_SCALING,
+        MultiRunManager,
+        RunStatus,
+        get_multi_run_manager,
+        setup_multi_run_manager,
+    )
+    from rlplex.multirun.trainer.packer import MicroBatch, Packer
+    from rlplex.multirun.trainer.run_optim import RunOptimizers

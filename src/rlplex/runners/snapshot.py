@@ -22,7 +22,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rlplex.errors import SnapshotError
-from rlplex.safe_files import check_regular_file, read_regular_file
+from rlplex.io.safe_files import check_regular_file, read_regular_file
 
 SnapshotMode = Literal["last", "all", "gap", "none"]
 _PREFIX = "itr_"

@@ -55,7 +55,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rlplex import errors
-from rlplex.control.elastic_rdzv import LOCAL_HOST, loopback_collectives_env, serve_tcp_store
+from rlplex.control.elastic.rdzv import LOCAL_HOST, loopback_collectives_env, serve_tcp_store
 from rlplex.errors import ConfigError, RlplexError, RunFailedError, WaitTimeoutError, WorkerDiedError
 from rlplex.models import unwrap_model
 from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval, TrainResult

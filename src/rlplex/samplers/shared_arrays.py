@@ -3,7 +3,7 @@ pickling bulk data (sample batches, the replay buffer, counters).
 
 The creating process owns the segments (`create`, then `close()` unlinks them); children
 attach through the small picklable `SharedArraysHandle`. Segment names carry rlplex's prefix
-and the creator's pid (`rlplex.control.shm_reaper`), so what a killed process left is found.
+and the creator's pid (`rlplex.io.shm_reaper`), so what a killed process left is found.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from rlplex.control.shm_reaper import owned_segment_name
+from rlplex.io.shm_reaper import owned_segment_name
 
 Layout = Mapping[str, tuple[tuple[int, ...], Any]]  # name -> (shape, dtype)
 

@@ -14,8 +14,8 @@ from multiprocessing import shared_memory
 
 import torch
 
-from rlplex.control.shm_reaper import owned_segment_name
 from rlplex.errors import RlplexError
+from rlplex.io.shm_reaper import owned_segment_name
 from rlplex.samplers.shared_arrays import _attach_segment
 
 _ALIGN = 64

@@ -1,0 +1,194 @@
+"""The orchestrator config a run writes to `control/orch.toml`, and the guarded reader for it.
+
+The trainer reads files that other processes (one orchestrator per run) write, so every way
+a file can be bad is a reason string, never an exception that stops the trainer: missing,
+not a regular file (a FIFO would block the read forever), too big, unreadable, not UTF-8,
+not TOML, not matching the model. Types are strict: `rank = "8"` is an error, not an 8,
+because a config that only works by coercion is a typo waiting to bite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+
+from rlplex.config import StrictModel, format_validation_error
+from rlplex.errors import RunConfigError
+from rlplex.inference.config import EngineSettings
+from rlplex.io.safe_files import read_regular_file
+from rlplex.models.spec import ModelSpec
+from rlplex.multirun.rundir import RunDir
+from rlplex.tasks import EnvSpec
+
+MAX_ORCH_CONFIG_BYTES = 1_000_000
+
+
+class _Strict(StrictModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+
+class LoraConfig(_Strict):
+    rank: int = Field(8, ge=1, description="The run's own LoRA rank (at most the trainer's maximum rank).")
+    alpha: float = Field(16.0, gt=0, description="LoRA alpha; the adapter output is scaled by alpha / rank.")
+
+
+class ModelConfig(ModelSpec):
+    """`[model]` of a run: the shared base model (`ModelSpec`: it must be the trainer's, or the
+    trainer rejects the run) plus the run's own LoRA adapter."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    lora: LoraConfig = LoraConfig()
+
+
+class OptimConfig(_Strict):
+    lr: float = Field(1e-4, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0, description="Clipping threshold over this run's adapter only.")
+    weight_decay: float = Field(0.0, ge=0)
+
+
+class OrchestratorConfig(_Strict):
+    """What one run asks of the shared trainer. Unknown keys are errors."""
+
+    env: EnvSpec = Field(description='The environment: data plus reward, e.g. { name = "reverse" }.')
+    seed: int = 0
+    max_steps: int = Field(ge=1, description="The run's own schedule length (not the trainer's).")
+    batch_size: int = Field(ge=1, description="Samples per step of this run (prompts x group_size).")
+    group_size: int = Field(
+        2,
+        ge=2,
+        validate_default=True,
+        description="Completions per prompt; advantages are normalised within a group. Divides batch_size.",
+    )
+    max_new_tokens: int | None = Field(None, ge=1, description="Generation length; None = the environment's.")
+    temperature: float = Field(1.0, ge=0, le=10, description="Sampling temperature; 0 = greedy.")
+    max_async_level: int = Field(1, ge=0, description="Steps the rollouts may lag the weights; 0 = synchronous.")
+    rollout_workers: int = Field(
+        1, ge=1, le=64, description="Processes that generate (actor_gen); 1 = in the orchestrator's own process."
+    )
+    model: ModelConfig
+    optim: OptimConfig = OptimConfig()
+    inference: EngineSettings = Field(
+        EngineSettings(), description="How rollouts are generated: in process (hf) or on the job's vLLM servers."
+    )
+
+    @model_validator(mode="after")
+    def _engine_is_reachable(self) -> OrchestratorConfig:
+        if self.inference.engine == "vllm":
+            if self.inference.endpoint_dir is None:
+                raise ValueError(
+                    "inference.endpoint_dir: engine 'vllm' needs the folder of the job's inference servers"
+                )
+            if self.rollout_workers != 1:
+                raise ValueError(
+                    f"rollout_workers: {self.rollout_workers} with engine 'vllm' (the server batches; use 1)"
+                )
+        return self
+
+    @field_validator("group_size")
+    @classmethod
+    def _group_divides_batch(cls, value: int, info: ValidationInfo) -> int:
+        batch = info.data.get("batch_size")
+        if isinstance(batch, int) and batch % value:
+            raise ValueError(f"batch_size {batch} is not a multiple of group_size {value}")
+        return value
+
+
+def parse_orch_config(data: dict[str, Any], source: str) -> OrchestratorConfig:
+    try:
+        return OrchestratorConfig.model_validate(data)
+    except ValidationError as error:
+        raise RunConfigError(format_validation_error(source, error)) from None
+
+
+def read_orch_config(
+    path: Path, max_bytes: int = MAX_ORCH_CONFIG_BYTES, *, follow_symlinks: bool = False, within: Path | None = None
+) -> OrchestratorConfig:
+    """Read and validate one `orch.toml`; every failure is a `RunConfigError` naming file and reason.
+
+    A run's own `control/orch.toml` is never followed through a symlink (`within`: the run's
+    folder, which no folder on the way may lead out of); `follow_symlinks` is for a path the
+    user typed."""
+    try:
+        raw = read_regular_file(path, max_bytes, within, follow_symlinks=follow_symlinks)
+    except FileNotFoundError:
+        raise RunConfigError(f"{path}: config file not found") from None
+    except OSError as error:  # UnsafeFileError (a FIFO, a symlink, too big) included
+        raise RunConfigError(f"{path}: cannot read config file: {error}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise RunConfigError(f"{path}: config file is not UTF-8 text: {error}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as error:
+        raise RunConfigError(f"{path}: not valid TOML: {error}") from None
+    return parse_orch_config(data, str(path))
+
+
+def orch_config_to_toml(config: OrchestratorConfig) -> str:
+    """Serialise a config as TOML (tomllib has no writer; the model is two levels deep)."""
+
+    def value(item: Any) -> str:
+        if isinstance(item, bool):
+            return "true" if item else "false"
+        if isinstance(item, int | float):
+            return repr(item)
+        if isinstance(item, str):
+            return json.dumps(item)  # a JSON string is a TOML basic string, control characters escaped
+        if isinstance(item, list | tuple):
+            return "[" + ", ".join(value(v) for v in item) + "]"
+        raise TypeError(f"cannot write {type(item).__name__} to TOML")
+
+    def table(prefix: str, data: dict[str, Any], out: list[str]) -> None:
+        # TOML has no null: a None field is left out and reads back as its default (None).
+        scalars = {k: v for k, v in data.items() if not isinstance(v, dict) and v is not None}
+        if prefix and scalars:
+            out.append(f"[{prefix}]")
+        out.extend(f"{k} = {value(v)}" for k, v in scalars.items())
+        for key, sub in data.items():
+            if isinstance(sub, dict):
+                table(f"{prefix}.{key}" if prefix else key, sub, out)
+
+    lines: list[str] = []
+    table("", config.model_dump(), lines)
+    return "\n".join(lines) + "\n"
+
+
+def create_run(output_dir: Path, run_id: str, config: OrchestratorConfig) -> RunDir:
+    """What an orchestrator does first: make its run directory and write `control/orch.toml` atomically.
+
+    The config is written to a temporary file and renamed, so the trainer never reads half of it.
+    """
+    run = RunDir(Path(output_dir), run_id)
+    os.makedirs(run.root, exist_ok=True)
+    run.ensure_identity()  # before orch.toml: the trainer must never see this run without its identity
+    run.write_text(run.orch_config, orch_config_to_toml(config))
+    return run
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        name = f"{prefix}{key}"
+        flat.update(_flatten(value, name + ".") if isinstance(value, dict) else {name: value})
+    return flat
+
+
+def config_changes(before: OrchestratorConfig, after: OrchestratorConfig) -> list[str]:
+    """Each field that differs, as `dotted.name: old -> new`."""
+    old, new = _flatten(before.model_dump(mode="json")), _flatten(after.model_dump(mode="json"))
+    keys = sorted(old.keys() | new.keys())
+    return [f"{key}: {old.get(key)!r} -> {new.get(key)!r}" for key in keys if old.get(key) != new.get(key)]
+
+
+def frozen_config_reason(path: Path, admitted: OrchestratorConfig, now: OrchestratorConfig) -> str:
+    """Why a run whose admitted config was changed is evicted, naming each changed field."""
+    return (
+        f"{path} changed while the run was active ({'; '.join(config_changes(admitted, now))}); the config of an "
+        "admitted run is frozen. Restore it and delete control/evicted.txt to continue, or start a new run id"
+    )

@@ -1,0 +1,325 @@
+"""The run directory protocol: the only contract between an orchestrator and the trainer.
+
+```
+{output_dir}/run_<id>/
+    control/identity                     the run's identity (a random hex id), written once when
+                                         the directory is first made (orchestrator or trainer)
+    control/orch.toml                    written by the orchestrator
+    control/config_validation_error.txt  written by the trainer when orch.toml is rejected
+    control/evicted.txt                  eviction reason (trainer or the orchestrator itself)
+    control/finished.txt                 written by the trainer once the last step is checkpointed
+                                         and broadcast (JSON: step, time); the run leaves its slot
+    checkpoints/step_N/                  per-run trainer checkpoints (STABLE marker last)
+    rollouts/step_N/                     rollouts written by the orchestrator
+    broadcast/step_N/                    adapter weights for inference (STABLE marker last)
+```
+
+Writes never recreate a run directory: the run directory itself is never created here, and
+each missing level below it is made with a single `mkdir` (no `parents=True`), which fails
+if the level above has been deleted. A run deleted during a checkpoint therefore stays
+deleted instead of coming back as a zombie. Writes refuse to go through symlinks so that a
+run directory cannot redirect the trainer's writes outside `output_dir`.
+
+A name is not an identity: a run directory deleted and made again under the same name often
+gets the freed inode back (ext4 hands it straight out), so `control/identity` tells the runs
+apart. A `RunDir` bound to an identity (`bound`) refuses every write once the directory on
+disk holds another identity or none, so a write queued for a run that is gone is dropped
+instead of landing in its successor. Every file read from a run goes through
+`rlplex.io.safe_files` (regular files within a size cap, nothing reached through a link out).
+
+This module is the layout and its markers; the folders' contents are the submodules: `rollouts`
+(rollouts/step_N), `checkpoint` (checkpoints/step_N), `peft_export` (broadcast/step_N) and
+`retention` (which step folders stay).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+import time
+import uuid
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from rlplex.errors import MultiRunError, RunDirGoneError
+from rlplex.io.safe_files import is_safe_name, read_regular_file, read_regular_text
+
+RUN_PREFIX = "run_"
+IDENTITY_FILE = "identity"
+_IDENTITY = re.compile(r"^[0-9a-f]{32}$")
+STEP_PREFIX = "step_"
+STABLE_MARKER = "STABLE"
+
+
+def is_valid_run_name(name: str) -> bool:
+    return name.startswith(RUN_PREFIX) and is_safe_name(name[len(RUN_PREFIX) :])
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step}"
+
+
+def parse_step(name: str) -> int | None:
+    suffix = name[len(STEP_PREFIX) :]
+    if name.startswith(STEP_PREFIX) and suffix.isascii() and suffix.isdigit():
+        return int(suffix)
+    return None
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """Paths of one run and writes that stay inside directories that still exist."""
+
+    output_dir: Path
+    run_id: str
+    identity: str | None = None
+    """When set, writes go through only while `control/identity` holds this value."""
+
+    def __post_init__(self) -> None:
+        if not is_valid_run_name(self.run_id):
+            raise MultiRunError(f"{self.run_id!r} is not a valid run id (expected run_<letters, digits, _ . ->)")
+
+    @property
+    def root(self) -> Path:
+        return self.output_dir / self.run_id
+
+    @property
+    def control(self) -> Path:
+        return self.root / "control"
+
+    @property
+    def identity_file(self) -> Path:
+        return self.control / IDENTITY_FILE
+
+    def bound(self, identity: str | None) -> RunDir:
+        """This run directory, its writes refused unless `control/identity` is `identity`."""
+        return replace(self, identity=identity)
+
+    def read_identity(self) -> str | None:
+        """The identity on disk (None: missing, unreadable, or not an identity)."""
+        try:
+            text = read_regular_text(self.identity_file, 4096, within=self.root).strip()
+        except OSError:
+            return None
+        return text if _IDENTITY.fullmatch(text) else None
+
+    def ensure_identity(self) -> str:
+        """The run's identity, written now if the directory has none (exactly once, whoever races)."""
+        found = self.read_identity()
+        if found is not None:
+            return found
+        parent = replace(self, identity=None).ensure_dir("control")
+        tmp = parent / f".{IDENTITY_FILE}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        write_file_atomic(tmp, (uuid.uuid4().hex + "\n").encode())
+        try:
+            os.link(tmp, self.identity_file)  # fails if another writer got there first: theirs stands
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        found = self.read_identity()
+        if found is None:
+            raise MultiRunError(f"{self.identity_file}: exists but holds no identity (expected 32 hex digits)")
+        return found
+
+    def check_identity(self) -> None:
+        """Raise `RunDirGoneError` if this bound run's directory now belongs to another run."""
+        if self.identity is None:
+            return
+        found = self.read_identity()
+        if found != self.identity:
+            now = "no identity" if found is None else f"identity {found}"
+            raise RunDirGoneError(
+                f"{self.root}: the run directory was replaced (it has {now}, this run was {self.identity}); "
+                "nothing written"
+            )
+
+    @property
+    def orch_config(self) -> Path:
+        return self.control / "orch.toml"
+
+    @property
+    def config_error(self) -> Path:
+        return self.control / "config_validation_error.txt"
+
+    @property
+    def evicted(self) -> Path:
+        return self.control / "evicted.txt"
+
+    @property
+    def finished(self) -> Path:
+        return self.control / "finished.txt"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def rollouts(self) -> Path:
+        return self.root / "rollouts"
+
+    @property
+    def broadcast(self) -> Path:
+        return self.root / "broadcast"
+
+    def checkpoint_step(self, step: int) -> Path:
+        return self.checkpoints / step_dir_name(step)
+
+    def rollout_step(self, step: int) -> Path:
+        return self.rollouts / step_dir_name(step)
+
+    def broadcast_step(self, step: int) -> Path:
+        return self.broadcast / step_dir_name(step)
+
+    def exists(self) -> bool:
+        """True if the run directory is a real directory (a symlink does not count)."""
+        try:
+            return stat.S_ISDIR(os.lstat(self.root).st_mode)
+        except OSError:
+            return False
+
+    def is_evicted(self) -> bool:
+        return os.path.exists(self.evicted)
+
+    def eviction_reason(self) -> str | None:
+        try:
+            return read_regular_text(self.evicted, within=self.root).strip()
+        except OSError:
+            return None
+
+    def is_finished(self) -> bool:
+        return os.path.exists(self.finished)
+
+    def finished_step(self) -> int | None:
+        """The step `control/finished.txt` records (None: no marker, or one that does not parse)."""
+        try:
+            record = json.loads(read_regular_file(self.finished, within=self.root))
+        except (OSError, ValueError):
+            return None
+        step = record.get("step") if isinstance(record, dict) else None
+        return step if isinstance(step, int) and not isinstance(step, bool) else None
+
+    def ensure_dir(self, *parts: str) -> Path:
+        """Make `root/parts...` one level at a time; raise `RunDirGoneError` if the run is gone."""
+        if not self.exists():
+            raise RunDirGoneError(f"{self.root}: run directory does not exist; nothing written")
+        self.check_identity()
+        current = self.root
+        for part in parts:
+            if part in ("", ".", "..") or "/" in part:
+                raise MultiRunError(f"{self.root}: refusing path component {part!r}")
+            current = current / part
+            try:
+                os.mkdir(current)
+            except FileExistsError:
+                pass
+            except FileNotFoundError:
+                raise RunDirGoneError(f"{self.root}: run directory was deleted; {current} not created") from None
+            mode = os.lstat(current).st_mode
+            if not stat.S_ISDIR(mode):
+                raise MultiRunError(f"{current}: exists but is not a directory (or is a symlink); not writing into it")
+        return current
+
+    def write_text(self, path: Path, text: str) -> None:
+        """Atomically write `text` to `path`, a file below the run directory."""
+        relative = path.relative_to(self.root)
+        parent = self.ensure_dir(*relative.parent.parts)
+        write_file_atomic(parent / relative.name, text.encode("utf-8"))
+
+    def remove_file(self, path: Path) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary sibling, fsync, rename over `path`; never follow a symlink."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    except FileNotFoundError:
+        raise RunDirGoneError(f"{path.parent}: directory was deleted; {path.name} not written") from None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename itself must survive a power cut
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory `path` (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_eviction(run: RunDir, reason: str) -> None:
+    """Write `control/evicted.txt` with `reason` atomically: the one way a run gets evicted.
+
+    The trainer's `evict_run` and an orchestrator evicting itself both call this, so the
+    file's format (the reason, one trailing newline) has one definition.
+    """
+    run.write_text(run.evicted, reason.rstrip("\n") + "\n")
+
+
+UNWRITTEN_EVICTIONS = "trainer_evictions.json"
+"""In the trainer's output folder: evictions whose `control/evicted.txt` could not be written."""
+
+
+def read_unwritten_evictions(output_dir: Path) -> dict[str, tuple[str | None, str]]:
+    """Run id -> (identity, reason) of the evictions the trainer could not mark in the run folder."""
+    try:
+        record = json.loads(read_regular_file(Path(output_dir) / UNWRITTEN_EVICTIONS))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(record, dict):
+        return {}
+    found: dict[str, tuple[str | None, str]] = {}
+    for run_id, entry in record.items():
+        if isinstance(entry, dict) and isinstance(entry.get("reason"), str):
+            identity = entry.get("identity")
+            found[run_id] = (identity if isinstance(identity, str) else None, entry["reason"])
+    return found
+
+
+def write_unwritten_evictions(output_dir: Path, evictions: dict[str, tuple[str | None, str]]) -> None:
+    record = {run_id: {"identity": identity, "reason": reason} for run_id, (identity, reason) in evictions.items()}
+    write_file_atomic(Path(output_dir) / UNWRITTEN_EVICTIONS, (json.dumps(record, indent=1) + "\n").encode())
+
+
+def write_finished(run: RunDir, step: int) -> None:
+    """Write `control/finished.txt` atomically: the run trained `step` steps and is done.
+
+    Only the trainer writes it, after the final checkpoint and broadcast are STABLE; the
+    manager then frees the run's slot and never admits the run again.
+    """
+    record = {"step": step, "time": time.time(), "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    run.write_text(run.finished, json.dumps(record) + "\n")
+
+
+def stable_steps(parent: Path) -> list[tuple[int, Path]]:
+    """The `step_N` directories under `parent` that carry the STABLE marker, oldest first."""
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        step = parse_step(entry.name)
+        path = Path(entry.path)
+        if step is not None and entry.is_dir(follow_symlinks=False) and os.path.exists(path / STABLE_MARKER):
+            found.append((step, path))
+    return sorted(found)
