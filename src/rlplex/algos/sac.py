@@ -78,7 +78,7 @@ class SAC(ReplayAlgo):
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         # fused: one kernel per step instead of a Python loop over parameters (see PPO).
         # Listed once: Module.parameters() walks the module tree on every call.
-        self._actor_params = list(actor.parameters())
+        self._actor_params: list[torch.Tensor] = list(actor.parameters())
         self._critic_params = list(self.critic.parameters())
         self._target_params = list(self.critic_target.parameters())
         self.actor_optimizer = torch.optim.Adam(self._actor_params, lr=cfg.learning_rate, fused=True)
