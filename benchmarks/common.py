@@ -86,15 +86,18 @@ def override(config: TrainConfig, section: str, **updates: Any) -> TrainConfig:
 
 
 class TimedEvaluator(Evaluator):
-    """An `Evaluator` that adds up the seconds it spends, so they can be excluded from timings."""
+    """An `Evaluator` that adds up the seconds it spends (wall, and this process's CPU), so
+    they can be excluded from timings."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.seconds = 0.0
+        self.cpu_seconds = 0.0
 
     def evaluate(self, agent: Any) -> tuple[np.ndarray, np.ndarray]:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             return super().evaluate(agent)
         finally:
             self.seconds += time.perf_counter() - t0
+            self.cpu_seconds += time.process_time() - c0

@@ -20,6 +20,8 @@ BENCHMARKS = [
     "ppo_vs_sb3",
     "learn_dqn_cartpole",
     "classic_learning",
+    "sac_update",
+    "mujoco_sac",
     "async_replay_ratio",
     "async_vs_minibatch",
     "sync_scaling",

@@ -1,13 +1,19 @@
-"""Env steps/s of 16 CartPole-v1 environments on this machine's cores, four ways, in one run.
+"""Env steps/s of 16 environments on this machine's cores, five ways, in one run.
 
-    python -m benchmarks.sampler_throughput [--quick]
+    python -m benchmarks.sampler_throughput [--quick] [--env CartPole-v1 HalfCheetah-v5]
 
-(a) random actions and (b) a small MLP agent (CategoricalPgAgent, 64x64) for:
-rlplex ParallelSampler (2 workers, inference in the workers), rlplex SerialSampler (one
-process), gymnasium AsyncVectorEnv and stable-baselines3 SubprocVecEnv (one process per env,
-inference in the main process once per step over all 16 envs). Every contender runs the same
-number of env steps; start-up and a warm-up are not timed. The goal (issue 2) is
-ParallelSampler >= 1.5x the faster of AsyncVectorEnv and SubprocVecEnv.
+Two environments: CartPole-v1, whose step (a few µs) costs less than the Python around it,
+and MuJoCo's HalfCheetah-v5, whose step costs about 50-150 µs, where worker processes
+should pay off. For each, (a) random actions and (b) a small MLP agent (64x64; categorical
+on CartPole, Gaussian on HalfCheetah) through: rlplex ParallelSampler (2 workers, inference
+in the workers), rlplex SerialSampler (one process), gymnasium SyncVectorEnv (one process,
+the strongest baseline when a step is cheap), gymnasium AsyncVectorEnv and stable-baselines3
+SubprocVecEnv (one process per env). Vector envs get their actions from the same agent in
+the main process, one call per step over all 16 envs. Every contender runs the same number
+of env steps; start-up and a warm-up are not timed.
+
+Goals: rlplex's best sampler >= 1.0x SyncVectorEnv on CartPole and >= 1.5x it on
+HalfCheetah (issue 15); ParallelSampler >= 1.5x the faster subprocess vector env (issue 2).
 Writes bench_results/sampler_throughput.json.
 """
 
@@ -27,20 +33,27 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from rlplex.agents import CategoricalPgAgent, RandomAgent
+from rlplex.agents import CategoricalPgAgent, GaussianPgAgent, RandomAgent
 from rlplex.agents.base import Agent, AgentFactory
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.samplers import ParallelSampler, SerialSampler
 
-ENV_ID = "CartPole-v1"
 N_ENVS = 16
 N_WORKERS = 2
 BATCH_T = 256
-AGENTS: dict[str, AgentFactory] = {"random": RandomAgent, "mlp": partial(CategoricalPgAgent, hidden=(64, 64))}
+ENVS: dict[str, dict[str, AgentFactory]] = {  # env id: agent name: factory
+    "CartPole-v1": {"random": RandomAgent, "mlp": partial(CategoricalPgAgent, hidden=(64, 64))},
+    "HalfCheetah-v5": {"random": RandomAgent, "mlp": partial(GaussianPgAgent, hidden=(64, 64))},
+}
+# Batches of BATCH_T x N_ENVS steps per contender: (full, --quick).
+BATCHES = {"CartPole-v1": (40, 4), "HalfCheetah-v5": (4, 1)}
+GOAL_VS_SYNC = {"CartPole-v1": 1.0, "HalfCheetah-v5": 1.5}
+GOAL_VS_SUBPROCESS = 1.5
+CONTENDERS = ("rlplex_parallel", "rlplex_serial", "gym_sync_vector_env", "gym_async_vector_env", "sb3_subproc_vec_env")
 
 
-def bench_rlplex(kind: str, factory: AgentFactory, n_batches: int) -> float:
-    env = EnvConfig(id=ENV_ID)
+def bench_rlplex(env_id: str, kind: str, factory: AgentFactory, n_batches: int) -> float:
+    env = EnvConfig(id=env_id)
     agent = factory(probe_spaces(env))
     sampler: ParallelSampler | SerialSampler
     if kind == "parallel":
@@ -58,16 +71,21 @@ def bench_rlplex(kind: str, factory: AgentFactory, n_batches: int) -> float:
         sampler.shutdown()
 
 
-def _main_process_policy(factory: AgentFactory) -> Callable[[np.ndarray], np.ndarray]:
-    agent: Agent = factory(probe_spaces(EnvConfig(id=ENV_ID)))
-    return lambda obs: agent.step(np.asarray(obs, dtype=np.float32))[0]
+def _main_process_policy(env_id: str, factory: AgentFactory) -> Callable[[np.ndarray], np.ndarray]:
+    spaces = probe_spaces(EnvConfig(id=env_id))
+    agent: Agent = factory(spaces)
+    if spaces.action_kind == "discrete":
+        return lambda obs: agent.step(np.asarray(obs, dtype=np.float32))[0]
+    low, high = np.asarray(spaces.action_low, np.float32), np.asarray(spaces.action_high, np.float32)
+    # Clipped as rlplex's samplers clip what the env sees (a Gaussian policy samples unbounded).
+    return lambda obs: np.clip(agent.step(np.asarray(obs, dtype=np.float32))[0], low, high)
 
 
-def bench_vec_env(kind: str, factory: AgentFactory, n_steps_per_env: int) -> float:
-    policy = _main_process_policy(factory)
-    fns = [partial(gym.make, ENV_ID) for _ in range(N_ENVS)]
-    if kind == "gym_async":
-        envs: Any = gym.vector.AsyncVectorEnv(fns)
+def bench_vec_env(env_id: str, kind: str, factory: AgentFactory, n_steps_per_env: int) -> float:
+    policy = _main_process_policy(env_id, factory)
+    fns = [partial(gym.make, env_id) for _ in range(N_ENVS)]
+    if kind in ("gym_sync", "gym_async"):
+        envs: Any = gym.vector.SyncVectorEnv(fns) if kind == "gym_sync" else gym.vector.AsyncVectorEnv(fns)
         obs, _ = envs.reset(seed=0)
 
         def step(actions: np.ndarray) -> Any:
@@ -93,47 +111,63 @@ def bench_vec_env(kind: str, factory: AgentFactory, n_steps_per_env: int) -> flo
         envs.close()
 
 
+def bench(env_id: str, name: str, factory: AgentFactory, n_batches: int) -> float:
+    if name.startswith("rlplex_"):
+        return bench_rlplex(env_id, name.removeprefix("rlplex_"), factory, n_batches)
+    kind = {"gym_sync_vector_env": "gym_sync", "gym_async_vector_env": "gym_async"}.get(name, "sb3_subproc")
+    return bench_vec_env(env_id, kind, factory, n_batches * BATCH_T)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="a short run (about 16k steps per contender)")
+    parser.add_argument("--quick", action="store_true", help="a short run (4 CartPole, 1 HalfCheetah batch each)")
     parser.add_argument("--batches", type=int, default=None, help=f"batches of {BATCH_T}x{N_ENVS} steps each")
+    parser.add_argument("--env", nargs="+", default=list(ENVS), choices=list(ENVS))
     args = parser.parse_args()
     torch.set_num_threads(1)  # every contender gets one intra-op thread in its inference process
-    n_batches = args.batches or (4 if args.quick else 40)
-    n_steps = n_batches * BATCH_T * N_ENVS
     load_before = os.getloadavg()
-    results: dict[str, dict[str, float]] = {}
-    contenders: dict[str, Callable[[AgentFactory], float]] = {
-        "rlplex_parallel": lambda f: bench_rlplex("parallel", f, n_batches),
-        "rlplex_serial": lambda f: bench_rlplex("serial", f, n_batches),
-        "gym_async_vector_env": lambda f: bench_vec_env("gym_async", f, n_batches * BATCH_T),
-        "sb3_subproc_vec_env": lambda f: bench_vec_env("sb3_subproc", f, n_batches * BATCH_T),
-    }
-    for agent_name, factory in AGENTS.items():
-        results[agent_name] = {}
-        for name, run in contenders.items():
-            results[agent_name][name] = run(factory)
-            print(f"  {agent_name:6s} {name:22s} {results[agent_name][name]:>10,.0f} steps/s", flush=True)
-    ratios = {
-        agent_name: r["rlplex_parallel"] / max(r["gym_async_vector_env"], r["sb3_subproc_vec_env"])
-        for agent_name, r in results.items()
-    }
-    print(f"\nenv steps/s, {N_ENVS} x {ENV_ID}, {n_steps:,} steps each, {os.cpu_count()} cores")
-    print(f"{'contender':24s}" + "".join(f"{a:>12s}" for a in AGENTS))
-    for name in contenders:
-        print(f"{name:24s}" + "".join(f"{results[a][name]:>12,.0f}" for a in AGENTS))
-    print(f"{'parallel / best vec env':24s}" + "".join(f"{ratios[a]:>11.2f}x" for a in AGENTS) + "  (goal >= 1.5x)")
+    results: dict[str, dict[str, dict[str, float]]] = {}  # env: agent: contender: steps/s
+    ratios: dict[str, dict[str, dict[str, float]]] = {}
+    steps: dict[str, int] = {}
+    for env_id in args.env:
+        n_batches = args.batches or BATCHES[env_id][1 if args.quick else 0]
+        steps[env_id] = n_batches * BATCH_T * N_ENVS
+        results[env_id], ratios[env_id] = {}, {}
+        for agent_name, factory in ENVS[env_id].items():
+            r = results[env_id][agent_name] = {}
+            for name in CONTENDERS:
+                r[name] = bench(env_id, name, factory, n_batches)
+                print(f"  {env_id:15s} {agent_name:6s} {name:22s} {r[name]:>10,.0f} steps/s", flush=True)
+            ratios[env_id][agent_name] = {
+                "best_rlplex_to_gym_sync": max(r["rlplex_parallel"], r["rlplex_serial"]) / r["gym_sync_vector_env"],
+                "parallel_to_best_subprocess": r["rlplex_parallel"]
+                / max(r["gym_async_vector_env"], r["sb3_subproc_vec_env"]),
+            }
+    for env_id in args.env:
+        agents = list(ENVS[env_id])
+        print(f"\nenv steps/s, {N_ENVS} x {env_id}, {steps[env_id]:,} steps each, {os.cpu_count()} cores")
+        print(f"{'contender':30s}" + "".join(f"{a:>12s}" for a in agents))
+        for name in CONTENDERS:
+            print(f"{name:30s}" + "".join(f"{results[env_id][a][name]:>12,.0f}" for a in agents))
+        for key, label, goal in (
+            ("best_rlplex_to_gym_sync", "best rlplex / gym sync", GOAL_VS_SYNC[env_id]),
+            ("parallel_to_best_subprocess", "parallel / best subprocess", GOAL_VS_SUBPROCESS),
+        ):
+            print(
+                f"{label:30s}" + "".join(f"{ratios[env_id][a][key]:>11.2f}x" for a in agents) + f"  (goal >= {goal}x)"
+            )
     out = Path("bench_results") / "sampler_throughput.json"
     out.parent.mkdir(exist_ok=True)
     payload = {
-        "env": ENV_ID,
+        "envs": args.env,
         "n_envs": N_ENVS,
         "n_workers": N_WORKERS,
         "batch_T": BATCH_T,
-        "steps_per_contender": n_steps,
+        "steps_per_contender": steps,
         "steps_per_s": results,
-        "ratio_parallel_to_best_vec_env": ratios,
-        "goal_ratio": 1.5,
+        "ratios": ratios,
+        "goal_best_rlplex_to_gym_sync": GOAL_VS_SYNC,
+        "goal_parallel_to_best_subprocess": GOAL_VS_SUBPROCESS,
         "cpu_count": os.cpu_count(),
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),

@@ -76,3 +76,20 @@ def test_evaluator_runs_deterministic_episodes(cartpole: EnvConfig) -> None:
     finally:
         evaluator.close()
     assert returns.shape == (3,) and np.all(lengths >= 1) and np.all(returns == lengths)
+
+
+def test_episode_totals_are_the_sums_of_the_stored_rewards() -> None:
+    """Pendulum's float rewards and 200-step truncation: the collector's per-time-step
+    accounting (rewards gathered over the envs, totals kept per env) matches the rows."""
+    pendulum = EnvConfig(id="Pendulum-v1")
+    sampler = SerialSampler(pendulum, batch_T=250, batch_B=3)
+    sampler.initialize(GaussianPgAgent(probe_spaces(pendulum)), seed=1)
+    try:
+        batch = sampler.obtain_samples(0)
+    finally:
+        sampler.shutdown()
+    assert np.all(batch.truncated[199]) and not batch.truncated[:199].any() and not batch.terminated.any()
+    assert np.all(batch.completed_length[199] == 200) and np.all(batch.completed_length[200:] == 0)
+    np.testing.assert_allclose(batch.completed_return[199], batch.reward[:200].sum(0), rtol=1e-5)
+    assert np.isnan(batch.completed_return[:199]).all() and np.isnan(batch.completed_return[200:]).all()
+    assert len(np.unique(batch.reward[0])) == 3  # three envs, three different rewards

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -89,6 +90,23 @@ def test_classic_example_trains_through_the_cli(name: str, algo: str, n_steps: i
     assert (out / "snapshots").is_dir() and (out / "learning_curve.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def test_mujoco_example_trains_through_the_cli(tmp_path: Path) -> None:
+    """HalfCheetah-v5 (float64 observations, a 6-dim Box action) through `rlplex train`: the
+    example as written but for learning_starts (10k there), so that SAC's updates run."""
+    config = tmp_path / "halfcheetah_sac.toml"
+    text = (EXAMPLES / "halfcheetah_sac.toml").read_text()
+    assert "learning_starts = 10_000" in text
+    config.write_text(text.replace("learning_starts = 10_000", "learning_starts = 200"))
+    out = tmp_path / "hc"
+    done = run("-m", "rlplex.cli", "train", str(config), "--output", str(out), "--n-steps", "400", "--no-progress")
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = read_csv(out / "progress.csv")
+    last = rows[-1]
+    assert last["charts/env_steps"] == 400 and last["charts/eval_length_mean"] == 1000  # HalfCheetah never ends early
+    assert math.isfinite(last["losses/actor"]) and math.isfinite(last["losses/critic"]), last
+    assert json.loads((out / "config.json").read_text())["env"]["id"] == "HalfCheetah-v5"
+
+
 # ----- the seed's PPO dataflow graph -------------------------------------------------------
 def test_ppo_dataflow_example_runs_the_four_mfcs(tmp_path: Path) -> None:
     out = tmp_path / "ppo"
@@ -125,6 +143,7 @@ LOADERS: dict[str, tuple[str, Callable[[Path], Any]]] = {  # file: (kind for the
     "cartpole_ppo.toml": ("train", load_train_config),  # rlplex train
     "pendulum_ppo.toml": ("train", load_train_config),
     "pendulum_sac.toml": ("train", load_train_config),
+    "halfcheetah_sac.toml": ("train", load_train_config),
     "pendulum_td3.toml": ("train", load_train_config),
     "pendulum_ddpg.toml": ("train", load_train_config),
     "cartpole_a2c.toml": ("train", load_train_config),

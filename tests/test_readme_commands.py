@@ -67,6 +67,10 @@ SKIPPED = {
         "kind of file is run by tests/control/test_ray_job.py::test_the_same_job_file_runs_on_both_backends"
     ),
     "rlplex job run examples/job_noop.toml --backend ray --ray-address auto": "needs an existing Ray cluster",
+    "rlplex train examples/halfcheetah_sac.toml --output outputs/hc --n-steps 100000": (
+        "100k SAC steps (hours on two cores); the example trains through the CLI with a tiny budget in "
+        "tests/test_examples.py::test_mujoco_example_trains_through_the_cli"
+    ),
 }
 
 

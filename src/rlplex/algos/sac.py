@@ -6,10 +6,14 @@ Reads top to bottom: `optimize_agent` stores the new samples (the selection that
 from uniform random actions to its policy once `learning_starts` transitions are stored,
 then does `updates_per_itr` gradient steps. One step, in `_update`:
 
-  1. the temperature alpha, towards the target entropy (-dim(A) by default);
-  2. the critics, towards r + gamma (min_i Q'_i(s', a') - alpha log pi(a'|s')), a' ~ pi(s');
-  3. the actor, towards max min_i Q_i(s, a) - alpha log pi(a|s), a ~ pi(s) reparameterised;
-  4. the target critics, by polyak averaging.
+  1. the critics, towards r + gamma (min_i Q'_i(s', a') - alpha log pi(a'|s')), a' ~ pi(s');
+  2. the actor, towards max min_i Q_i(s, a) - alpha log pi(a|s), a ~ pi(s) reparameterised,
+     through the updated critics; and the temperature alpha, towards the target entropy
+     (-dim(A) by default), both from one backward pass;
+  3. the target critics, by polyak averaging.
+
+Alpha is the same in all of them, its value before the step (as SB3, which steps alpha
+first but uses the value it had before): so stepping alpha last changes nothing.
 
 The actor is the agent's model (all a sampler needs); the critics, their targets, the
 optimizers, log alpha and every random stream of the update live here and in `state_dict`,
@@ -73,12 +77,16 @@ class SAC(ReplayAlgo):
         self.critic = QEnsemble(obs_dim, action_dim, cfg.critic_hidden, n=2, generator=self._generator)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         # fused: one kernel per step instead of a Python loop over parameters (see PPO).
-        self.actor_optimizer = torch.optim.Adam(actor.parameters(), lr=cfg.learning_rate, fused=True)
-        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=cfg.learning_rate, fused=True)
+        # Listed once: Module.parameters() walks the module tree on every call.
+        self._actor_params: list[torch.Tensor] = list(actor.parameters())
+        self._critic_params = list(self.critic.parameters())
+        self._target_params = list(self.critic_target.parameters())
+        self.actor_optimizer = torch.optim.Adam(self._actor_params, lr=cfg.learning_rate, fused=True)
+        self.critic_optimizer = torch.optim.Adam(self._critic_params, lr=cfg.learning_rate, fused=True)
         auto = cfg.ent_coef == "auto"
         start = cfg.init_ent_coef if auto else float(cfg.ent_coef)
         self.log_alpha = torch.tensor(math.log(start), requires_grad=auto)
-        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=cfg.learning_rate) if auto else None
+        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=cfg.learning_rate, fused=True) if auto else None
         self.target_entropy = -float(action_dim) if cfg.target_entropy is None else cfg.target_entropy
         self._make_replay(agent, shared_replay)
         agent.set_random_actions(cfg.learning_starts > 0)
@@ -100,17 +108,10 @@ class SAC(ReplayAlgo):
         batch = sample_tensors(self.replay, cfg.batch_size, self._rng)
         obs, next_obs = batch["observation"], batch["next_observation"]
 
-        # 1. temperature, with alpha as it was before this step (as SB3)
         pi_action, log_prob = actor.sample(obs, self._generator)
         alpha = self.log_alpha.detach().exp()
-        alpha_loss = torch.zeros(())
-        if self.alpha_optimizer is not None:
-            alpha_loss = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
-            self.alpha_optimizer.zero_grad(set_to_none=True)
-            alpha_loss.backward()
-            self.alpha_optimizer.step()
 
-        # 2. critics
+        # 1. critics
         with torch.no_grad():
             next_action, next_log_prob = actor.sample(next_obs, self._generator)
             next_q = self.critic_target(next_obs, next_action).min(0).values - alpha * next_log_prob
@@ -121,18 +122,26 @@ class SAC(ReplayAlgo):
         critic_loss.backward()
         self.critic_optimizer.step()
 
-        # 3. actor, through the updated critics; gradients for the actor's parameters only
-        # (a full backward would also fill the critics' weight gradients, for nothing).
+        # 2. actor, through the updated critics, and temperature. The two losses share no
+        # parameter (alpha and log_prob are detached where they meet), so one backward of
+        # their sum gives each its own gradient; it asks for the actor's and log alpha's
+        # gradients only (a full backward would also fill the critics', for nothing).
         actor_loss = (alpha * log_prob - self.critic(obs, pi_action).min(0).values).mean()
-        params = list(actor.parameters())
-        for p, grad in zip(params, torch.autograd.grad(actor_loss, params), strict=True):
+        params = self._actor_params
+        alpha_loss = torch.zeros(())
+        if self.alpha_optimizer is not None:
+            alpha_loss = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
+            params = [*params, self.log_alpha]
+        for p, grad in zip(params, torch.autograd.grad(actor_loss + alpha_loss, params), strict=True):
             p.grad = grad
         self.actor_optimizer.step()
+        if self.alpha_optimizer is not None:
+            self.alpha_optimizer.step()
 
-        # 4. targets
+        # 3. targets
         self.update_count += 1
         if self.update_count % cfg.target_update_interval == 0:
-            polyak_update(self.critic_target.parameters(), self.critic.parameters(), cfg.tau)
+            polyak_update(self._target_params, self._critic_params, cfg.tau)
         entropy = -log_prob.detach().mean()
         return torch.stack(
             (critic_loss.detach(), actor_loss.detach(), alpha_loss.detach(), alpha, q.detach().mean(), entropy)

@@ -131,7 +131,10 @@ class QEnsemble(nn.Module):
         h = torch.cat((obs_B_O, action_B_A), dim=-1).expand(n, -1, -1)
         last = len(self.weights) - 1
         for i, (weight, bias) in enumerate(zip(self.weights, self.biases, strict=True)):
-            h = torch.baddbmm(bias[:n], h, weight[:n])
+            # Sliced only when asked: a slice's backward zero-fills and copies the whole stack.
+            if n != self.n:
+                weight, bias = weight[:n], bias[:n]
+            h = torch.baddbmm(bias, h, weight)
             if i < last:
                 h = torch.relu(h)
         return h.squeeze(-1)

@@ -76,21 +76,33 @@ class EnvCollector:
             self._step_envs(env_action, out, t)
 
     def _step_envs(self, env_action: np.ndarray, out: Any, t: int) -> None:
+        # The per-env loop does only what must be per env (step, reset, the observation rows);
+        # rewards, flags and episode totals are gathered in lists and written once per time
+        # step: a numpy scalar write costs about as much as a CartPole step.
+        next_obs = out.next_observation[t]
+        n = len(self.envs)
+        rewards: list[Any] = [0.0] * n
+        terminated: list[Any] = [False] * n
+        truncated: list[Any] = [False] * n
+        ended: list[int] = []
         for i, env in enumerate(self.envs):
-            obs, reward, terminated, truncated, _ = env.step(env_action[i])
-            out.reward[t, i] = reward
-            out.terminated[t, i] = terminated
-            out.truncated[t, i] = truncated
-            out.next_observation[t, i] = obs
-            self._episode_return[i] += reward
-            self._episode_length[i] += 1
-            if terminated or truncated:
-                out.completed_return[t, i] = self._episode_return[i]
-                out.completed_length[t, i] = self._episode_length[i]
-                self._episode_return[i] = 0.0
-                self._episode_length[i] = 0
+            obs, rewards[i], terminated[i], truncated[i], _ = env.step(env_action[i])
+            next_obs[i] = obs
+            if terminated[i] or truncated[i]:
+                ended.append(i)
                 obs, _ = env.reset()
             self.observation[i] = obs
+        reward = np.asarray(rewards, dtype=np.float64)
+        out.reward[t] = reward
+        out.terminated[t] = terminated
+        out.truncated[t] = truncated
+        self._episode_return += reward
+        self._episode_length += 1
+        if ended:
+            out.completed_return[t, ended] = self._episode_return[ended]
+            out.completed_length[t, ended] = self._episode_length[ended]
+            self._episode_return[ended] = 0.0
+            self._episode_length[ended] = 0
 
     def close(self) -> None:
         for env in self.envs:
