@@ -18,6 +18,7 @@ from pydantic import Field
 
 from rlplex.agents import CategoricalPgAgent, DdpgAgent, DqnAgent, GaussianPgAgent, SacAgent
 from rlplex.agents.base import Agent, AgentFactory
+from rlplex.agents.recurrent import RecurrentCategoricalPgAgent
 from rlplex.algos.a2c import A2C, A2CConfig
 from rlplex.algos.dqn import DQN, DQNConfig
 from rlplex.algos.ppo import PPO, PPOConfig
@@ -41,6 +42,12 @@ class SamplerConfig(StrictModel):
 class AgentConfig(StrictModel):
     hidden: tuple[Annotated[int, Field(ge=1)], ...] = Field((64, 64), description="hidden layer widths")
     init_log_std: float = 0.0
+    lstm_size: int | None = Field(
+        None,
+        ge=1,
+        description="a recurrent agent: an LSTM of this size after the hidden layers (PPO, A2C with Discrete "
+        "actions; R2D1 always has one, 64 by default); none: feed-forward",
+    )
 
 
 class PPOSection(PPOConfig):
@@ -73,6 +80,7 @@ AlgoSection = Annotated[
 # Replay-based: they run under AsyncRl; SAC/TD3/DDPG critics live outside the agent's model,
 # so SyncRl's DDP would not keep them equal across ranks.
 OFF_POLICY = ("dqn", "sac", "td3", "ddpg")
+RECURRENT = ("ppo", "a2c")  # the algorithms that take `agent.lstm_size`
 ACTOR_CRITIC_REPLAY = ("sac", "td3", "ddpg")
 
 
@@ -135,8 +143,20 @@ def check_fits_in_memory(config: TrainConfig, spaces: EnvSpaces, available_bytes
 def agent_factory(config: TrainConfig, spaces: EnvSpaces) -> AgentFactory:
     """A picklable factory for the agent this config asks for (workers build their own copy)."""
     factory: AgentFactory
-    name = config.algo.name
-    if isinstance(config.algo, DQNSection):
+    name, lstm_size = config.algo.name, config.agent.lstm_size
+    if lstm_size is not None and name not in RECURRENT:
+        raise ConfigError(
+            f"field 'agent.lstm_size': recurrent agents are for algo.name one of {', '.join(RECURRENT)} "
+            f"(got {name!r}); leave it unset"
+        )
+    if lstm_size is not None:
+        if spaces.action_kind != "discrete":
+            raise ConfigError(
+                f"field 'agent.lstm_size': the recurrent agent needs a Discrete action space; {config.env.id!r} has "
+                f"{describe_action_space(spaces)}"
+            )
+        factory = partial(RecurrentCategoricalPgAgent, hidden=config.agent.hidden, lstm_size=lstm_size)
+    elif isinstance(config.algo, DQNSection):
         factory = partial(DqnAgent, hidden=config.agent.hidden, **config.algo.agent_options())
     elif name == "sac":
         factory = partial(SacAgent, hidden=config.agent.hidden)

@@ -18,6 +18,7 @@ import numpy as np
 from rlplex.envs import EnvSpaces
 
 Policy = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
+StateReset = Callable[[np.ndarray], None]  # a recurrent agent's `reset_state(done_B)`
 
 
 class EnvCollector:
@@ -43,8 +44,11 @@ class EnvCollector:
         self._episode_length[:] = 0
         self._started = True
 
-    def collect(self, policy: Policy, out: Any) -> None:
-        """Fill every time step of `out` (a SampleBatch whose B equals the number of envs)."""
+    def collect(self, policy: Policy, out: Any, reset_state: StateReset | None = None) -> None:
+        """Fill every time step of `out` (a SampleBatch whose B equals the number of envs).
+
+        `reset_state` (a recurrent agent's) is told after every step which environments ended
+        an episode, so that their state restarts before the next step."""
         if not self._started:
             self.reset()
         out.completed_return.fill(np.nan)
@@ -57,6 +61,8 @@ class EnvCollector:
                 out.agent_info[key][t] = value
             env_action = np.clip(action, self._low, self._high) if self._clip else action
             self._step_envs(env_action, out, t)
+            if reset_state is not None:
+                reset_state(out.terminated[t] | out.truncated[t])
 
     def _step_envs(self, env_action: np.ndarray, out: Any, t: int) -> None:
         for i, env in enumerate(self.envs):
