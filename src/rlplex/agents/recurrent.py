@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 import torch
+from torch import nn
 
 from rlplex.agents.base import InfoSpec
 from rlplex.agents.pg import CategoricalPgAgent
@@ -173,7 +174,9 @@ class R2d1Agent(_StatefulActing):
             )
         self.spaces = spaces
         self.info_spec: InfoSpec = state_info_spec(lstm_size)
-        self.model = RecurrentQNet(int(np.prod(spaces.obs_shape)), spaces.n_actions, hidden, lstm_size, dueling)
+        self.model: nn.Module = RecurrentQNet(
+            int(np.prod(spaces.obs_shape)), spaces.n_actions, hidden, lstm_size, dueling
+        )
         self._init_states(lstm_size)
 
     @property
