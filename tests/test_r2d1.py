@@ -14,6 +14,7 @@ from rlplex.algos.r2d1 import R2D1, R2D1Config, sequence_loss
 from rlplex.algos.rl_math import inverse_value_rescale, value_rescale
 from rlplex.config import validate_config
 from rlplex.envs import CARTPOLE_NO_VELOCITY, EnvConfig, probe_spaces
+from rlplex.errors import ConfigError
 from rlplex.replays.sequence import sequences_of
 from rlplex.runners.config import TrainConfig, build_runner
 from rlplex.runners.snapshot import read_snapshot, write_snapshot
@@ -133,3 +134,13 @@ def test_r2d1_trains_under_minibatch_and_async_runners(kind: str, tmp_path: Path
     assert any("losses/td" in row for row in result.history), result.history
     snapshot = read_snapshot(sorted((tmp_path / kind / "snapshots").iterdir())[-1])
     assert snapshot["algo"]["update_count"] > 0 and snapshot["algo"]["replay"]["counters"][1] > 0
+
+
+def test_a_batch_too_short_for_one_sequence_is_refused_naming_the_fields() -> None:
+    config = validate_config(
+        TrainConfig,
+        {"env": {"id": CARTPOLE_NO_VELOCITY}, "sampler": {"batch_T": 11}, "algo": {"name": "r2d1", **SMALL}},
+        "test.toml",
+    )
+    with pytest.raises(ConfigError, match=r"sampler\.batch_T.*11 steps.*12 steps"):
+        build_runner(config, None, show_progress=False)

@@ -215,7 +215,14 @@ def build_algo(config: TrainConfig) -> Any:
     if isinstance(section, DQNSection):
         return DQN(DQNConfig(**fields), seed=seed)
     if isinstance(section, R2D1Section):
-        return R2D1(R2D1Config(**fields), seed=seed)
+        r2d1 = R2D1Config(**fields)
+        if config.sampler.batch_T < r2d1.sequence_length:
+            raise ConfigError(
+                f"field 'sampler.batch_T': {config.sampler.batch_T} steps do not hold one R2D1 sequence of "
+                f"algo.burn_in + algo.learn_length + algo.n_step = {r2d1.sequence_length} steps (sequences never "
+                "span two batches)"
+            )
+        return R2D1(r2d1, seed=seed)
     if isinstance(section, SACSection):
         return SAC(SACConfig(**fields), seed=seed)
     if isinstance(section, DDPGSection):
