@@ -7,7 +7,13 @@ within 20k environment steps, and A2C and the full DQN (double + dueling + prior
 seed). DDPG and C51 have no goal; they are run for comparison. A seed stops at its target unless --no-stop
 (then it runs its whole budget and the final evaluation is at the budget's end).
 
+On the partially observed rlplex/CartPoleNoVel-v1 (no velocities), R2D1 and recurrent PPO
+(`ppo_lstm`) should reach >= 400 in at least 3 of 5 seeds; the feed-forward PPO of
+cartpole_ppo.toml on the same task (`ppo_ff_novel`, 100k steps, no goal) is run with the same
+seeds beside each of them, for comparison.
+
     python -m benchmarks.classic_learning --algo sac --seeds 5
+    python -m benchmarks.classic_learning --algo r2d1 --seeds 3   # + the feed-forward baseline
     python -m benchmarks.classic_learning [--quick]      # every algorithm, 5 seeds (2 with --quick)
 
 Prints a table, writes bench_results/classic_<algo>.json and a PNG of the learning curves.
@@ -27,6 +33,7 @@ from rlplex.diagnostics import plot_learning_curves
 from rlplex.runners.config import build_runner, load_train_config
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NO_VEL = "rlplex/CartPoleNoVel-v1"
 SETTINGS: dict[str, tuple[str, float, int]] = {  # algo: (example file, target return, goal in 5 seeds)
     "sac": ("pendulum_sac.toml", -200.0, 4),
     "td3": ("pendulum_td3.toml", -200.0, 4),
@@ -34,13 +41,22 @@ SETTINGS: dict[str, tuple[str, float, int]] = {  # algo: (example file, target r
     "a2c": ("cartpole_a2c.toml", 475.0, 4),
     "dqn-full": ("cartpole_dqn_full.toml", 475.0, 4),
     "c51": ("cartpole_c51.toml", 475.0, 0),
+    "r2d1": ("cartpole_novel_r2d1.toml", 400.0, 3),
+    "ppo_lstm": ("cartpole_novel_ppo_lstm.toml", 400.0, 3),
+    "ppo_ff_novel": ("cartpole_ppo.toml", 400.0, 0),
 }
+# Runs of another file's settings: algo -> (env id, budget in env steps).
+VARIANTS: dict[str, tuple[str, int]] = {"ppo_ff_novel": (NO_VEL, 100_000)}
+BASELINES = {"r2d1": "ppo_ff_novel", "ppo_lstm": "ppo_ff_novel"}  # run beside them, same seeds
 
 
 def run_seed(algo: str, seed: int, n_steps: int | None, stop: bool) -> dict[str, Any]:
     example, target, _ = SETTINGS[algo]
     config = load_train_config(EXAMPLES / example)
     runner_updates: dict[str, Any] = {"seed": seed, "snapshot_mode": "none", "stop_at_return": target if stop else None}
+    if algo in VARIANTS:
+        env_id, runner_updates["n_steps"] = VARIANTS[algo]
+        config = override(config, "env", id=env_id)
     if n_steps is not None:
         runner_updates["n_steps"] = n_steps
     config = override(config, "runner", **runner_updates)
@@ -71,14 +87,21 @@ def main() -> None:
     parser.add_argument("--first-seed", type=int, default=0)
     parser.add_argument("--n-steps", type=int, default=None, help="override the example's budget")
     parser.add_argument("--no-stop", action="store_true", help="run the whole budget, past the target")
+    parser.add_argument("--no-baseline", action="store_true", help="r2d1, ppo_lstm: skip the feed-forward baseline")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one core per run: seeds or benchmarks can run side by side
     n_seeds = 2 if args.quick else args.seeds
+    seeds = range(args.first_seed, args.first_seed + n_seeds)
     for algo in sorted(SETTINGS) if args.algo == "all" else [args.algo]:
-        run_algo(algo, range(args.first_seed, args.first_seed + n_seeds), args.n_steps, stop=not args.no_stop)
+        figures = run_algo(algo, seeds, args.n_steps, stop=not args.no_stop)
+        if algo in BASELINES and args.algo != "all" and not args.no_baseline:
+            baseline = run_algo(BASELINES[algo], seeds, None, stop=not args.no_stop)
+            print(f"{algo}: final eval {figures['final_eval_mean']:.1f} (best {figures['best_eval_mean']:.1f}) against "
+                  f"{BASELINES[algo]} {baseline['final_eval_mean']:.1f} (best {baseline['best_eval_mean']:.1f}), "
+                  f"mean over seeds {list(seeds)}")  # fmt: skip
 
 
-def run_algo(algo: str, seeds: range, n_steps: int | None, stop: bool) -> None:
+def run_algo(algo: str, seeds: range, n_steps: int | None, stop: bool) -> dict[str, Any]:
     example, target, goal = SETTINGS[algo]
     results = []
     for seed in seeds:
@@ -94,13 +117,16 @@ def run_algo(algo: str, seeds: range, n_steps: int | None, stop: bool) -> None:
     ]  # fmt: skip
     name = f"classic_{algo.replace('-', '_')}"
     figures = {"algo": algo, "example": example, "target": target, "passed": passed, "goal": goal,
-               "n_seeds": len(seeds), "seeds": results}  # fmt: skip
+               "n_seeds": len(seeds), "seeds": results,
+               "final_eval_mean": sum(r["final_eval_return"] for r in results) / len(results),
+               "best_eval_mean": sum(r["best_eval_return"] for r in results) / len(results)}  # fmt: skip
     title = f"{algo.upper()} ({example}): {passed}/{len(seeds)} seeds reached {target} (goal >= {goal})"
     columns = ["seed", "reached", "steps to target", "final eval", "best eval", "env steps", "wall s"]
     report(name, title, columns, rows, figures)
     curves = {f"seed {r['seed']}": (r["curve"][0], r["curve"][1]) for r in results}
     png = plot_learning_curves(curves, RESULTS / f"{name}.png", f"{algo.upper()} {example} (eval)", hline=target)
     print(f"wrote {png}")
+    return figures
 
 
 if __name__ == "__main__":

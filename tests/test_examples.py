@@ -75,7 +75,8 @@ def test_cartpole_example_trains_through_the_cli(tmp_path: Path) -> None:
     # steps are not reached in a tiny budget (their updates are tested in tests/test_sac_td3.py).
     # The DQNs' 1024 steps pass their learning_starts (1000): one batch of updates runs.
     [("pendulum_sac.toml", "sac", 150), ("pendulum_td3.toml", "td3", 200), ("pendulum_ddpg.toml", "ddpg", 200),
-     ("cartpole_a2c.toml", "a2c", 400), ("cartpole_dqn_full.toml", "dqn", 1024), ("cartpole_c51.toml", "dqn", 1024)],
+     ("cartpole_a2c.toml", "a2c", 400), ("cartpole_dqn_full.toml", "dqn", 1024), ("cartpole_c51.toml", "dqn", 1024),
+     ("cartpole_novel_ppo_lstm.toml", "ppo", 512), ("cartpole_novel_r2d1.toml", "r2d1", 2100)],
 )  # fmt: skip
 def test_classic_example_trains_through_the_cli(name: str, algo: str, n_steps: int, tmp_path: Path) -> None:
     out = tmp_path / algo
@@ -85,7 +86,7 @@ def test_classic_example_trains_through_the_cli(name: str, algo: str, n_steps: i
     rows = read_csv(out / "progress.csv")
     assert rows and rows[-1]["charts/env_steps"] == n_steps and "charts/eval_return_mean" in rows[-1]
     assert json.loads((out / "config.json").read_text())["algo"]["name"] == algo
-    if algo in ("sac", "a2c", "dqn"):
+    if algo in ("sac", "a2c", "dqn", "ppo", "r2d1"):
         assert {"losses/actor", "losses/policy", "losses/td"} & set(rows[-1]), rows[-1]
     assert (out / "snapshots").is_dir() and (out / "learning_curve.png").read_bytes()[:8] == PNG_MAGIC
 
@@ -149,6 +150,8 @@ LOADERS: dict[str, tuple[str, Callable[[Path], Any]]] = {  # file: (kind for the
     "cartpole_a2c.toml": ("train", load_train_config),
     "cartpole_dqn_full.toml": ("train", load_train_config),
     "cartpole_c51.toml": ("train", load_train_config),
+    "cartpole_novel_ppo_lstm.toml": ("train", load_train_config),
+    "cartpole_novel_r2d1.toml": ("train", load_train_config),
     "job_noop.toml": ("job", _load_job),  # rlplex job run
     "elastic_job.toml": ("job", _load_job),
     "multirun_demo.toml": ("main", load_main_job),  # rlplex run (checks every run's orchestrator config too)
@@ -173,9 +176,7 @@ def test_example_config_loads(name: str) -> None:
             check_file_kind(path, other)
 
 
-def test_the_real_model_example_validates_without_downloading(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_real_model_example_validates_without_downloading(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from rlplex.errors import ModelLoadError
     from rlplex.mainjob.driver import check_model
 

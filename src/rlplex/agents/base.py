@@ -34,6 +34,16 @@ class Agent(Protocol):
         """Deterministic actions where the agent has them (argmax, the Gaussian mean)."""
         ...
 
+    # A recurrent agent (rlplex.agents.recurrent) also has `reset_state(done_B)`, called by the
+    # samplers after every step, and `reset_eval_state()`, called by the evaluator first.
+
+
+def state_reset_of(agent: Agent) -> Callable[[np.ndarray], None] | None:
+    """A recurrent agent's `reset_state(done_B)` (samplers call it after every step with the
+    environments whose episode just ended); None for an agent without state."""
+    reset: Callable[[np.ndarray], None] | None = getattr(agent, "reset_state", None)
+    return reset
+
 
 AgentFactory = Callable[[EnvSpaces], Agent]
 """Builds an agent for given spaces. Must be picklable (a class or functools.partial) so that

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -13,6 +14,9 @@ from rlplex.agents.base import InfoSpec
 from rlplex.envs import EnvSpaces
 from rlplex.errors import ConfigError
 from rlplex.models import ActorCriticMlp, GaussianActorCriticMlp, unwrap_model
+
+if TYPE_CHECKING:  # samplers import agents.base; a run-time import here would be circular
+    from rlplex.samplers.batch import SampleBatch
 
 _LOG_2PI = math.log(2 * math.pi)
 
@@ -58,6 +62,24 @@ class PgAgent:
     @torch.no_grad()
     def value(self, observation: torch.Tensor) -> torch.Tensor:
         return self.model(observation)[1]
+
+    # What PPO and A2C call: a batch as tensors whose first axis minibatches draw from (single
+    # steps here; whole environment sequences for a recurrent agent), and the losses' inputs.
+    def training_batch(self, samples: SampleBatch, **extra_T_B: np.ndarray) -> dict[str, torch.Tensor]:
+        """`observation`, `action` and each of `extra_T_B` ([T, B] arrays), flattened to [T * B, ...]."""
+        columns = {"observation": samples.observation, "action": samples.action, **extra_T_B}
+        n = samples.T * samples.B
+        return {k: torch.as_tensor(v.reshape(n, *v.shape[2:])) for k, v in columns.items()}
+
+    def evaluate_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log_prob, entropy, value) with gradients for (a minibatch of) `training_batch`."""
+        return self.evaluate(batch["observation"], batch["action"])
+
+    def next_values(self, samples: SampleBatch) -> np.ndarray:
+        """V(next_observation) [T, B], the bootstrap of every step."""
+        T, B = samples.T, samples.B
+        next_obs = torch.as_tensor(samples.next_observation.reshape(T * B, *samples.observation.shape[2:]))
+        return self.value(next_obs).numpy().reshape(T, B)
 
 
 class CategoricalPgAgent(PgAgent):

@@ -66,16 +66,15 @@ class A2C:
             group["lr"] = lr
 
         advantage, returns = advantages_and_returns(agent, samples, cfg.gamma, cfg.gae_lambda)
-        n = samples.T * samples.B
-        obs = torch.as_tensor(samples.observation.reshape(n, *samples.observation.shape[2:]))
-        action = torch.as_tensor(samples.action.reshape(n, *samples.action.shape[2:]))
-        adv = torch.as_tensor(advantage.reshape(n))
-        if cfg.normalize_advantage and n > 1:
+        # Single steps for a feed-forward agent, whole environment sequences for a recurrent one.
+        batch = agent.training_batch(samples, advantage=advantage, returns=returns)
+        adv = batch["advantage"]
+        if cfg.normalize_advantage and adv.numel() > 1:
             adv = (adv - adv.mean()) / (adv.std() + 1e-8)
 
-        log_prob, entropy, value = agent.evaluate(obs, action)
+        log_prob, entropy, value = agent.evaluate_batch(batch)
         policy_loss = -(adv * log_prob).mean()
-        value_loss = 0.5 * (value - torch.as_tensor(returns.reshape(n))).pow(2).mean()
+        value_loss = 0.5 * (value - batch["returns"]).pow(2).mean()
         entropy_mean = entropy.mean()
         loss = policy_loss + cfg.value_coef * value_loss - cfg.entropy_coef * entropy_mean
         self.optimizer.zero_grad(set_to_none=True)

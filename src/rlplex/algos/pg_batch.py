@@ -33,9 +33,7 @@ def advantages_and_returns(
 ) -> tuple[np.ndarray, np.ndarray]:
     """(GAE advantages, their value targets) over [T, B], bootstrapping every step with the
     value of its `next_observation` (so through time-limit truncations, not terminations)."""
-    T, B = samples.T, samples.B
-    next_obs = torch.as_tensor(samples.next_observation.reshape(T * B, *samples.observation.shape[2:]))
-    next_value = agent.value(next_obs).numpy().reshape(T, B)
+    next_value = agent.next_values(samples)
     value = samples.agent_info["value"]
     advantage = gae(samples.reward, value, next_value, samples.terminated, samples.truncated, gamma, lam)
     return advantage, advantage + value

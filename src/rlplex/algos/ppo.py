@@ -90,21 +90,22 @@ class PPO:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-        # Advantages and returns, then the batch flattened over time and environments.
+        # Advantages and returns, then the batch as tensors whose first axis minibatches draw
+        # from: single steps [T * B] for a feed-forward agent, whole environment sequences [B]
+        # (each [T] in time order, with its start state) for a recurrent one.
         advantage, returns = advantages_and_returns(agent, samples, cfg.gamma, cfg.gae_lambda)
-        n = samples.T * samples.B
-        b_obs = torch.as_tensor(samples.observation.reshape(n, *samples.observation.shape[2:]))
-        b_action = torch.as_tensor(samples.action.reshape(n, *samples.action.shape[2:]))
-        b_log_prob = torch.as_tensor(samples.agent_info["log_prob"].reshape(n))
-        b_adv = torch.as_tensor(advantage.reshape(n))
-        b_ret = torch.as_tensor(returns.reshape(n))
-
-        mb = min(cfg.minibatch_size, n)
+        batch = agent.training_batch(
+            samples, old_log_prob=samples.agent_info["log_prob"], advantage=advantage, returns=returns
+        )
+        n_units = len(batch["action"])
+        steps_per_unit = samples.T * samples.B // n_units
+        mb = max(1, min(cfg.minibatch_size // steps_per_unit, n_units))
         # One minibatch of the whole batch (rl-zoo's CartPole setting): shuffling only reorders
         # sums, so skip it and the gathers, and normalise the advantages once, not every epoch.
-        whole = mb == n
-        if whole and cfg.normalize_advantage and n > 1:
-            b_adv = (b_adv - b_adv.mean()) / (b_adv.std() + 1e-8)
+        whole = mb == n_units
+        if whole and cfg.normalize_advantage and batch["advantage"].numel() > 1:
+            adv = batch["advantage"]
+            batch["advantage"] = (adv - adv.mean()) / (adv.std() + 1e-8)
         # Kept as tensors and reduced once at the end: an `.item()` or a few small reductions
         # per minibatch cost about as much as the minibatch's own arithmetic.
         losses: list[torch.Tensor] = []
@@ -112,25 +113,26 @@ class PPO:
         log_ratios: list[torch.Tensor] = []
         stop = False
         for _epoch in range(cfg.n_epochs):
-            order = None if whole else torch.randperm(n)
-            for start in range(0, n - mb + 1, mb):
+            order = None if whole else torch.randperm(n_units)
+            for start in range(0, n_units - mb + 1, mb):
                 if order is None:
-                    mb_obs, mb_action, mb_log_prob, mb_adv, mb_ret = b_obs, b_action, b_log_prob, b_adv, b_ret
+                    minibatch = batch
                 else:
                     idx = order[start : start + mb]
-                    mb_obs, mb_action, mb_log_prob, mb_adv, mb_ret = (
-                        t[idx] for t in (b_obs, b_action, b_log_prob, b_adv, b_ret)
-                    )
-                    if cfg.normalize_advantage and mb > 1:
-                        mb_adv = (mb_adv - mb_adv.mean()) / (mb_adv.std() + 1e-8)
+                    minibatch = {k: v[idx] for k, v in batch.items()}
+                    if cfg.normalize_advantage and minibatch["advantage"].numel() > 1:
+                        adv = minibatch["advantage"]
+                        minibatch["advantage"] = (adv - adv.mean()) / (adv.std() + 1e-8)
+                mb_log_prob, mb_adv, mb_ret = minibatch["old_log_prob"], minibatch["advantage"], minibatch["returns"]
 
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.closed_form is not None:
                     policy_loss, value_loss, entropy, surrogate = self.closed_form(
-                        mb_obs, mb_action, mb_log_prob, mb_adv, mb_ret, clip, cfg.value_coef, cfg.entropy_coef
-                    )
+                        minibatch["observation"], minibatch["action"], mb_log_prob, mb_adv, mb_ret, clip,
+                        cfg.value_coef, cfg.entropy_coef,
+                    )  # fmt: skip
                 else:
-                    log_prob, entropy_B, value = agent.evaluate(mb_obs, mb_action)
+                    log_prob, entropy_B, value = agent.evaluate_batch(minibatch)
                     surrogate = clipped_surrogate(log_prob, mb_log_prob, mb_adv, clip)
                     policy_loss = surrogate.loss.mean()
                     value_loss = 0.5 * (value - mb_ret).pow(2).mean()
@@ -157,7 +159,9 @@ class PPO:
         # Every minibatch has `mb` samples, so the mean over all of them is the mean of the
         # per-minibatch means.
         policy_mean, value_mean, entropy_mean = torch.stack(losses).mean(0).tolist()
-        approx_kl_mean, clipfrac_mean = ratio_stats(torch.cat(ratios), torch.cat(log_ratios), clip)
+        approx_kl_mean, clipfrac_mean = ratio_stats(
+            torch.cat([r.flatten() for r in ratios]), torch.cat([r.flatten() for r in log_ratios]), clip
+        )
         explained = 1.0 - float(np.var(returns - samples.agent_info["value"])) / (float(np.var(returns)) + 1e-8)
         return {
             "losses/policy": policy_mean,

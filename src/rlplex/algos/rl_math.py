@@ -121,6 +121,19 @@ def gae(
     return advantage
 
 
+def value_rescale(x: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
+    """R2D2's h(x) = sign(x) (sqrt(|x| + 1) - 1) + eps x: squashes large returns so that one
+    network fits values of very different scales."""
+    return torch.sign(x) * (torch.sqrt(x.abs() + 1.0) - 1.0) + eps * x
+
+
+def inverse_value_rescale(x: torch.Tensor, eps: float = 1e-3) -> torch.Tensor:
+    """h^-1(x) = sign(x) (((sqrt(1 + 4 eps (|x| + 1 + eps)) - 1) / (2 eps))^2 - 1), the exact
+    inverse of `value_rescale`."""
+    root = (torch.sqrt(1.0 + 4.0 * eps * (x.abs() + 1.0 + eps)) - 1.0) / (2.0 * eps)
+    return torch.sign(x) * (root.pow(2) - 1.0)
+
+
 def group_advantages(rewards: torch.Tensor, groups: int | torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """(r - mean of its group) / (population std of its group + eps).
 

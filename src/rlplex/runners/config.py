@@ -18,9 +18,11 @@ from pydantic import Field
 
 from rlplex.agents import CategoricalPgAgent, DdpgAgent, DqnAgent, GaussianPgAgent, SacAgent
 from rlplex.agents.base import Agent, AgentFactory
+from rlplex.agents.recurrent import R2d1Agent, RecurrentCategoricalPgAgent
 from rlplex.algos.a2c import A2C, A2CConfig
 from rlplex.algos.dqn import DQN, DQNConfig
 from rlplex.algos.ppo import PPO, PPOConfig
+from rlplex.algos.r2d1 import R2D1, R2D1Config
 from rlplex.algos.sac import SAC, SACConfig
 from rlplex.algos.td3 import TD3, DDPGConfig, TD3Config
 from rlplex.config import StrictModel, load_config
@@ -43,6 +45,12 @@ class SamplerConfig(StrictModel):
 class AgentConfig(StrictModel):
     hidden: tuple[Annotated[int, Field(ge=1)], ...] = Field((64, 64), description="hidden layer widths")
     init_log_std: float = 0.0
+    lstm_size: int | None = Field(
+        None,
+        ge=1,
+        description="a recurrent agent: an LSTM of this size after the hidden layers (PPO, A2C with Discrete "
+        "actions; R2D1 always has one, 64 by default); none: feed-forward",
+    )
 
 
 class PPOSection(PPOConfig):
@@ -69,12 +77,18 @@ class DDPGSection(DDPGConfig):
     name: Literal["ddpg"]
 
 
+class R2D1Section(R2D1Config):
+    name: Literal["r2d1"]
+
+
 AlgoSection = Annotated[
-    PPOSection | DQNSection | A2CSection | SACSection | TD3Section | DDPGSection, Field(discriminator="name")
+    PPOSection | DQNSection | A2CSection | SACSection | TD3Section | DDPGSection | R2D1Section,
+    Field(discriminator="name"),
 ]
 # Replay-based: they run under AsyncRl; SAC/TD3/DDPG critics live outside the agent's model,
 # so SyncRl's DDP would not keep them equal across ranks.
-OFF_POLICY = ("dqn", "sac", "td3", "ddpg")
+OFF_POLICY = ("dqn", "sac", "td3", "ddpg", "r2d1")
+RECURRENT = ("ppo", "a2c", "r2d1")  # the algorithms that take `agent.lstm_size`
 ACTOR_CRITIC_REPLAY = ("sac", "td3", "ddpg")
 
 
@@ -137,8 +151,22 @@ def check_fits_in_memory(config: TrainConfig, spaces: EnvSpaces, available_bytes
 def agent_factory(config: TrainConfig, spaces: EnvSpaces) -> AgentFactory:
     """A picklable factory for the agent this config asks for (workers build their own copy)."""
     factory: AgentFactory
-    name = config.algo.name
-    if isinstance(config.algo, DQNSection):
+    name, lstm_size = config.algo.name, config.agent.lstm_size
+    if lstm_size is not None and name not in RECURRENT:
+        raise ConfigError(
+            f"field 'agent.lstm_size': recurrent agents are for algo.name one of {', '.join(RECURRENT)} "
+            f"(got {name!r}); leave it unset"
+        )
+    if isinstance(config.algo, R2D1Section):
+        factory = partial(R2d1Agent, hidden=config.agent.hidden, lstm_size=lstm_size or 64, dueling=config.algo.dueling)
+    elif lstm_size is not None:
+        if spaces.action_kind != "discrete":
+            raise ConfigError(
+                f"field 'agent.lstm_size': the recurrent agent needs a Discrete action space; {config.env.id!r} has "
+                f"{describe_action_space(spaces)}"
+            )
+        factory = partial(RecurrentCategoricalPgAgent, hidden=config.agent.hidden, lstm_size=lstm_size)
+    elif isinstance(config.algo, DQNSection):
         factory = partial(DqnAgent, hidden=config.agent.hidden, **config.algo.agent_options())
     elif name == "sac":
         factory = partial(SacAgent, hidden=config.agent.hidden)
@@ -154,6 +182,7 @@ def agent_factory(config: TrainConfig, spaces: EnvSpaces) -> AgentFactory:
 # What each algorithm's agent acts in; PPO and A2C handle both kinds.
 ACTION_KINDS: dict[str, tuple[str, str]] = {  # algo.name: (action kind, the space's name)
     "dqn": ("discrete", "a Discrete"),
+    "r2d1": ("discrete", "a Discrete"),
     "sac": ("continuous", "a Box"),
     "td3": ("continuous", "a Box"),
     "ddpg": ("continuous", "a Box"),
@@ -187,6 +216,15 @@ def build_algo(config: TrainConfig) -> Any:
     fields = section.model_dump(exclude={"name"})
     if isinstance(section, DQNSection):
         return DQN(DQNConfig(**fields), seed=seed)
+    if isinstance(section, R2D1Section):
+        r2d1 = R2D1Config(**fields)
+        if config.sampler.batch_T < r2d1.sequence_length:
+            raise ConfigError(
+                f"field 'sampler.batch_T': {config.sampler.batch_T} steps do not hold one R2D1 sequence of "
+                f"algo.burn_in + algo.learn_length + algo.n_step = {r2d1.sequence_length} steps (sequences never "
+                "span two batches)"
+            )
+        return R2D1(r2d1, seed=seed)
     if isinstance(section, SACSection):
         return SAC(SACConfig(**fields), seed=seed)
     if isinstance(section, DDPGSection):

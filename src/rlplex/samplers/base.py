@@ -63,6 +63,9 @@ class Evaluator:
         seeds = [
             env_seed(self._seed, self.EVAL_RANK_OFFSET + self._rank, self.calls, i) for i in range(self.n_episodes)
         ]
+        reset_eval_state = getattr(agent, "reset_eval_state", None)
+        if reset_eval_state is not None:  # a recurrent agent: every evaluation starts from a zero state
+            reset_eval_state()
         return run_episodes(self._envs, self.spaces, agent.eval_step, seeds)
 
     def close(self) -> None:

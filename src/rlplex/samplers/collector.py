@@ -19,6 +19,7 @@ from rlplex.envs import EnvSpaces
 from rlplex.samplers.rng import env_rng_state, set_env_rng_state
 
 Policy = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
+StateReset = Callable[[np.ndarray], None]  # a recurrent agent's `reset_state(done_B)`
 
 
 class EnvCollector:
@@ -60,8 +61,11 @@ class EnvCollector:
                 self._seeds[i] = None
         self._started = False
 
-    def collect(self, policy: Policy, out: Any) -> None:
-        """Fill every time step of `out` (a SampleBatch whose B equals the number of envs)."""
+    def collect(self, policy: Policy, out: Any, reset_state: StateReset | None = None) -> None:
+        """Fill every time step of `out` (a SampleBatch whose B equals the number of envs).
+
+        `reset_state` (a recurrent agent's) is told after every step which environments ended
+        an episode, so that their state restarts before the next step."""
         if not self._started:
             self.reset()
         out.completed_return.fill(np.nan)
@@ -74,6 +78,8 @@ class EnvCollector:
                 out.agent_info[key][t] = value
             env_action = np.clip(action, self._low, self._high) if self._clip else action
             self._step_envs(env_action, out, t)
+            if reset_state is not None:
+                reset_state(out.terminated[t] | out.truncated[t])
 
     def _step_envs(self, env_action: np.ndarray, out: Any, t: int) -> None:
         # The per-env loop does only what must be per env (step, reset, the observation rows);

@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlplex.agents.base import Agent, AgentFactory
+from rlplex.agents.base import Agent, AgentFactory, state_reset_of
 from rlplex.envs import EnvConfig, EnvSpaces, env_seed, make_env, probe_spaces
 from rlplex.errors import ConfigError, RlplexError, SnapshotError, WaitTimeoutError
 from rlplex.models import unwrap_model
@@ -335,7 +335,7 @@ def _worker_main(spec: _WorkerSpec, go: Semaphore, done: Semaphore, stop: Event)
                 model.load_state_dict(weights.tensors)
             # inference_mode: no autograd bookkeeping at all, a few µs less per policy call.
             with torch.inference_mode():
-                collector.collect(agent.step, view)
+                collector.collect(agent.step, view, state_reset_of(agent))
             _save_rng(rng, spec.index, collector)
             done.release()
     finally:

@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlplex.agents.base import state_reset_of
 from rlplex.envs import EnvConfig, env_seed, make_env, probe_spaces
 from rlplex.errors import RlplexError
 from rlplex.samplers.batch import SampleBatch, allocate_batch
@@ -39,7 +40,7 @@ class SerialSampler:
             raise RlplexError("SerialSampler.obtain_samples called before initialize()")
         # inference_mode: no autograd bookkeeping at all, a few µs less per policy call.
         with torch.inference_mode():
-            self._collector.collect(self._agent.step, self._batch)
+            self._collector.collect(self._agent.step, self._batch, state_reset_of(self._agent))
         return self._batch
 
     def state_dict(self) -> dict[str, Any]:

@@ -1,0 +1,244 @@
+"""A replay of fixed-length sequences for recurrent agents (R2D1), optionally prioritized.
+
+Each slot holds one sequence of `length` consecutive steps of one environment (observation,
+action, reward, terminated, done) and the recurrent state the sampler's agent had before its
+first step (`rnn_h`, `rnn_c`). `sequences_of` cuts them from a [T, B] sampler batch, starting
+every `period` steps, so that consecutive sequences overlap by `length - period` steps (the
+burn-in and the n-step tail). A sequence never spans two batches: AsyncRl's two copiers append
+whole batches in whatever order they finish, and each sequence is whole in itself.
+Episodes may end inside a sequence (`done`): training resets the state there.
+
+A prioritized replay keeps one priority per sequence in `SumTree` (the one of
+`rlplex.replays.prioritized`), in the same array block; R2D2's mix of the sequence's TD
+errors, eta * max + (1 - eta) * mean, is the algorithm's to compute. Appends and samples hold
+`lock` when one is given (shared memory under AsyncRl), as in `UniformReplayBuffer`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import numpy as np
+
+from rlplex.envs import EnvSpaces
+from rlplex.errors import RlplexError, SnapshotError, WaitTimeoutError
+from rlplex.replays.prioritized import SumTree, tree_size
+from rlplex.replays.uniform import LOCK_TIMEOUT_S, ReplayHandle, _Release
+from rlplex.samplers.shared_arrays import SharedArrays, allocate
+
+SEQUENCE_FIELDS = ("observation", "action", "reward", "terminated", "done")
+STATE_FIELDS = ("rnn_h", "rnn_c")
+STORED = (*SEQUENCE_FIELDS, *STATE_FIELDS, "serial")
+_CURSOR, _SIZE, _TOTAL = 0, 1, 2
+_LOCK_POLL_S = 0.2
+
+
+def sequences_of(
+    samples: Any, length: int, period: int
+) -> dict[str, np.ndarray]:  # samples: a SampleBatch with agent_info rnn_h, rnn_c
+    """The sequences of a [T, B] batch: every environment's steps [s, s + length) for
+    s = 0, period, ... while they fit; [N, length, ...] fields and [N, H] start states."""
+    T = samples.T
+    if length > T:
+        raise RlplexError(f"a sequence of {length} steps does not fit in a batch of batch_T = {T} steps")
+    starts = np.arange(0, T - length + 1, period)
+    window = starts[:, None] + np.arange(length)  # [S, L]
+    columns = {
+        "observation": samples.observation,
+        "action": samples.action,
+        "reward": samples.reward,
+        "terminated": samples.terminated,
+        "done": samples.terminated | samples.truncated,
+    }
+    out: dict[str, np.ndarray] = {}
+    for name, array in columns.items():  # [T, B, ...] -> [S, L, B, ...] -> [S, B, L, ...] -> [S * B, L, ...]
+        seq = np.swapaxes(array[window], 1, 2)
+        out[name] = seq.reshape(-1, length, *array.shape[2:])
+    for name in STATE_FIELDS:
+        state = samples.agent_info[name][starts]  # [S, B, H]
+        out[name] = state.reshape(-1, state.shape[-1])
+    return out
+
+
+class SequenceReplayBuffer:
+    kind = "sequence"
+
+    def __init__(
+        self, arrays: dict[str, np.ndarray], capacity: int, lock: Any = None, block: SharedArrays | None = None
+    ) -> None:
+        self.capacity = capacity
+        self._arrays = arrays
+        self._counters = arrays["counters"]
+        self._lock = lock
+        self._block = block
+        self.prioritized = "tree" in arrays
+        self.tree = SumTree(arrays["tree"]) if self.prioritized else None
+        self.wait_check: Callable[[], None] | None = None  # see UniformReplayBuffer.wait_check
+
+    @staticmethod
+    def layout(
+        spaces: EnvSpaces, capacity: int, length: int, state_size: int, prioritized: bool
+    ) -> dict[str, tuple[tuple[int, ...], Any]]:
+        layout: dict[str, tuple[tuple[int, ...], Any]] = {
+            "observation": ((capacity, length, *spaces.obs_shape), np.float32),
+            "action": ((capacity, length, *spaces.action_shape), spaces.action_dtype),
+            "reward": ((capacity, length), np.float32),
+            "terminated": ((capacity, length), np.bool_),
+            "done": ((capacity, length), np.bool_),
+            "rnn_h": ((capacity, state_size), np.float32),
+            "rnn_c": ((capacity, state_size), np.float32),
+            "serial": ((capacity,), np.int64),
+            "counters": ((3,), np.int64),
+        }
+        if prioritized:
+            layout["tree"] = ((2 * tree_size(capacity),), np.float64)
+            layout["max_priority"] = ((1,), np.float64)
+        return layout
+
+    @classmethod
+    def create(
+        cls,
+        spaces: EnvSpaces,
+        capacity: int,
+        length: int,
+        state_size: int,
+        prioritized: bool = False,
+        shared: bool = False,
+        lock: Any = None,
+    ) -> SequenceReplayBuffer:
+        if capacity <= 0:
+            raise RlplexError(f"replay buffer capacity must be positive (got {capacity})")
+        arrays, block = allocate(cls.layout(spaces, capacity, length, state_size, prioritized), shared)
+        return cls(arrays, capacity, lock, block)
+
+    @property
+    def handle(self) -> ReplayHandle:
+        if self._block is None:
+            raise RlplexError("this replay buffer is not in shared memory; create it with shared=True")
+        return ReplayHandle(self._block.handle, self.capacity, self._lock, self.kind)
+
+    @classmethod
+    def attach(cls, handle: ReplayHandle) -> SequenceReplayBuffer:
+        block = SharedArrays.attach(handle.arrays)
+        return cls(block.arrays, handle.capacity, handle.lock, block)
+
+    def close(self) -> None:
+        if self._block is not None:
+            self._arrays, self._counters = {}, np.zeros(3, dtype=np.int64)
+            self.tree = None
+            self._block.close()
+            self._block = None
+        self._lock = None
+
+    def _locked(self) -> AbstractContextManager[Any]:
+        if self._lock is None:
+            return nullcontext()
+        deadline = time.monotonic() + LOCK_TIMEOUT_S
+        while not self._lock.acquire(timeout=_LOCK_POLL_S):
+            if self.wait_check is not None:
+                self.wait_check()
+            if time.monotonic() > deadline:
+                raise WaitTimeoutError(f"replay buffer write lock not acquired within {LOCK_TIMEOUT_S} s")
+        return _Release(self._lock)
+
+    @property
+    def size(self) -> int:
+        return int(self._counters[_SIZE])
+
+    @property
+    def total_appended(self) -> int:
+        return int(self._counters[_TOTAL])
+
+    def append_samples(self, sequences: dict[str, np.ndarray]) -> int:
+        """Append [N, ...] sequences (from `sequences_of`); past `capacity` the oldest go."""
+        n = len(sequences["reward"])
+        keep = min(n, self.capacity)
+        with self._locked():
+            cursor, total = int(self._counters[_CURSOR]), int(self._counters[_TOTAL])
+            idx = (cursor + np.arange(n - keep, n)) % self.capacity
+            for name in (*SEQUENCE_FIELDS, *STATE_FIELDS):
+                self._arrays[name][idx] = sequences[name][n - keep :]
+            self._arrays["serial"][idx] = total + np.arange(n - keep, n)
+            self._counters[_CURSOR] = (cursor + n) % self.capacity
+            self._counters[_SIZE] = min(self.capacity, int(self._counters[_SIZE]) + n)
+            self._counters[_TOTAL] += n
+            if self.tree is not None:  # new sequences get the largest priority seen so far
+                top = self._arrays["max_priority"]
+                if top[0] <= 0:
+                    top[0] = 1.0
+                self.tree.update(idx, np.full(len(idx), top[0]))
+        return n
+
+    def sample(self, batch_size: int, rng: np.random.Generator, beta: float = 1.0) -> dict[str, np.ndarray]:
+        """`batch_size` sequences (copies) with `index` and `serial` (for `update_priorities`);
+        uniform, or in proportion to priority with the importance `weight` (N P(i))^-beta over
+        the batch's largest."""
+        with self._locked():
+            size = int(self._counters[_SIZE])
+            if size == 0:
+                raise RlplexError("cannot sample from an empty replay buffer")
+            if self.tree is None:
+                idx = rng.integers(0, size, size=batch_size)
+            else:
+                idx = np.minimum(self.tree.sample(batch_size, rng), size - 1)
+                probability = self.tree.leaves(idx) / self.tree.total
+            batch = {name: self._arrays[name][idx] for name in (*SEQUENCE_FIELDS, *STATE_FIELDS, "serial")}
+        batch["index"] = idx
+        if self.tree is not None:
+            weight = (size * probability) ** -beta
+            batch["weight"] = (weight / weight.max()).astype(np.float32)
+        return batch
+
+    def update_priorities(self, idx: np.ndarray, priorities: np.ndarray, serial: np.ndarray) -> None:
+        """New (positive, exponentiated) priorities of sequences `idx`, except those
+        overwritten since they were sampled (their `serial` moved)."""
+        if self.tree is None:
+            raise RlplexError("update_priorities on a replay that is not prioritized")
+        priorities = np.asarray(priorities, dtype=np.float64)
+        if not np.all(np.isfinite(priorities) & (priorities > 0)):
+            raise RlplexError("prioritized replay: priorities must be positive and finite (did the loss diverge?)")
+        with self._locked():
+            same = self._arrays["serial"][idx] == serial
+            self.tree.update(idx[same], priorities[same])
+            if same.any():
+                top = self._arrays["max_priority"]
+                top[0] = max(float(top[0]), float(priorities[same].max()))
+
+    # ----- snapshots ------------------------------------------------------------------------
+    def state_dict(self, include_data: bool = True) -> dict[str, Any]:
+        with self._locked():
+            state: dict[str, Any] = {"capacity": self.capacity, "counters": self._counters.copy()}
+            if include_data:
+                size = int(self._counters[_SIZE])
+                state["data"] = {name: self._arrays[name][:size].copy() for name in STORED}
+                if self.tree is not None:
+                    state["priorities"] = self.tree.leaves(np.arange(size)).copy()
+                    state["max_priority"] = float(self._arrays["max_priority"][0])
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if int(state["capacity"]) != self.capacity:
+            raise SnapshotError(
+                f"replay buffer capacity is {state['capacity']} in the snapshot but {self.capacity} now (buffer_size)"
+            )
+        counters = np.asarray(state["counters"], dtype=np.int64)
+        with self._locked():
+            if self.tree is not None:
+                self.tree.tree[:] = 0.0
+                self._arrays["max_priority"][0] = 0.0
+            if "data" not in state:  # keep the count, start empty
+                self._counters[:] = (0, 0, int(counters[_TOTAL]))
+                return
+            size = int(counters[_SIZE])
+            for name in STORED:
+                self._arrays[name][:size] = state["data"][name]
+            self._counters[:] = counters
+            if self.tree is not None and size:
+                if "priorities" not in state:
+                    raise SnapshotError("the snapshot's sequence replay has no priorities (it was not prioritized)")
+                self.tree.tree[self.tree.n_leaves : self.tree.n_leaves + size] = state["priorities"]
+                self.tree.rebuild()
+                self._arrays["max_priority"][0] = float(state["max_priority"])

@@ -1,0 +1,146 @@
+"""R2D1: the value rescaling, sequences cut from sampler batches, burn-in without gradient,
+prioritized sequence replay, exact resume, and runs under MinibatchRl and AsyncRl."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rlplex.agents.recurrent import R2d1Agent
+from rlplex.algos.r2d1 import R2D1, R2D1Config, sequence_loss
+from rlplex.algos.rl_math import inverse_value_rescale, value_rescale
+from rlplex.config import validate_config
+from rlplex.envs import CARTPOLE_NO_VELOCITY, EnvConfig, probe_spaces
+from rlplex.errors import ConfigError
+from rlplex.replays.sequence import sequences_of
+from rlplex.runners.config import TrainConfig, build_runner
+from rlplex.runners.snapshot import read_snapshot, write_snapshot
+from rlplex.samplers import SerialSampler
+from rlplex.samplers.batch import SampleBatch
+
+NO_VEL = EnvConfig(id=CARTPOLE_NO_VELOCITY)
+SMALL = dict(burn_in=4, learn_length=6, n_step=2, batch_size=8, learning_starts=8, buffer_size=64, updates_per_itr=2)
+
+
+def make_r2d1(seed: int, **config: object) -> R2D1:
+    torch.manual_seed(seed)
+    algo = R2D1(R2D1Config.model_validate({**SMALL, **config}), seed=seed)
+    algo.initialize(R2d1Agent(probe_spaces(NO_VEL), hidden=(16,), lstm_size=8), n_itr=10)
+    return algo
+
+
+def batches(agent: R2d1Agent, n: int, T: int = 24, B: int = 4) -> list[SampleBatch]:
+    sampler = SerialSampler(NO_VEL, batch_T=T, batch_B=B)
+    sampler.initialize(agent, seed=0)
+    try:
+        return [sampler.obtain_samples(i).copy() for i in range(n)]
+    finally:
+        sampler.shutdown()
+
+
+def test_value_rescaling_and_its_inverse_round_trip() -> None:
+    x = torch.cat([torch.linspace(-1e4, 1e4, 20001, dtype=torch.float64), torch.tensor([0.0, 1e-6, -3.5])])
+    torch.testing.assert_close(inverse_value_rescale(value_rescale(x)), x, rtol=1e-9, atol=1e-8)
+    torch.testing.assert_close(value_rescale(inverse_value_rescale(x)), x, rtol=1e-9, atol=1e-8)
+    assert float(value_rescale(torch.tensor(3.0), eps=0.0)) == pytest.approx(1.0)  # sqrt(4) - 1
+    assert float(value_rescale(torch.tensor(-8.0), eps=0.1)) == pytest.approx(-2.0 - 0.8)
+
+
+def test_sequences_keep_time_order_overlap_and_their_start_state() -> None:
+    agent = R2d1Agent(probe_spaces(NO_VEL), hidden=(16,), lstm_size=8)
+    agent.set_epsilon(0.5)
+    batch = batches(agent, 2)[1]  # a batch that starts mid-episode
+    seqs = sequences_of(batch, length=12, period=6)  # starts 0, 6, 12 over T = 24
+    assert seqs["observation"].shape == (3 * 4, 12, 2) and seqs["rnn_h"].shape == (12, 8)
+    for s, start in enumerate((0, 6, 12)):
+        for b in range(4):
+            i = s * 4 + b
+            np.testing.assert_array_equal(seqs["observation"][i], batch.observation[start : start + 12, b])
+            np.testing.assert_array_equal(seqs["action"][i], batch.action[start : start + 12, b])
+            np.testing.assert_array_equal(seqs["rnn_h"][i], batch.agent_info["rnn_h"][start, b])
+    assert np.abs(seqs["rnn_h"]).sum() > 0
+    # Consecutive sequences of one environment overlap by length - period steps.
+    np.testing.assert_array_equal(seqs["observation"][0][6:], seqs["observation"][4][:6])
+
+
+def test_burn_in_steps_get_no_gradient_and_the_learned_steps_do() -> None:
+    algo = make_r2d1(0)
+    assert algo.agent is not None and algo.target is not None
+    for itr, batch in enumerate(batches(algo.agent, 2)):
+        algo.replay.append_samples(algo.sampler_to_buffer(batch))
+        del itr
+    minibatch, _, _ = algo.minibatch()
+    obs = minibatch["observation"].clone().requires_grad_(True)
+    loss, abs_delta, _ = sequence_loss(algo.agent.model, algo.target, {**minibatch, "observation": obs}, algo.config)
+    loss.backward()
+    assert obs.grad is not None
+    burn = algo.config.burn_in
+    assert torch.all(obs.grad[:burn] == 0)
+    assert obs.grad[burn:].abs().sum() > 0
+    assert abs_delta.shape == (algo.config.learn_length, algo.config.batch_size)
+
+
+def test_priorities_follow_the_max_mean_mix_of_td_errors() -> None:
+    algo = make_r2d1(0)
+    assert algo.agent is not None
+    algo.replay.append_samples(algo.sampler_to_buffer(batches(algo.agent, 1)[0]))
+    algo._update()
+    tree = algo.replay.tree
+    leaves = tree.leaves(np.arange(algo.replay.size))
+    assert np.all(leaves > 0) and len(np.unique(leaves)) > 1  # sampled sequences moved off the max priority
+
+
+def test_resume_from_a_snapshot_equals_the_uninterrupted_run(tmp_path: Path) -> None:
+    uninterrupted = make_r2d1(0)
+    assert uninterrupted.agent is not None
+    data = batches(uninterrupted.agent, 4)
+    for itr in (0, 1):
+        uninterrupted.optimize_agent(itr, data[itr])
+    write_snapshot(
+        tmp_path / "s", {"algo": uninterrupted.state_dict(), "agent": uninterrupted.agent.model.state_dict()}
+    )
+    state = read_snapshot(tmp_path / "s")
+    resumed = make_r2d1(1)  # other weights, replay and generator until loaded
+    assert resumed.agent is not None
+    resumed.agent.model.load_state_dict(state["agent"])
+    resumed.load_state_dict(state["algo"])
+    for itr in (2, 3):
+        assert uninterrupted.optimize_agent(itr, data[itr]) == resumed.optimize_agent(itr, data[itr])
+    for key, value in uninterrupted.agent.model.state_dict().items():
+        assert torch.equal(value, resumed.agent.model.state_dict()[key]), key
+    assert resumed.update_count == uninterrupted.update_count == 8  # 2 a batch from the first
+    np.testing.assert_array_equal(uninterrupted.replay.tree.tree, resumed.replay.tree.tree)
+
+
+@pytest.mark.parametrize("kind", ["minibatch", "async"])
+def test_r2d1_trains_under_minibatch_and_async_runners(kind: str, tmp_path: Path) -> None:
+    config = validate_config(
+        TrainConfig,
+        {
+            "env": {"id": CARTPOLE_NO_VELOCITY},
+            "sampler": {"batch_T": 24, "batch_B": 2},
+            "agent": {"hidden": [16], "lstm_size": 8},
+            "algo": {"name": "r2d1", **SMALL},
+            "runner": {"kind": kind, "n_steps": 960, "log_interval_steps": 480, "replay_ratio": 1.0},
+        },
+        "test.toml",
+    )
+    runner = build_runner(config, tmp_path / kind, show_progress=False)
+    result = runner.train()
+    assert result.env_steps >= 960
+    assert any("losses/td" in row for row in result.history), result.history
+    snapshot = read_snapshot(sorted((tmp_path / kind / "snapshots").iterdir())[-1])
+    assert snapshot["algo"]["update_count"] > 0 and snapshot["algo"]["replay"]["counters"][1] > 0
+
+
+def test_a_batch_too_short_for_one_sequence_is_refused_naming_the_fields() -> None:
+    config = validate_config(
+        TrainConfig,
+        {"env": {"id": CARTPOLE_NO_VELOCITY}, "sampler": {"batch_T": 11}, "algo": {"name": "r2d1", **SMALL}},
+        "test.toml",
+    )
+    with pytest.raises(ConfigError, match=r"sampler\.batch_T.*11 steps.*12 steps"):
+        build_runner(config, None, show_progress=False)
