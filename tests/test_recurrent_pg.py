@@ -101,7 +101,7 @@ def test_evaluation_keeps_its_own_state() -> None:
     try:
         first = evaluator.evaluate(agent)
         assert agent._state is state_before  # the sampler's state is untouched
-        evaluator._calls = 0  # the same seeds again: a fresh state gives the same episodes
+        evaluator.calls = 0  # the same seeds again: a fresh state gives the same episodes
         assert np.array_equal(evaluator.evaluate(agent)[0], first[0])
     finally:
         evaluator.close()
