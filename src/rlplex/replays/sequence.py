@@ -16,24 +16,22 @@ errors, eta * max + (1 - eta) * mean, is the algorithm's to compute. Appends and
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
 
 from rlplex.envs import EnvSpaces
-from rlplex.errors import RlplexError, SnapshotError, WaitTimeoutError
+from rlplex.errors import RlplexError, SnapshotError
 from rlplex.replays.prioritized import SumTree, tree_size
-from rlplex.replays.uniform import LOCK_TIMEOUT_S, ReplayHandle, _Release
+from rlplex.replays.uniform import ReplayHandle, locked
 from rlplex.samplers.shared_arrays import SharedArrays, allocate
 
 SEQUENCE_FIELDS = ("observation", "action", "reward", "terminated", "done")
 STATE_FIELDS = ("rnn_h", "rnn_c")
 STORED = (*SEQUENCE_FIELDS, *STATE_FIELDS, "serial")
 _CURSOR, _SIZE, _TOTAL = 0, 1, 2
-_LOCK_POLL_S = 0.2
 
 
 def sequences_of(
@@ -134,15 +132,7 @@ class SequenceReplayBuffer:
         self._lock = None
 
     def _locked(self) -> AbstractContextManager[Any]:
-        if self._lock is None:
-            return nullcontext()
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while not self._lock.acquire(timeout=_LOCK_POLL_S):
-            if self.wait_check is not None:
-                self.wait_check()
-            if time.monotonic() > deadline:
-                raise WaitTimeoutError(f"replay buffer write lock not acquired within {LOCK_TIMEOUT_S} s")
-        return _Release(self._lock)
+        return locked(self._lock, self.wait_check)
 
     @property
     def size(self) -> int:

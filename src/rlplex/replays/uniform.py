@@ -105,15 +105,7 @@ class UniformReplayBuffer:
         self._lock = None  # a named semaphore: unlinked once the last reference goes
 
     def _locked(self) -> AbstractContextManager[Any]:
-        if self._lock is None:
-            return nullcontext()
-        deadline = time.monotonic() + LOCK_TIMEOUT_S
-        while not self._lock.acquire(timeout=_LOCK_POLL_S):
-            if self.wait_check is not None:
-                self.wait_check()
-            if time.monotonic() > deadline:
-                raise WaitTimeoutError(f"replay buffer write lock not acquired within {LOCK_TIMEOUT_S} s")
-        return _Release(self._lock)
+        return locked(self._lock, self.wait_check)
 
     # ----- counters -------------------------------------------------------------------------
     @property
@@ -219,6 +211,21 @@ class UniformReplayBuffer:
                 # Without the data, keep the step count (schedules depend on it) but start empty.
                 self._counters[:] = (0, 0, int(counters[_TOTAL]), 1)
                 self._load_extra_state(state, 0)
+
+
+def locked(lock: Any | None, wait_check: Callable[[], None] | None) -> AbstractContextManager[Any]:
+    """Hold a shared replay's write lock (a no-op without one). The wait polls so that
+    `wait_check` (the runner's "is my peer alive?") runs while another process holds it, and
+    gives up after LOCK_TIMEOUT_S rather than hang behind a dead holder."""
+    if lock is None:
+        return nullcontext()
+    deadline = time.monotonic() + LOCK_TIMEOUT_S
+    while not lock.acquire(timeout=_LOCK_POLL_S):
+        if wait_check is not None:
+            wait_check()
+        if time.monotonic() > deadline:
+            raise WaitTimeoutError(f"replay buffer write lock not acquired within {LOCK_TIMEOUT_S} s")
+    return _Release(lock)
 
 
 class _Release:
