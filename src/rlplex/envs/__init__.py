@@ -1,5 +1,23 @@
 """Gymnasium environments: creation with clear errors, space descriptions, disjoint seeds."""
 
-from rlplex.envs.factory import EnvConfig, EnvSpaces, describe_action_space, env_seed, make_env, probe_spaces
+from rlplex.envs.atari import AtariConfig
+from rlplex.envs.factory import (
+    EnvConfig,
+    EnvSpaces,
+    describe_action_space,
+    describe_observation_space,
+    env_seed,
+    make_env,
+    probe_spaces,
+)
 
-__all__ = ["EnvConfig", "EnvSpaces", "describe_action_space", "env_seed", "make_env", "probe_spaces"]
+__all__ = [
+    "AtariConfig",
+    "EnvConfig",
+    "EnvSpaces",
+    "describe_action_space",
+    "describe_observation_space",
+    "env_seed",
+    "make_env",
+    "probe_spaces",
+]
