@@ -20,7 +20,7 @@ from rlplex.envs import AtariConfig, EnvConfig, EnvSpaces, make_env, probe_space
 from rlplex.errors import ConfigError
 from rlplex.models.encoders import FlattenEncoder, NatureCnn, nature_cnn_parameters
 from rlplex.replays import UniformReplayBuffer
-from rlplex.runners.config import TrainConfig, build_runner
+from rlplex.runners.config import TrainConfig, build_runner, check_fits_in_memory
 from rlplex.runners.snapshot import read_snapshot, write_snapshot
 from rlplex.samplers import ParallelSampler, SerialSampler
 
@@ -147,6 +147,16 @@ def test_agents_refuse_observations_they_cannot_read() -> None:
     )
     with pytest.raises(ConfigError, match=r"field 'env': SAC needs a 1-D float Box observation space"):
         build_runner(sac_on_images, None, show_progress=False)
+
+
+def test_a_replay_of_frames_that_cannot_fit_in_memory_is_refused() -> None:
+    config = validate_config(
+        TrainConfig, {"env": {"id": "ALE/Pong-v5", "atari": {}}, "algo": {"name": "dqn", "buffer_size": 1_000_000}}
+    )
+    check_fits_in_memory(config, IMAGE, 64 * 2**30, "pong.toml")  # 52.6 GiB of uint8 frames fit in 64
+    expected = r"pong.toml: field 'algo.buffer_size': 1,000,000 transitions of Box\(shape=\(4, 84, 84\), dtype=uint8\)"
+    with pytest.raises(ConfigError, match=expected + " observations need 52.6 GiB"):
+        check_fits_in_memory(config, IMAGE, 16 * 2**30, "pong.toml")
 
 
 # ----- uint8 through batches, shared memory and the replay ---------------------------------------------

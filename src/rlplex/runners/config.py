@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -143,6 +144,15 @@ def check_fits_in_memory(config: TrainConfig, spaces: EnvSpaces, available_bytes
         raise ConfigError(
             f"{source}: field 'agent.hidden': {list(hidden)} needs at least {needed / 2**30:,.1f} GiB "
             f"for the networks' parameters and optimizer state; this machine has {available_bytes / 2**30:,.1f} GiB"
+        )
+    buffer_size = getattr(config.algo, "buffer_size", 0)
+    # Each slot holds an observation and the next one (uint8 frames: 1 byte a pixel).
+    replay = buffer_size * 2 * math.prod(spaces.obs_shape) * np.dtype(spaces.obs_dtype).itemsize
+    if needed + replay > available_bytes:
+        raise ConfigError(
+            f"{source}: field 'algo.buffer_size': {buffer_size:,} transitions of {describe_observation_space(spaces)} "
+            f"observations need {replay / 2**30:,.1f} GiB of replay; this machine has "
+            f"{available_bytes / 2**30:,.1f} GiB"
         )
 
 
