@@ -20,6 +20,7 @@ BENCHMARKS = [
     "ppo_vs_sb3",
     "learn_dqn_cartpole",
     "classic_learning",
+    "atari_smoke",
     "async_replay_ratio",
     "async_vs_minibatch",
     "sync_scaling",
