@@ -22,6 +22,7 @@ BENCHMARKS = [
     "classic_learning",
     "sac_update",
     "mujoco_sac",
+    "atari_smoke",
     "async_replay_ratio",
     "async_vs_minibatch",
     "sync_scaling",

@@ -108,6 +108,37 @@ def test_mujoco_example_trains_through_the_cli(tmp_path: Path) -> None:
     assert json.loads((out / "config.json").read_text())["env"]["id"] == "HalfCheetah-v5"
 
 
+@pytest.mark.parametrize(
+    ("name", "n_steps", "edits"),
+    # Games cut to 400 frames (100 agent steps) so that evaluation's whole games end quickly; the
+    # DQN's 100k learning starts lowered so that its updates run in the tiny budget; PPO's
+    # environments stepped in this process, 16 steps each (two workers starting torch cost most of a
+    # minute on a busy 2-core machine; the parallel sampler on Atari is tested in tests/test_atari.py).
+    [
+        ("pong_ppo.toml", 128, {'kind = "parallel"': 'kind = "serial"', "batch_T = 128": "batch_T = 16"}),
+        ("pong_dqn.toml", 128, {"learning_starts = 100_000": "learning_starts = 64"}),
+    ],
+)
+def test_atari_example_trains_through_the_cli(name: str, n_steps: int, edits: dict[str, str], tmp_path: Path) -> None:
+    text = (EXAMPLES / name).read_text()
+    edits = {'id = "ALE/Pong-v5"': 'id = "ALE/Pong-v5"\nkwargs = { max_num_frames_per_episode = 400 }', **edits}
+    for old, new in edits.items():
+        assert old in text, old
+        text = text.replace(old, new)
+    config, out = tmp_path / name, tmp_path / "out"
+    config.write_text(text)
+    done = run("-m", "rlplex.cli", "train", str(config), "--output", str(out), "--n-steps", str(n_steps),
+               "--no-progress", timeout=240)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = read_csv(out / "progress.csv")
+    assert rows and rows[-1]["charts/env_steps"] == n_steps
+    losses = [value for key, value in rows[-1].items() if key in ("losses/td", "losses/policy", "losses/value")]
+    assert losses and all(math.isfinite(value) for value in losses), rows[-1]
+    # Evaluation plays Pong with the game's own scores: each point is -1 or +1, unclipped.
+    assert -21 <= rows[-1]["charts/eval_return_mean"] <= 21
+    assert (out / "snapshots").is_dir()
+
+
 # ----- the seed's PPO dataflow graph -------------------------------------------------------
 def test_ppo_dataflow_example_runs_the_four_mfcs(tmp_path: Path) -> None:
     out = tmp_path / "ppo"
@@ -152,6 +183,8 @@ LOADERS: dict[str, tuple[str, Callable[[Path], Any]]] = {  # file: (kind for the
     "cartpole_c51.toml": ("train", load_train_config),
     "cartpole_novel_ppo_lstm.toml": ("train", load_train_config),
     "cartpole_novel_r2d1.toml": ("train", load_train_config),
+    "pong_dqn.toml": ("train", load_train_config),
+    "pong_ppo.toml": ("train", load_train_config),
     "job_noop.toml": ("job", _load_job),  # rlplex job run
     "elastic_job.toml": ("job", _load_job),
     "multirun_demo.toml": ("main", load_main_job),  # rlplex run (checks every run's orchestrator config too)

@@ -1,4 +1,6 @@
-"""The DQN agent: epsilon-greedy over a Q-network (plain, dueling, or categorical C51).
+"""The DQN agent: epsilon-greedy over a Q-network (plain, dueling, or categorical C51), behind
+the observation encoder its space calls for (`rlplex.models.encoders`: the Nature CNN for
+images).
 
 Epsilon is read from the model's `epsilon` buffer at every step, not kept on the agent, so
 that the algorithm's schedule reaches sampler processes with the weights (one state_dict
@@ -17,30 +19,32 @@ from rlplex.agents.base import InfoSpec
 from rlplex.envs import EnvSpaces, describe_action_space
 from rlplex.errors import ConfigError
 from rlplex.models import QMlp, unwrap_model
+from rlplex.models.encoders import EncoderKind, as_obs_tensor, default_hidden, make_encoder
 
 
 class DqnAgent:
     def __init__(
         self,
         spaces: EnvSpaces,
-        hidden: Sequence[int] = (64, 64),
+        hidden: Sequence[int] | None = None,
         dueling: bool = False,
         n_atoms: int = 1,
         v_min: float = -10.0,
         v_max: float = 10.0,
+        encoder: EncoderKind = "auto",
     ) -> None:
         if spaces.action_kind != "discrete":
             raise ConfigError(
                 f"DQN needs a Discrete action space; the environment's is {describe_action_space(spaces)} "
                 "(use SAC, TD3 or DDPG for continuous actions)"
             )
-        if dueling and not hidden:
+        features, in_dim = make_encoder(spaces, encoder, "DQN's DqnAgent")
+        hidden = default_hidden(features) if hidden is None else tuple(hidden)
+        if dueling and not hidden and features is None:
             raise ConfigError("field 'agent.hidden': a dueling DQN needs at least one hidden layer (got none)")
         self.spaces = spaces
         self.info_spec: InfoSpec = {}
-        self.model: nn.Module = QMlp(
-            int(np.prod(spaces.obs_shape)), spaces.n_actions, hidden, dueling, n_atoms, v_min, v_max
-        )
+        self.model: nn.Module = QMlp(in_dim, spaces.n_actions, hidden, dueling, n_atoms, v_min, v_max, features)
 
     @property
     def epsilon(self) -> float:
@@ -61,7 +65,7 @@ class DqnAgent:
 
     @torch.no_grad()
     def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        q_B_A = self.q_values(torch.as_tensor(observation_B_O, dtype=torch.float32))
+        q_B_A = self.q_values(as_obs_tensor(observation_B_O))
         greedy_B = q_B_A.argmax(dim=-1)
         n = greedy_B.shape[0]
         explore_B = torch.rand(n) < self.epsilon
@@ -70,5 +74,5 @@ class DqnAgent:
 
     @torch.no_grad()
     def eval_step(self, observation_B_O: np.ndarray) -> np.ndarray:
-        q_B_A = self.q_values(torch.as_tensor(observation_B_O, dtype=torch.float32))
+        q_B_A = self.q_values(as_obs_tensor(observation_B_O))
         return q_B_A.argmax(dim=-1).numpy()

@@ -1,4 +1,6 @@
-"""Policy-gradient agents: categorical (discrete actions) and Gaussian (continuous actions)."""
+"""Policy-gradient agents: categorical (discrete actions) and Gaussian (continuous actions),
+behind the observation encoder their space calls for (`rlplex.models.encoders`: the Nature
+CNN for images, shared by the policy and value heads)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from rlplex.agents.base import InfoSpec
 from rlplex.envs import EnvSpaces
 from rlplex.errors import ConfigError
 from rlplex.models import ActorCriticMlp, GaussianActorCriticMlp, unwrap_model
+from rlplex.models.encoders import EncoderKind, as_obs_tensor, default_hidden, make_encoder
 
 if TYPE_CHECKING:  # samplers import agents.base; a run-time import here would be circular
     from rlplex.samplers.batch import SampleBatch
@@ -42,13 +45,13 @@ class PgAgent:
 
     @torch.no_grad()
     def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        out, value_B = self.model(torch.as_tensor(observation_B_O, dtype=torch.float32))
+        out, value_B = self.model(as_obs_tensor(observation_B_O))
         action, log_prob_B = self._sample(out)
         return action.numpy(), {"log_prob": log_prob_B.numpy(), "value": value_B.numpy()}
 
     @torch.no_grad()
     def eval_step(self, observation_B_O: np.ndarray) -> np.ndarray:
-        out, _ = self.model(torch.as_tensor(observation_B_O, dtype=torch.float32))
+        out, _ = self.model(as_obs_tensor(observation_B_O))
         return self._mode(out).numpy()
 
     def evaluate(
@@ -83,11 +86,13 @@ class PgAgent:
 
 
 class CategoricalPgAgent(PgAgent):
-    def __init__(self, spaces: EnvSpaces, hidden: Sequence[int] = (64, 64)) -> None:
+    def __init__(self, spaces: EnvSpaces, hidden: Sequence[int] | None = None, encoder: EncoderKind = "auto") -> None:
         if spaces.action_kind != "discrete":
             raise ConfigError("CategoricalPgAgent needs a Discrete action space; use GaussianPgAgent for Box actions")
         super().__init__(spaces)
-        self.model = ActorCriticMlp(int(np.prod(spaces.obs_shape)), spaces.n_actions, hidden)
+        features, in_dim = make_encoder(spaces, encoder, "CategoricalPgAgent (ppo, a2c)")
+        hidden = default_hidden(features) if hidden is None else hidden
+        self.model = ActorCriticMlp(in_dim, spaces.n_actions, hidden, features)
 
     def _sample(self, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         log_p = torch.log_softmax(out, dim=-1)
@@ -110,13 +115,19 @@ class CategoricalPgAgent(PgAgent):
 class GaussianPgAgent(PgAgent):
     """Diagonal Gaussian policy; actions are sampled unclipped (the sampler clips what the env sees)."""
 
-    def __init__(self, spaces: EnvSpaces, hidden: Sequence[int] = (64, 64), init_log_std: float = 0.0) -> None:
+    def __init__(
+        self,
+        spaces: EnvSpaces,
+        hidden: Sequence[int] | None = None,
+        init_log_std: float = 0.0,
+        encoder: EncoderKind = "auto",
+    ) -> None:
         if spaces.action_kind != "continuous":
             raise ConfigError("GaussianPgAgent needs a Box action space; use CategoricalPgAgent for Discrete")
         super().__init__(spaces)
-        self.model = GaussianActorCriticMlp(
-            int(np.prod(spaces.obs_shape)), int(np.prod(spaces.action_shape)), hidden, init_log_std
-        )
+        features, in_dim = make_encoder(spaces, encoder, "GaussianPgAgent (ppo, a2c)")
+        hidden = default_hidden(features) if hidden is None else hidden
+        self.model = GaussianActorCriticMlp(in_dim, int(np.prod(spaces.action_shape)), hidden, init_log_std, features)
 
     @property
     def _log_std(self) -> torch.Tensor:

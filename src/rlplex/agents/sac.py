@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from rlplex.agents.base import InfoSpec
-from rlplex.envs import EnvSpaces
+from rlplex.envs import EnvSpaces, describe_observation_space
 from rlplex.errors import ConfigError
 from rlplex.models import unwrap_model
 from rlplex.models.continuous import BoundedActor, SquashedGaussianActor
@@ -22,6 +22,12 @@ from rlplex.models.continuous import BoundedActor, SquashedGaussianActor
 def continuous_action_dim(spaces: EnvSpaces, agent: str) -> int:
     if spaces.action_kind != "continuous":
         raise ConfigError(f"{agent} needs a Box action space (got a Discrete one)")
+    if len(spaces.obs_shape) != 1 or spaces.obs_dtype != "float32":
+        # Its critics live in the algorithm and read observations as flat float vectors.
+        raise ConfigError(
+            f"{agent} needs a 1-D float Box observation space (it has no image encoder), but the observation "
+            f"space is {describe_observation_space(spaces)}; ppo, a2c and dqn take images"
+        )
     return int(np.prod(spaces.action_shape))
 
 

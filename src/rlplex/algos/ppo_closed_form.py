@@ -50,6 +50,11 @@ def check_supported(agent: PgAgent) -> tuple[list[nn.Linear], list[nn.Linear]]:
         )
     if not all(p.requires_grad for p in model.parameters()):
         raise ConfigError("closed_form_gradients: every parameter of the model must be trained")
+    if model.encoder is not None:
+        raise ConfigError(
+            f"closed_form_gradients: covers MLPs on 1-D float observations only; this agent reads them through a "
+            f"{type(model.encoder).__name__} encoder (set closed_form_gradients = false)"
+        )
     return _tanh_linears(model.pi, "model.pi"), _tanh_linears(model.v, "model.v")
 
 

@@ -16,12 +16,16 @@ import numpy as np
 from pydantic import Field
 
 from rlplex.config import StrictModel
+from rlplex.envs.atari import AtariConfig, EnvMode, make_atari, register_ale
 from rlplex.errors import EnvironmentSpecError
 
 
 class EnvConfig(StrictModel):
     id: str = Field(description="gymnasium environment id, e.g. 'CartPole-v1'")
     kwargs: dict[str, Any] = Field(default_factory=dict, description="passed to gymnasium.make")
+    atari: AtariConfig | None = Field(
+        None, description="an ALE game ('ALE/Pong-v5') with the standard Atari preprocessing (rlplex.envs.atari)"
+    )
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,9 @@ class EnvSpaces:
     action_shape: tuple[int, ...]  # () for discrete
     action_low: tuple[float, ...] = ()
     action_high: tuple[float, ...] = ()
+    # uint8 for uint8 Boxes (images: 4x less memory in batches and replay; the model scales
+    # them), float32 for every other Box.
+    obs_dtype: str = "float32"
 
     @property
     def action_dtype(self) -> type[np.generic]:
@@ -47,8 +54,18 @@ def describe_action_space(spaces: EnvSpaces) -> str:
     return f"Box(shape={spaces.action_shape}, low={list(spaces.action_low)}, high={list(spaces.action_high)})"
 
 
-def make_env(config: EnvConfig, render_mode: str | None = None) -> gym.Env[Any, Any]:
+def describe_observation_space(spaces: EnvSpaces) -> str:
+    return f"Box(shape={spaces.obs_shape}, dtype={spaces.obs_dtype})"
+
+
+def make_env(config: EnvConfig, render_mode: str | None = None, mode: EnvMode = "train") -> gym.Env[Any, Any]:
+    """The environment `config` names; `mode` 'eval' is the evaluation variant (for Atari: whole
+    games with unclipped rewards)."""
+    if config.atari is not None or config.id.startswith("ALE/"):
+        register_ale()
     try:
+        if config.atari is not None:
+            return make_atari(config.id, config.kwargs, config.atari, mode, render_mode)
         return gym.make(config.id, render_mode=render_mode, **config.kwargs)
     except gym.error.Error as error:
         known = list(gym.registry.keys())
@@ -66,8 +83,9 @@ def spaces_of(env: gym.Env[Any, Any]) -> EnvSpaces:
     if not isinstance(obs_space, gym.spaces.Box):
         raise EnvironmentSpecError(f"observation space {obs_space} is not a Box; rlplex agents need flat arrays")
     act_space = env.action_space
+    obs_dtype = "uint8" if obs_space.dtype == np.uint8 else "float32"
     if isinstance(act_space, gym.spaces.Discrete):
-        return EnvSpaces(tuple(obs_space.shape), "discrete", int(act_space.n), ())
+        return EnvSpaces(tuple(obs_space.shape), "discrete", int(act_space.n), (), obs_dtype=obs_dtype)
     if isinstance(act_space, gym.spaces.Box):
         return EnvSpaces(
             tuple(obs_space.shape),
@@ -76,6 +94,7 @@ def spaces_of(env: gym.Env[Any, Any]) -> EnvSpaces:
             tuple(act_space.shape),
             tuple(float(x) for x in np.asarray(act_space.low).ravel()),
             tuple(float(x) for x in np.asarray(act_space.high).ravel()),
+            obs_dtype,
         )
     raise EnvironmentSpecError(f"action space {act_space} is neither Discrete nor Box")
 

@@ -1,4 +1,8 @@
-"""Small MLPs for classic-control agents.
+"""Small MLPs for classic-control agents, optionally behind an observation encoder.
+
+An `encoder` (`rlplex.models.encoders`: the Nature CNN for images, a flattening for other
+Boxes) turns observations into features first; the heads are then the MLPs below with
+`obs_dim` = the encoder's width. Actor-critics share one encoder between policy and value.
 
 Every piece of agent state that a sampler needs (weights, and scalars such as DQN's
 epsilon) lives in the module's `state_dict`, as a parameter or a buffer, so that one weight
@@ -56,24 +60,33 @@ def _init_orthogonal(module: nn.Sequential, last_gain: float) -> None:
 class ActorCriticMlp(nn.Module):
     """Separate policy and value MLPs; forward returns (logits_B_A, value_B)."""
 
-    def __init__(self, obs_dim: int, n_outputs: int, hidden: Sequence[int] = (64, 64)) -> None:
+    def __init__(
+        self, obs_dim: int, n_outputs: int, hidden: Sequence[int] = (64, 64), encoder: nn.Module | None = None
+    ) -> None:
         super().__init__()
+        self.encoder = encoder
         self.pi = mlp(obs_dim, hidden, n_outputs)
         self.v = mlp(obs_dim, hidden, 1)
         _init_orthogonal(self.pi, 0.01)
         _init_orthogonal(self.v, 1.0)
 
     def forward(self, obs_B_O: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return run_mlp(self.pi, obs_B_O), run_mlp(self.v, obs_B_O).squeeze(-1)
+        x = obs_B_O if self.encoder is None else self.encoder(obs_B_O)
+        return run_mlp(self.pi, x), run_mlp(self.v, x).squeeze(-1)
 
 
 class GaussianActorCriticMlp(ActorCriticMlp):
     """Gaussian policy with a state-independent log std; forward returns (mean_B_A, value_B)."""
 
     def __init__(
-        self, obs_dim: int, action_dim: int, hidden: Sequence[int] = (64, 64), init_log_std: float = 0.0
+        self,
+        obs_dim: int,
+        action_dim: int,
+        hidden: Sequence[int] = (64, 64),
+        init_log_std: float = 0.0,
+        encoder: nn.Module | None = None,
     ) -> None:
-        super().__init__(obs_dim, action_dim, hidden)
+        super().__init__(obs_dim, action_dim, hidden, encoder)
         self.log_std = nn.Parameter(torch.full((action_dim,), float(init_log_std)))
 
 
@@ -83,7 +96,8 @@ class QMlp(nn.Module):
     `dueling`: a value and an advantage head over a shared trunk, Q = V + A - mean_a A (one
     Linear computes both heads). `n_atoms` > 1: categorical (C51) outputs, logits [B, A,
     n_atoms] over the fixed `support` (a buffer from v_min to v_max); a dueling C51 combines
-    the logits the same way. Otherwise the output is Q [B, A].
+    the logits the same way. Otherwise the output is Q [B, A]. With an `encoder` and no
+    hidden layers, a dueling network's heads read the encoder's features directly.
     """
 
     def __init__(
@@ -95,15 +109,17 @@ class QMlp(nn.Module):
         n_atoms: int = 1,
         v_min: float = -10.0,
         v_max: float = 10.0,
+        encoder: nn.Module | None = None,
     ) -> None:
         super().__init__()
         self.n_actions, self.n_atoms, self.dueling = n_actions, n_atoms, dueling
+        self.encoder = encoder
         if dueling:
-            if not hidden:
+            if not hidden and encoder is None:
                 raise ValueError("a dueling Q-network needs at least one hidden layer")
             # The trunk ends in a Linear; its ReLU is applied in forward before the heads.
-            self.trunk = mlp(obs_dim, hidden[:-1], hidden[-1], activation=nn.ReLU)
-            self.head = nn.Linear(hidden[-1], (1 + n_actions) * n_atoms)
+            self.trunk = mlp(obs_dim, hidden[:-1], hidden[-1], activation=nn.ReLU) if hidden else None
+            self.head = nn.Linear(hidden[-1] if hidden else obs_dim, (1 + n_actions) * n_atoms)
         else:
             self.q = mlp(obs_dim, hidden, n_actions * n_atoms, activation=nn.ReLU)
         self.register_buffer("epsilon", torch.tensor(1.0))
@@ -111,10 +127,12 @@ class QMlp(nn.Module):
             self.register_buffer("support", torch.linspace(v_min, v_max, n_atoms))
 
     def forward(self, obs_B_O: torch.Tensor) -> torch.Tensor:
+        x = obs_B_O if self.encoder is None else self.encoder(obs_B_O)
         if not self.dueling:
-            out = run_mlp(self.q, obs_B_O)
+            out = run_mlp(self.q, x)
             return out if self.n_atoms == 1 else out.view(-1, self.n_actions, self.n_atoms)
-        heads = F.linear(torch.relu(run_mlp(self.trunk, obs_B_O)), self.head.weight, self.head.bias)
+        features = x if self.trunk is None else torch.relu(run_mlp(self.trunk, x))
+        heads = F.linear(features, self.head.weight, self.head.bias)
         heads = heads.view(-1, 1 + self.n_actions, self.n_atoms)
         value, advantage = heads[:, :1], heads[:, 1:]
         out = value + advantage - advantage.mean(dim=1, keepdim=True)

@@ -41,10 +41,10 @@ _LOCK_POLL_S = 0.2
 
 def replay_layout(spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
     return {
-        "observation": ((capacity, *spaces.obs_shape), np.float32),
+        "observation": ((capacity, *spaces.obs_shape), spaces.obs_dtype),
         "action": ((capacity, *spaces.action_shape), spaces.action_dtype),
         "reward": ((capacity,), np.float32),
-        "next_observation": ((capacity, *spaces.obs_shape), np.float32),
+        "next_observation": ((capacity, *spaces.obs_shape), spaces.obs_dtype),
         "terminated": ((capacity,), np.bool_),
         "done": ((capacity,), np.bool_),
         "serial": ((capacity,), np.int64),

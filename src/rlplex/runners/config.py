@@ -13,6 +13,7 @@ from functools import partial
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import numpy as np
 import torch
 from pydantic import Field
 
@@ -26,8 +27,9 @@ from rlplex.algos.r2d1 import R2D1, R2D1Config
 from rlplex.algos.sac import SAC, SACConfig
 from rlplex.algos.td3 import TD3, DDPGConfig, TD3Config
 from rlplex.config import StrictModel, load_config
-from rlplex.envs import EnvConfig, EnvSpaces, describe_action_space, probe_spaces
+from rlplex.envs import EnvConfig, EnvSpaces, describe_action_space, describe_observation_space, probe_spaces
 from rlplex.errors import ConfigError
+from rlplex.models.encoders import NATURE_FEATURES, EncoderKind, choose_encoder, nature_cnn_parameters
 from rlplex.runners.snapshot import SnapshotMode
 from rlplex.samplers import Evaluator, ParallelSampler, SerialSampler
 from rlplex.samplers.base import Sampler
@@ -43,7 +45,12 @@ class SamplerConfig(StrictModel):
 
 
 class AgentConfig(StrictModel):
-    hidden: tuple[Annotated[int, Field(ge=1)], ...] = Field((64, 64), description="hidden layer widths")
+    hidden: tuple[Annotated[int, Field(ge=1)], ...] | None = Field(
+        None, description="hidden layer widths after the encoder; default (64, 64), or none after the CNN"
+    )
+    encoder: EncoderKind = Field(
+        "auto", description="auto: the Nature CNN for image observations (uint8 (C,H,W)/(H,W,C)), else an MLP"
+    )
     init_log_std: float = 0.0
     lstm_size: int | None = Field(
         None,
@@ -137,14 +144,31 @@ def check_fits_in_memory(config: TrainConfig, spaces: EnvSpaces, available_bytes
     """Refuse an agent whose networks cannot fit in memory, before anything is allocated (a
     layer of 1e9 units would otherwise end in an allocator traceback)."""
     outputs = spaces.n_actions if spaces.action_kind == "discrete" else math.prod(spaces.action_shape)
-    widths = [max(1, math.prod(spaces.obs_shape)), *config.agent.hidden, max(1, outputs)]
+    cnn = (
+        config.algo.name not in ACTOR_CRITIC_REPLAY
+        and choose_encoder(spaces, config.agent.encoder, f"field 'agent.encoder': {config.algo.name.upper()}'s agent")
+        == "cnn"
+    )
+    hidden = config.agent.hidden if config.agent.hidden is not None else () if cnn else (64, 64)
+    in_dim = NATURE_FEATURES if cnn else max(1, math.prod(spaces.obs_shape))
+    widths = [in_dim, *hidden, max(1, outputs)]
     layer_params = sum((a + 1) * b for a, b in itertools.pairwise(widths))
+    layer_params += nature_cnn_parameters(spaces) if cnn else 0
     # A policy and a value network (PPO), or a Q-network and its target (DQN), at least.
     needed = 2 * layer_params * BYTES_PER_PARAMETER
     if needed > available_bytes:
         raise ConfigError(
-            f"{source}: field 'agent.hidden': {list(config.agent.hidden)} needs at least {needed / 2**30:,.1f} GiB "
+            f"{source}: field 'agent.hidden': {list(hidden)} needs at least {needed / 2**30:,.1f} GiB "
             f"for the networks' parameters and optimizer state; this machine has {available_bytes / 2**30:,.1f} GiB"
+        )
+    buffer_size = getattr(config.algo, "buffer_size", 0)
+    # Each slot holds an observation and the next one (uint8 frames: 1 byte a pixel).
+    replay = buffer_size * 2 * math.prod(spaces.obs_shape) * np.dtype(spaces.obs_dtype).itemsize
+    if needed + replay > available_bytes:
+        raise ConfigError(
+            f"{source}: field 'algo.buffer_size': {buffer_size:,} transitions of {describe_observation_space(spaces)} "
+            f"observations need {replay / 2**30:,.1f} GiB of replay; this machine has "
+            f"{available_bytes / 2**30:,.1f} GiB"
         )
 
 
@@ -152,30 +176,32 @@ def agent_factory(config: TrainConfig, spaces: EnvSpaces) -> AgentFactory:
     """A picklable factory for the agent this config asks for (workers build their own copy)."""
     factory: AgentFactory
     name, lstm_size = config.algo.name, config.agent.lstm_size
+    hidden, encoder = config.agent.hidden, config.agent.encoder
+    mlp_hidden = (64, 64) if hidden is None else hidden  # agents without the CNN encoder
     if lstm_size is not None and name not in RECURRENT:
         raise ConfigError(
             f"field 'agent.lstm_size': recurrent agents are for algo.name one of {', '.join(RECURRENT)} "
             f"(got {name!r}); leave it unset"
         )
     if isinstance(config.algo, R2D1Section):
-        factory = partial(R2d1Agent, hidden=config.agent.hidden, lstm_size=lstm_size or 64, dueling=config.algo.dueling)
+        factory = partial(R2d1Agent, hidden=mlp_hidden, lstm_size=lstm_size or 64, dueling=config.algo.dueling)
     elif lstm_size is not None:
         if spaces.action_kind != "discrete":
             raise ConfigError(
                 f"field 'agent.lstm_size': the recurrent agent needs a Discrete action space; {config.env.id!r} has "
                 f"{describe_action_space(spaces)}"
             )
-        factory = partial(RecurrentCategoricalPgAgent, hidden=config.agent.hidden, lstm_size=lstm_size)
+        factory = partial(RecurrentCategoricalPgAgent, hidden=mlp_hidden, lstm_size=lstm_size)
     elif isinstance(config.algo, DQNSection):
-        factory = partial(DqnAgent, hidden=config.agent.hidden, **config.algo.agent_options())
+        factory = partial(DqnAgent, hidden=hidden, encoder=encoder, **config.algo.agent_options())
     elif name == "sac":
-        factory = partial(SacAgent, hidden=config.agent.hidden)
+        factory = partial(SacAgent, hidden=(64, 64) if hidden is None else hidden)
     elif name in ("td3", "ddpg"):
-        factory = partial(DdpgAgent, hidden=config.agent.hidden)
+        factory = partial(DdpgAgent, hidden=(64, 64) if hidden is None else hidden)
     elif spaces.action_kind == "discrete":
-        factory = partial(CategoricalPgAgent, hidden=config.agent.hidden)
+        factory = partial(CategoricalPgAgent, hidden=hidden, encoder=encoder)
     else:
-        factory = partial(GaussianPgAgent, hidden=config.agent.hidden, init_log_std=config.agent.init_log_std)
+        factory = partial(GaussianPgAgent, hidden=hidden, init_log_std=config.agent.init_log_std, encoder=encoder)
     return factory
 
 
@@ -199,6 +225,28 @@ def check_action_space(config: TrainConfig, spaces: EnvSpaces) -> None:
         f"field 'algo.name': {name.upper()} needs {ACTION_KINDS[name][1]} action space, but {config.env.id!r} has "
         f"{describe_action_space(spaces)}; use one of {', '.join(['ppo', 'a2c', *suited])}"
     )
+
+
+def check_observation_space(config: TrainConfig, spaces: EnvSpaces) -> None:
+    """Refuse observations the algorithm's agent cannot read, before anything is built (a
+    multi-dimensional Box used to pass here and fail at the first forward pass)."""
+    name = config.algo.name
+    if name in ACTOR_CRITIC_REPLAY:
+        if config.agent.encoder == "cnn" or len(spaces.obs_shape) != 1 or spaces.obs_dtype != "float32":
+            raise ConfigError(
+                f"field 'env': {name.upper()} needs a 1-D float Box observation space (its actor and critics have "
+                f"no image encoder), but {config.env.id!r} has {describe_observation_space(spaces)}; "
+                "use ppo, a2c or dqn for images"
+            )
+        return
+    if name == "r2d1" or config.agent.lstm_size is not None:
+        if config.agent.encoder == "cnn" or len(spaces.obs_shape) != 1 or spaces.obs_dtype != "float32":
+            raise ConfigError(
+                f"field 'env': the recurrent agent of {name.upper()} needs a 1-D float Box observation space (its "
+                f"LSTM has no image encoder yet), but {config.env.id!r} has {describe_observation_space(spaces)}"
+            )
+        return
+    choose_encoder(spaces, config.agent.encoder, f"field 'agent.encoder': {name.upper()}'s agent")
 
 
 def build_sampler(config: TrainConfig) -> Sampler:
@@ -251,7 +299,9 @@ def build_runner(config: TrainConfig, output_dir: str | Path | None, show_progre
     if r.kind in ("sync", "sync_eval"):
         from rlplex.runners.sync import SyncLauncher
 
-        check_action_space(config, probe_spaces(config.env))  # here, not as a failure of every rank
+        spaces = probe_spaces(config.env)
+        check_action_space(config, spaces)  # here, not as a failure of every rank
+        check_observation_space(config, spaces)
         if r.global_batch:
             config = _global_batch_config(config)
         build = partial(build_sync_rank, config, None if output_dir is None else str(output_dir), show_progress)
@@ -297,6 +347,7 @@ def build_rank_runner(
     _refuse_sync_for_replay_actor_critics(config)
     spaces = probe_spaces(config.env)
     check_action_space(config, spaces)
+    check_observation_space(config, spaces)
     if r.kind in ("async", "async_eval"):
         return _build_async_runner(config, spaces, output_dir, show_progress)
     # The initial weights come from torch's global generator, which a process starts with a

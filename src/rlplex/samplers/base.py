@@ -53,7 +53,7 @@ class Evaluator:
         self.env_config = env
         self.n_episodes = n_episodes
         self.spaces = probe_spaces(env)
-        self._envs = [make_env(env) for _ in range(n_episodes)]
+        self._envs = [make_env(env, mode="eval") for _ in range(n_episodes)]
         self._seed = seed
         self._rank = rank
         self.calls = 0  # evaluations so far: each draws its own seeds (a snapshot keeps the count)

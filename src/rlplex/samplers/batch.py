@@ -37,12 +37,12 @@ ARRAY_FIELDS = (
 
 @dataclass
 class SampleBatch:
-    observation: np.ndarray  # [T, B, *obs_shape] float32
+    observation: np.ndarray  # [T, B, *obs_shape] float32, or uint8 for images
     action: np.ndarray  # [T, B] int64 or [T, B, *act_shape] float32
     reward: np.ndarray  # [T, B] float32
     terminated: np.ndarray  # [T, B] bool
     truncated: np.ndarray  # [T, B] bool
-    next_observation: np.ndarray  # [T, B, *obs_shape] float32
+    next_observation: np.ndarray  # [T, B, *obs_shape] as observation
     completed_return: np.ndarray  # [T, B] float32, NaN where no episode ended
     completed_length: np.ndarray  # [T, B] int64, 0 where no episode ended
     agent_info: dict[str, np.ndarray] = field(default_factory=dict)  # e.g. log_prob [T, B], value [T, B]
@@ -83,12 +83,12 @@ class SampleBatch:
 def batch_layout(spaces: EnvSpaces, info_spec: InfoSpec, T: int, B: int) -> dict[str, tuple[tuple[int, ...], Any]]:
     """Shapes and dtypes of every array of a [T, B] batch, keyed as in `SampleBatch.arrays()`."""
     layout: dict[str, tuple[tuple[int, ...], Any]] = {
-        "observation": ((T, B, *spaces.obs_shape), np.float32),
+        "observation": ((T, B, *spaces.obs_shape), spaces.obs_dtype),
         "action": ((T, B, *spaces.action_shape), spaces.action_dtype),
         "reward": ((T, B), np.float32),
         "terminated": ((T, B), np.bool_),
         "truncated": ((T, B), np.bool_),
-        "next_observation": ((T, B, *spaces.obs_shape), np.float32),
+        "next_observation": ((T, B, *spaces.obs_shape), spaces.obs_dtype),
         "completed_return": ((T, B), np.float32),
         "completed_length": ((T, B), np.int64),
     }

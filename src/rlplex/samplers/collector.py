@@ -32,7 +32,7 @@ class EnvCollector:
             self._low = np.asarray(spaces.action_low, dtype=np.float32).reshape(spaces.action_shape)
             self._high = np.asarray(spaces.action_high, dtype=np.float32).reshape(spaces.action_shape)
         n = len(self.envs)
-        self.observation = np.zeros((n, *spaces.obs_shape), dtype=np.float32)
+        self.observation = np.zeros((n, *spaces.obs_shape), dtype=spaces.obs_dtype)
         self._episode_return = np.zeros(n, dtype=np.float64)
         self._episode_length = np.zeros(n, dtype=np.int64)
         self._started = False
@@ -120,7 +120,7 @@ def run_episodes(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Run one episode in each env, in lockstep; returns (returns, lengths)."""
     n = len(envs)
-    obs = np.zeros((n, *spaces.obs_shape), dtype=np.float32)
+    obs = np.zeros((n, *spaces.obs_shape), dtype=spaces.obs_dtype)
     for i, env in enumerate(envs):
         obs[i], _ = env.reset(seed=seeds[i])
     returns = np.zeros(n, dtype=np.float64)
