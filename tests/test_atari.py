@@ -272,5 +272,5 @@ def test_recurrent_agents_refuse_image_observations() -> None:
         config = validate_config(
             TrainConfig, {"env": PONG.model_dump(), "algo": algo, "agent": agent, "sampler": {"batch_T": 128}}
         )
-        with pytest.raises(ConfigError, match="recurrent agent .* 1-D float Box"):
+        with pytest.raises(ConfigError, match=r"recurrent agent .* 1-D float Box"):
             check_observation_space(config, spaces)
