@@ -16,8 +16,6 @@ errors, eta * max + (1 - eta) * mean, is the algorithm's to compute. Appends and
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -25,7 +23,7 @@ import numpy as np
 from rlplex.envs import EnvSpaces
 from rlplex.errors import RlplexError, SnapshotError
 from rlplex.replays.prioritized import SumTree, tree_size
-from rlplex.replays.uniform import ReplayHandle, locked
+from rlplex.replays.uniform import SharedReplay
 from rlplex.samplers.shared_arrays import SharedArrays, allocate
 
 SEQUENCE_FIELDS = ("observation", "action", "reward", "terminated", "done")
@@ -61,20 +59,15 @@ def sequences_of(
     return out
 
 
-class SequenceReplayBuffer:
+class SequenceReplayBuffer(SharedReplay):
     kind = "sequence"
 
     def __init__(
         self, arrays: dict[str, np.ndarray], capacity: int, lock: Any = None, block: SharedArrays | None = None
     ) -> None:
-        self.capacity = capacity
-        self._arrays = arrays
-        self._counters = arrays["counters"]
-        self._lock = lock
-        self._block = block
+        super().__init__(arrays, capacity, lock, block)
         self.prioritized = "tree" in arrays
         self.tree = SumTree(arrays["tree"]) if self.prioritized else None
-        self.wait_check: Callable[[], None] | None = None  # see UniformReplayBuffer.wait_check
 
     @staticmethod
     def layout(
@@ -112,17 +105,6 @@ class SequenceReplayBuffer:
         arrays, block = allocate(cls.layout(spaces, capacity, length, state_size, prioritized), shared)
         return cls(arrays, capacity, lock, block)
 
-    @property
-    def handle(self) -> ReplayHandle:
-        if self._block is None:
-            raise RlplexError("this replay buffer is not in shared memory; create it with shared=True")
-        return ReplayHandle(self._block.handle, self.capacity, self._lock, self.kind)
-
-    @classmethod
-    def attach(cls, handle: ReplayHandle) -> SequenceReplayBuffer:
-        block = SharedArrays.attach(handle.arrays)
-        return cls(block.arrays, handle.capacity, handle.lock, block)
-
     def close(self) -> None:
         if self._block is not None:
             self._arrays, self._counters = {}, np.zeros(3, dtype=np.int64)
@@ -130,9 +112,6 @@ class SequenceReplayBuffer:
             self._block.close()
             self._block = None
         self._lock = None
-
-    def _locked(self) -> AbstractContextManager[Any]:
-        return locked(self._lock, self.wait_check)
 
     @property
     def size(self) -> int:

@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -62,7 +62,10 @@ class ReplayHandle:
     kind: str = "uniform"  # which class `rlplex.replays.attach_replay` attaches
 
 
-class UniformReplayBuffer:
+class SharedReplay:
+    """What every replay kind shares: its arrays (in one shared block when made with
+    shared=True), the write lock, and the handle a child process attaches with."""
+
     kind = "uniform"
 
     def __init__(self, arrays: dict[str, np.ndarray], capacity: int, lock: Any = None, block: Any = None) -> None:
@@ -75,6 +78,24 @@ class UniformReplayBuffer:
         # so the waiter's owner (AsyncRl checks its children here) must get a say.
         self.wait_check: Callable[[], None] | None = None
 
+    @property
+    def handle(self) -> ReplayHandle:
+        if self._block is None:
+            raise RlplexError("this replay buffer is not in shared memory; create it with shared=True")
+        return ReplayHandle(self._block.handle, self.capacity, self._lock, self.kind)
+
+    @classmethod
+    def attach(cls, handle: ReplayHandle) -> Self:
+        block = SharedArrays.attach(handle.arrays)
+        return cls(block.arrays, handle.capacity, handle.lock, block)
+
+    def _locked(self) -> AbstractContextManager[Any]:
+        return locked(self._lock, self.wait_check)
+
+
+class UniformReplayBuffer(SharedReplay):
+    kind = "uniform"
+
     @classmethod
     def create(cls, spaces: EnvSpaces, capacity: int, shared: bool = False, lock: Any = None) -> UniformReplayBuffer:
         if capacity <= 0:
@@ -86,17 +107,6 @@ class UniformReplayBuffer:
     def layout(cls, spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
         return replay_layout(spaces, capacity)
 
-    @property
-    def handle(self) -> ReplayHandle:
-        if self._block is None:
-            raise RlplexError("this replay buffer is not in shared memory; create it with shared=True")
-        return ReplayHandle(self._block.handle, self.capacity, self._lock, self.kind)
-
-    @classmethod
-    def attach(cls, handle: ReplayHandle) -> UniformReplayBuffer:
-        block = SharedArrays.attach(handle.arrays)
-        return cls(block.arrays, handle.capacity, handle.lock, block)
-
     def close(self) -> None:
         if self._block is not None:
             self._arrays, self._counters = {}, np.zeros(4, dtype=np.int64)
@@ -104,8 +114,6 @@ class UniformReplayBuffer:
             self._block = None
         self._lock = None  # a named semaphore: unlinked once the last reference goes
 
-    def _locked(self) -> AbstractContextManager[Any]:
-        return locked(self._lock, self.wait_check)
 
     # ----- counters -------------------------------------------------------------------------
     @property
