@@ -22,7 +22,25 @@ from rlplex.models import QMlp, unwrap_model
 from rlplex.models.encoders import EncoderKind, as_obs_tensor, default_hidden, make_encoder
 
 
-class DqnAgent:
+class EpsilonGreedy:
+    """Epsilon lives in the model as a buffer, so the samplers' copies (weights shared by
+    state_dict) act with the schedule's current value; DqnAgent and R2d1Agent share it."""
+
+    model: nn.Module
+
+    @property
+    def epsilon(self) -> float:
+        value = unwrap_model(self.model).epsilon
+        assert isinstance(value, torch.Tensor)
+        return float(value)
+
+    def set_epsilon(self, epsilon: float) -> None:
+        value = unwrap_model(self.model).epsilon
+        assert isinstance(value, torch.Tensor)
+        value.fill_(epsilon)
+
+
+class DqnAgent(EpsilonGreedy):
     def __init__(
         self,
         spaces: EnvSpaces,
@@ -45,17 +63,6 @@ class DqnAgent:
         self.spaces = spaces
         self.info_spec: InfoSpec = {}
         self.model: nn.Module = QMlp(in_dim, spaces.n_actions, hidden, dueling, n_atoms, v_min, v_max, features)
-
-    @property
-    def epsilon(self) -> float:
-        value = unwrap_model(self.model).epsilon
-        assert isinstance(value, torch.Tensor)
-        return float(value)
-
-    def set_epsilon(self, epsilon: float) -> None:
-        value = unwrap_model(self.model).epsilon
-        assert isinstance(value, torch.Tensor)
-        value.fill_(epsilon)
 
     def q_values(self, observation_B_O: torch.Tensor) -> torch.Tensor:
         inner = unwrap_model(self.model)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from rlplex.agents.base import InfoSpec
+from rlplex.agents.dqn import EpsilonGreedy
 from rlplex.agents.pg import CategoricalPgAgent
 from rlplex.envs import EnvSpaces, describe_action_space
 from rlplex.errors import ConfigError
@@ -161,7 +162,7 @@ class RecurrentCategoricalPgAgent(_StatefulActing, CategoricalPgAgent):
         raise NotImplementedError("a recurrent agent values whole sequences: use next_values(samples)")
 
 
-class R2d1Agent(_StatefulActing):
+class R2d1Agent(_StatefulActing, EpsilonGreedy):
     """Epsilon-greedy over a recurrent Q-network (`RecurrentQNet`); epsilon is the model's
     buffer, as `DqnAgent`'s, so that it reaches sampler processes with the weights."""
 
@@ -178,17 +179,6 @@ class R2d1Agent(_StatefulActing):
             int(np.prod(spaces.obs_shape)), spaces.n_actions, hidden, lstm_size, dueling
         )
         self._init_states(lstm_size)
-
-    @property
-    def epsilon(self) -> float:
-        value = unwrap_model(self.model).epsilon
-        assert isinstance(value, torch.Tensor)
-        return float(value)
-
-    def set_epsilon(self, epsilon: float) -> None:
-        value = unwrap_model(self.model).epsilon
-        assert isinstance(value, torch.Tensor)
-        value.fill_(epsilon)
 
     @torch.no_grad()
     def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:

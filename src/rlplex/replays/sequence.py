@@ -113,14 +113,6 @@ class SequenceReplayBuffer(SharedReplay):
             self._block = None
         self._lock = None
 
-    @property
-    def size(self) -> int:
-        return int(self._counters[_SIZE])
-
-    @property
-    def total_appended(self) -> int:
-        return int(self._counters[_TOTAL])
-
     def append_samples(self, sequences: dict[str, np.ndarray]) -> int:
         """Append [N, ...] sequences (from `sequences_of`); past `capacity` the oldest go."""
         n = len(sequences["reward"])

@@ -34,6 +34,7 @@ from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle, allo
 FIELDS = ("observation", "action", "reward", "next_observation", "terminated")
 WRITTEN = (*FIELDS, "done")  # what an append copies in
 STORED = (*WRITTEN, "serial")  # what a slot holds
+# Counters every replay kind keeps first (SharedReplay reads them); the uniform one adds a stride.
 _CURSOR, _SIZE, _TOTAL, _STRIDE = 0, 1, 2, 3
 LOCK_TIMEOUT_S = 30.0
 _LOCK_POLL_S = 0.2
@@ -92,6 +93,18 @@ class SharedReplay:
     def _locked(self) -> AbstractContextManager[Any]:
         return locked(self._lock, self.wait_check)
 
+    @property
+    def size(self) -> int:
+        return int(self._counters[_SIZE])
+
+    @property
+    def cursor(self) -> int:
+        return int(self._counters[_CURSOR])
+
+    @property
+    def total_appended(self) -> int:
+        return int(self._counters[_TOTAL])
+
 
 class UniformReplayBuffer(SharedReplay):
     kind = "uniform"
@@ -116,18 +129,6 @@ class UniformReplayBuffer(SharedReplay):
 
 
     # ----- counters -------------------------------------------------------------------------
-    @property
-    def size(self) -> int:
-        return int(self._counters[_SIZE])
-
-    @property
-    def cursor(self) -> int:
-        return int(self._counters[_CURSOR])
-
-    @property
-    def total_appended(self) -> int:
-        return int(self._counters[_TOTAL])
-
     # ----- data -----------------------------------------------------------------------------
     def append_samples(self, samples: dict[str, np.ndarray]) -> int:
         """Append transitions with any leading dims ([T, B, ...] or [N, ...]); returns how many.
