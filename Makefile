@@ -45,7 +45,7 @@ keep-earlier:
 	fi
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadgroup
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -148,7 +148,7 @@ def test_sigkilled_worker_is_named_and_everything_is_cleaned_up() -> None:
         t0 = time.monotonic()
         with pytest.raises(WorkerDiedError) as info:
             sampler.obtain_samples(1)
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < 10.0  # fails fast: a wait on a dead worker would hang
         message = str(info.value)
         assert "rank 0 sampler worker 1" in message and f"pid {pids[1]}" in message and "exit code -9" in message
         _assert_cleaned_up(pids, segments)

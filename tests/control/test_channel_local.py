@@ -279,7 +279,7 @@ def test_close_wakes_blocked_getters_and_putters_in_other_processes(name: str, p
     full.close()
     outcomes = sorted(results.get(timeout=10)[0] for _ in range(3))
     assert outcomes == ["closed", "closed", "closed"]
-    assert time.monotonic() - started < 2.0, "close did not wake the waiters promptly"
+    assert time.monotonic() - started < 5.0, "close did not wake the waiters promptly"
     assert full.get(timeout=1) == "occupant"  # items queued before close are still delivered
     with pytest.raises(ChannelClosedError):
         full.get(timeout=1)

@@ -216,7 +216,7 @@ def test_a_call_to_a_hung_worker_times_out_naming_it_and_the_next_call_gets_its_
             start = time.monotonic()
             with pytest.raises(WaitTimeoutError, match=r"MFC 'rew' on model worker 'rew0': .*no reply within 1 s"):
                 run_reward(worker, plane, [0, 1])
-            assert time.monotonic() - start < 3.0
+            assert time.monotonic() - start < 5.0
         finally:
             os.kill(pid, signal.SIGCONT)
         # Resumed, the worker answers the timed-out call late; the next call skips that reply.
@@ -236,4 +236,4 @@ def test_a_store_at_a_dead_address_fails_at_once_naming_it() -> None:
     start = time.monotonic()
     with pytest.raises(NodeFailedError, match=r"cannot connect to store 'gone' at 127\.0\.0\.1:\d+: .*refused"):
         len(store)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 4.0

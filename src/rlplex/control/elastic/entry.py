@@ -19,6 +19,7 @@ Torch is imported only to join a group of more than one rank.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import signal
@@ -95,9 +96,18 @@ def join_group(backend: str = "gloo") -> bool:
     return True
 
 
-def leave_group() -> None:
+def leave_group(timeout_s: float = 30.0) -> None:
+    """Leave the group together: rank 0 serves the group's store under plain torchrun, and a rank
+    whose gloo threads still talk to a store that is gone aborts at exit ("terminate called
+    without an active exception"). A peer that died or hangs only costs the timeout."""
     import torch.distributed as dist
 
+    with contextlib.suppress(Exception):
+        if dist.get_world_size() > 1:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=timeout_s))
+            else:
+                dist.barrier()
     dist.destroy_process_group()
 
 
