@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import override, report
+from rlplex.io.snapshot import latest_snapshot
 from rlplex.runners.config import build_runner, load_train_config
-from rlplex.runners.snapshot import latest_snapshot
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 LOSSES = ("losses/td", "losses/q_mean", "losses/policy", "losses/value", "losses/entropy")

@@ -17,9 +17,9 @@ from rlplex.algos import A2C, A2CConfig
 from rlplex.config import validate_config
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.errors import ConfigError, RlplexError
+from rlplex.io.snapshot import read_snapshot, write_snapshot
 from rlplex.runners import MinibatchRlEval
 from rlplex.runners.config import TrainConfig, build_algo
-from rlplex.runners.snapshot import read_snapshot, write_snapshot
 from rlplex.samplers import Evaluator, SerialSampler
 from rlplex.samplers.batch import SampleBatch
 

@@ -18,9 +18,9 @@ from rlplex.algos import DQN, DQNConfig
 from rlplex.config import validate_config
 from rlplex.envs import EnvConfig
 from rlplex.errors import WorkerDiedError
+from rlplex.io.snapshot import latest_snapshot, read_snapshot
 from rlplex.runners.async_ import AsyncRl, AsyncRlEval
 from rlplex.runners.config import TrainConfig, build_runner
-from rlplex.runners.snapshot import latest_snapshot, read_snapshot
 from rlplex.samplers import Evaluator
 
 CARTPOLE = EnvConfig(id="CartPole-v1")

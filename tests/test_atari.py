@@ -18,10 +18,10 @@ from rlplex.algos import DQN, PPO, DQNConfig, PPOConfig
 from rlplex.config import validate_config
 from rlplex.envs import AtariConfig, EnvConfig, EnvSpaces, make_env, probe_spaces
 from rlplex.errors import ConfigError
+from rlplex.io.snapshot import read_snapshot, write_snapshot
 from rlplex.models.encoders import FlattenEncoder, NatureCnn, nature_cnn_parameters
 from rlplex.replays import UniformReplayBuffer
 from rlplex.runners.config import TrainConfig, build_runner, check_fits_in_memory, check_observation_space
-from rlplex.runners.snapshot import read_snapshot, write_snapshot
 from rlplex.samplers import ParallelSampler, SerialSampler
 
 # Games cut to a few hundred frames: episodes (and evaluations) end within a test's budget.

@@ -15,9 +15,9 @@ from rlplex.algos.dqn import td_target
 from rlplex.config import validate_config
 from rlplex.envs import EnvConfig, EnvSpaces, probe_spaces
 from rlplex.errors import ConfigError
+from rlplex.io.snapshot import latest_snapshot, read_snapshot, write_snapshot
 from rlplex.runners import MinibatchRl, MinibatchRlEval
 from rlplex.runners.config import TrainConfig, agent_factory, build_algo
-from rlplex.runners.snapshot import latest_snapshot, read_snapshot, write_snapshot
 from rlplex.samplers import Evaluator, SerialSampler, allocate_batch
 
 CARTPOLE = EnvConfig(id="CartPole-v1")

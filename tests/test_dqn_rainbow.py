@@ -18,11 +18,11 @@ from rlplex.algos.dqn import C51Config, PrioritizedConfig, project_distribution
 from rlplex.config import validate_config
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.errors import ConfigError, SnapshotError
+from rlplex.io.snapshot import latest_snapshot, read_snapshot, write_snapshot
 from rlplex.models import QMlp
 from rlplex.replays import PrioritizedReplayBuffer
 from rlplex.runners import MinibatchRl
 from rlplex.runners.config import TrainConfig, agent_factory, build_runner
-from rlplex.runners.snapshot import latest_snapshot, read_snapshot, write_snapshot
 from rlplex.samplers import SerialSampler, allocate_batch
 
 CARTPOLE = EnvConfig(id="CartPole-v1")

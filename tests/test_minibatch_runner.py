@@ -11,8 +11,8 @@ from rlplex.algos import PPO, PPOConfig
 from rlplex.diagnostics.metrics import read_metrics_csv
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.errors import SnapshotError
+from rlplex.io.snapshot import latest_snapshot, list_snapshots, read_snapshot
 from rlplex.runners import MinibatchRl, MinibatchRlEval
-from rlplex.runners.snapshot import latest_snapshot, list_snapshots, read_snapshot
 from rlplex.samplers import Evaluator, SerialSampler
 
 

@@ -19,10 +19,10 @@ from rlplex.agents import CategoricalPgAgent, RandomAgent
 from rlplex.algos import PPO, PPOConfig
 from rlplex.envs import EnvConfig, env_seed, make_env, probe_spaces
 from rlplex.errors import WorkerDiedError
+from rlplex.io.snapshot import list_snapshots, read_snapshot
 from rlplex.models import QMlp
 from rlplex.runners import MinibatchRl
 from rlplex.runners.config import TrainConfig, build_runner
-from rlplex.runners.snapshot import list_snapshots, read_snapshot
 from rlplex.samplers import ParallelSampler
 from rlplex.samplers.batch import SampleBatch, allocate_batch
 from rlplex.samplers.parallel import split_envs

@@ -11,10 +11,10 @@ import pytest
 
 from rlplex.envs import EnvSpaces
 from rlplex.errors import RlplexError, SnapshotError
+from rlplex.io.snapshot import read_snapshot, write_snapshot
 from rlplex.replays import PrioritizedReplayBuffer, SumTree, UniformReplayBuffer
 from rlplex.replays.nstep import nstep_transitions
 from rlplex.replays.prioritized import tree_size
-from rlplex.runners.snapshot import read_snapshot, write_snapshot
 
 SPACES = EnvSpaces(obs_shape=(1,), action_kind="discrete", n_actions=2, action_shape=())
 

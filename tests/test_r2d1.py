@@ -15,9 +15,9 @@ from rlplex.algos.rl_math import inverse_value_rescale, value_rescale
 from rlplex.config import validate_config
 from rlplex.envs import CARTPOLE_NO_VELOCITY, EnvConfig, probe_spaces
 from rlplex.errors import ConfigError
+from rlplex.io.snapshot import read_snapshot, write_snapshot
 from rlplex.replays.sequence import sequences_of
 from rlplex.runners.config import TrainConfig, build_runner
-from rlplex.runners.snapshot import read_snapshot, write_snapshot
 from rlplex.samplers import SerialSampler
 from rlplex.samplers.batch import SampleBatch
 

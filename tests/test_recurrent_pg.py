@@ -18,10 +18,12 @@ from rlplex.algos import A2C, PPO, A2CConfig, PPOConfig
 from rlplex.config import validate_config
 from rlplex.envs import CARTPOLE_NO_VELOCITY, EnvConfig, make_env, probe_spaces
 from rlplex.errors import ConfigError
+from rlplex.io.snapshot import read_snapshot, write_snapshot
+from rlplex.runners import SyncLauncher
 from rlplex.runners.config import TrainConfig, agent_factory
-from rlplex.runners.snapshot import read_snapshot, write_snapshot
 from rlplex.samplers import Evaluator, ParallelSampler, SerialSampler
 from rlplex.samplers.batch import SampleBatch
+from test_sync_rl import build_seeded
 
 NO_VEL = EnvConfig(id=CARTPOLE_NO_VELOCITY)
 
@@ -193,3 +195,25 @@ def test_config_builds_the_recurrent_agent_and_refuses_it_elsewhere() -> None:
     box = validate_config(TrainConfig, {"env": {"id": "Pendulum-v1"}, "agent": {"lstm_size": 16}}, "t.toml")
     with pytest.raises(ConfigError, match="Discrete"):
         agent_factory(box, probe_spaces(box.env))
+
+
+@pytest.mark.parametrize("algo", ["ppo", "a2c"])
+def test_recurrent_agents_train_under_sync_rl_with_ranks_in_step(algo: str, tmp_path: Path) -> None:
+    """Two real gloo ranks: each samples its own environments with its own LSTM states; the
+    all-reduced gradients of whole-sequence minibatches keep the replicas identical."""
+    extra = {"n_epochs": 2, "minibatch_size": 32} if algo == "ppo" else {}
+    config = TrainConfig.model_validate(
+        {
+            "env": {"id": CARTPOLE_NO_VELOCITY},
+            "agent": {"hidden": [16], "lstm_size": 16},
+            "sampler": {"batch_T": 16, "batch_B": 2},
+            "algo": {"name": algo, **extra},
+            "runner": {"kind": "sync", "n_steps": 256, "log_interval_steps": 128, "world_size": 2},
+        }
+    )
+    launcher = SyncLauncher(partial(build_seeded, config, str(tmp_path)), world_size=2, timeout_s=120)
+    assert launcher.train().env_steps == 256
+    r0, r1 = (outcome.digests or {} for outcome in launcher.rank_outcomes)
+    assert r0["built"] != r1["built"], "the builder gives the ranks different initial weights"
+    assert r0["start"] == r1["start"] == r0["built"], "rank 0's weights are broadcast"
+    assert r0["final"] == r1["final"] != r0["start"], "all-reduced gradients keep the replicas identical"

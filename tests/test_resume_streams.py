@@ -27,10 +27,10 @@ from rlplex.agents import CategoricalPgAgent, DqnAgent
 from rlplex.algos import DQN, PPO, DQNConfig, PPOConfig
 from rlplex.config import validate_config
 from rlplex.envs import EnvConfig, probe_spaces
+from rlplex.io.snapshot import list_snapshots, read_snapshot
 from rlplex.runners import MinibatchRl, MinibatchRlEval
 from rlplex.runners.async_ import AsyncRl
 from rlplex.runners.config import TrainConfig, build_runner
-from rlplex.runners.snapshot import list_snapshots, read_snapshot
 from rlplex.samplers import Evaluator, ParallelSampler, SampleBatch, SerialSampler
 
 CARTPOLE = EnvConfig(id="CartPole-v1")

@@ -16,10 +16,10 @@ from rlplex.algos import SAC, TD3, DDPGConfig, SACConfig, TD3Config
 from rlplex.config import validate_config
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.errors import ConfigError, RlplexError
+from rlplex.io.snapshot import latest_snapshot, read_snapshot, write_snapshot
 from rlplex.models.continuous import QEnsemble
 from rlplex.runners import MinibatchRl
 from rlplex.runners.config import TrainConfig, agent_factory, build_algo, build_runner
-from rlplex.runners.snapshot import latest_snapshot, read_snapshot, write_snapshot
 from rlplex.samplers import SerialSampler
 from rlplex.samplers.batch import SampleBatch
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rlplex.errors import SnapshotError
-from rlplex.runners import snapshot as snap
+from rlplex.io import snapshot as snap
 
 
 def nested_state() -> dict[str, object]:

@@ -20,9 +20,9 @@ from rlplex.algos import PPO, PPOConfig
 from rlplex.diagnostics.metrics import read_metrics_csv
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.errors import SnapshotError, WorkerDiedError
+from rlplex.io.snapshot import latest_snapshot, read_snapshot
 from rlplex.runners import SyncLauncher, SyncRl, TrainResult
 from rlplex.runners.config import TrainConfig, build_runner, build_sync_rank
-from rlplex.runners.snapshot import latest_snapshot, read_snapshot
 from rlplex.samplers import Evaluator, SerialSampler
 from rlplex.samplers.batch import SampleBatch
 

@@ -128,8 +128,8 @@ def _train(
     from rlplex.envs import probe_spaces
     from rlplex.errors import ConfigError
     from rlplex.io.safe_files import ensure_output_dir
+    from rlplex.io.snapshot import latest_snapshot
     from rlplex.runners.config import build_runner, check_fits_in_memory, load_train_config
-    from rlplex.runners.snapshot import latest_snapshot
 
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite: choose one")

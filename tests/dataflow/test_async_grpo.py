@@ -15,9 +15,9 @@ import torch
 
 from lm_models import small_tiny_model, untrained_tiny_model
 from rlplex.algos.grpo import grpo_loss
+from rlplex.io.snapshot import latest_snapshot, read_snapshot
 from rlplex.runners import grpo_lm
 from rlplex.runners.grpo_lm import GRPOLMConfig, train_grpo_lm
-from rlplex.runners.snapshot import latest_snapshot, read_snapshot
 
 
 def _config(**overrides: Any) -> GRPOLMConfig:

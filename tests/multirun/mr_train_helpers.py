@@ -116,7 +116,7 @@ class FakeOrchestrator:
     def __init__(self, run: RunDir, rank: int, alpha: float, batch_size: int = 32, seed: int = 0) -> None:
         import copy
 
-        from rlplex.multirun.trainer.lora import apply_multi_lora
+        from rlplex.multirun.trainer.lora_apply import apply_multi_lora
 
         self.run, self.batch_size = run, batch_size
         self.tokenizer = tokenizer()

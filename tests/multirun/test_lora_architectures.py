@@ -20,12 +20,12 @@ from torch import Tensor, nn
 from rlplex.errors import AdapterError
 from rlplex.multirun import MultiLoRALinear, apply_multi_lora, write_peft_adapter
 from rlplex.multirun.rundir.peft_export import ADAPTER_CONFIG
-from rlplex.multirun.trainer.lora import (
+from rlplex.multirun.trainer.lora import grouped_mm_available
+from rlplex.multirun.trainer.lora_apply import (
     DEFAULT_TARGET_MODULES,
     GPT2_TARGET_MODULES,
     MultiLoRAModules,
     default_target_modules,
-    grouped_mm_available,
 )
 
 VOCAB = 100

@@ -15,7 +15,7 @@ import torch
 from pydantic import Field
 
 from rlplex.agents.pg import PgAgent
-from rlplex.algos.optim_state import load_named_optimizer_state, named_optimizer_state
+from rlplex.algos.optim_state import adam, load_named_optimizer_state, named_optimizer_state
 from rlplex.algos.pg_batch import advantages_and_returns, clip_grad_norm
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
@@ -53,7 +53,7 @@ class A2C:
         if cfg.optimizer == "rmsprop":
             self.optimizer = torch.optim.RMSprop(params, lr=cfg.learning_rate, alpha=0.99, eps=1e-5)
         else:
-            self.optimizer = torch.optim.Adam(params, lr=cfg.learning_rate, eps=1e-5)
+            self.optimizer = adam(params, lr=cfg.learning_rate, eps=1e-5)
 
     def optimize_agent(self, itr: int, samples: SampleBatch | None) -> dict[str, float]:
         if self.agent is None or self.optimizer is None:

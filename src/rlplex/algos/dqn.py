@@ -35,6 +35,7 @@ from torch import nn
 
 from rlplex.agents.dqn import DqnAgent
 from rlplex.algos.off_policy import ReplayAlgo
+from rlplex.algos.optim_state import adam
 from rlplex.config import StrictModel
 from rlplex.errors import ConfigError, RlplexError, SnapshotError
 from rlplex.models import QMlp, unwrap_model
@@ -174,7 +175,7 @@ class DQN(ReplayAlgo):
         self.n_itr = max(1, n_itr)
         self.target = copy.deepcopy(online)
         self.target.requires_grad_(False)
-        self.optimizer = torch.optim.Adam(agent.model.parameters(), lr=self.config.learning_rate)
+        self.optimizer = adam(agent.model.parameters(), lr=self.config.learning_rate)
         self._make_replay(agent, shared_replay, prioritized=self.config.prioritized is not None)
         agent.set_epsilon(self.epsilon_at(0))
 

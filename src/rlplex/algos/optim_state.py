@@ -14,6 +14,7 @@ State values shaped like their tensor (Adam's moments) are cut and joined; the o
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,14 @@ from rlplex.errors import SnapshotError
 from rlplex.models import unwrap_model
 
 FORMAT = "named-v1"
+
+
+def adam(params: Iterable[torch.Tensor], lr: float, eps: float = 1e-8) -> torch.optim.Adam:
+    """Adam as every rlplex algorithm builds it: fused, so that its whole step is one kernel
+    instead of a Python loop over the parameters (most of an update's time for small MLPs on
+    the CPU; on CUDA as well); the same arithmetic as the loop, up to rounding."""
+    return torch.optim.Adam(params, lr=lr, eps=eps, fused=True)
+
 # Settings of how the optimizer runs, not of the state: the current optimizer's are kept.
 _IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable", "maximize")
 

@@ -18,7 +18,7 @@ import torch
 from pydantic import Field
 
 from rlplex.agents.pg import PgAgent
-from rlplex.algos.optim_state import load_named_optimizer_state, named_optimizer_state
+from rlplex.algos.optim_state import adam, load_named_optimizer_state, named_optimizer_state
 from rlplex.algos.pg_batch import advantages_and_returns, clip_grad_norm
 from rlplex.algos.ppo_closed_form import ClosedFormGradients
 from rlplex.algos.rl_math import clipped_surrogate, ratio_stats
@@ -65,9 +65,7 @@ class PPO:
         self.n_itr = max(1, n_itr)
         self.params = [p for p in agent.model.parameters() if p.requires_grad]
         self.closed_form = ClosedFormGradients(agent) if self.config.closed_form_gradients else None
-        # fused: Adam's whole step is one kernel instead of a Python loop over parameters (most
-        # of the update time for classic-control MLPs on CPU); the same arithmetic up to rounding.
-        self.optimizer = torch.optim.Adam(self.params, lr=self.config.learning_rate, eps=1e-5, fused=True)
+        self.optimizer = adam(self.params, lr=self.config.learning_rate, eps=1e-5)
 
     def _fraction_left(self, itr: int) -> float:
         return max(0.0, 1.0 - itr / self.n_itr)

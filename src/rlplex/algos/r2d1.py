@@ -34,6 +34,7 @@ from pydantic import Field
 
 from rlplex.agents.recurrent import R2d1Agent, sequence_resets
 from rlplex.algos.off_policy import ReplayAlgo
+from rlplex.algos.optim_state import adam
 from rlplex.algos.rl_math import inverse_value_rescale, value_rescale
 from rlplex.config import StrictModel
 from rlplex.errors import ConfigError, RlplexError, SnapshotError
@@ -149,7 +150,7 @@ class R2D1(ReplayAlgo):
         self.n_itr = max(1, n_itr)
         self.target = copy.deepcopy(online)
         self.target.requires_grad_(False)
-        self.optimizer = torch.optim.Adam(agent.model.parameters(), lr=self.config.learning_rate)
+        self.optimizer = adam(agent.model.parameters(), lr=self.config.learning_rate)
         cfg = self.config
         self.replay = SequenceReplayBuffer.create(
             agent.spaces,

@@ -32,6 +32,7 @@ from pydantic import Field
 
 from rlplex.agents.sac import SacAgent
 from rlplex.algos.off_policy import ReplayAlgo, polyak_update, sample_tensors
+from rlplex.algos.optim_state import adam
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
 from rlplex.models.continuous import QEnsemble
@@ -81,12 +82,12 @@ class SAC(ReplayAlgo):
         self._actor_params: list[torch.Tensor] = list(actor.parameters())
         self._critic_params = list(self.critic.parameters())
         self._target_params = list(self.critic_target.parameters())
-        self.actor_optimizer = torch.optim.Adam(self._actor_params, lr=cfg.learning_rate, fused=True)
-        self.critic_optimizer = torch.optim.Adam(self._critic_params, lr=cfg.learning_rate, fused=True)
+        self.actor_optimizer = adam(self._actor_params, lr=cfg.learning_rate)
+        self.critic_optimizer = adam(self._critic_params, lr=cfg.learning_rate)
         auto = cfg.ent_coef == "auto"
         start = cfg.init_ent_coef if auto else float(cfg.ent_coef)
         self.log_alpha = torch.tensor(math.log(start), requires_grad=auto)
-        self.alpha_optimizer = torch.optim.Adam([self.log_alpha], lr=cfg.learning_rate, fused=True) if auto else None
+        self.alpha_optimizer = adam([self.log_alpha], lr=cfg.learning_rate) if auto else None
         self.target_entropy = -float(action_dim) if cfg.target_entropy is None else cfg.target_entropy
         self._make_replay(agent, shared_replay)
         agent.set_random_actions(cfg.learning_starts > 0)

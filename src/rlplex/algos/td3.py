@@ -26,6 +26,7 @@ from pydantic import Field
 
 from rlplex.agents.ddpg import DdpgAgent
 from rlplex.algos.off_policy import ReplayAlgo, polyak_update, sample_tensors
+from rlplex.algos.optim_state import adam
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
 from rlplex.models.continuous import QEnsemble
@@ -83,8 +84,8 @@ class TD3(ReplayAlgo):
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.actor_target = copy.deepcopy(actor).requires_grad_(False)
         # fused: one kernel per step instead of a Python loop over parameters (see PPO).
-        self.actor_optimizer = torch.optim.Adam(actor.parameters(), lr=cfg.learning_rate, fused=True)
-        self.critic_optimizer = torch.optim.Adam(self.critic.parameters(), lr=cfg.learning_rate, fused=True)
+        self.actor_optimizer = adam(actor.parameters(), lr=cfg.learning_rate)
+        self.critic_optimizer = adam(self.critic.parameters(), lr=cfg.learning_rate)
         self._make_replay(agent, shared_replay)
         agent.set_random_actions(cfg.learning_starts > 0)
 

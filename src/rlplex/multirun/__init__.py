@@ -20,7 +20,7 @@ _EXPORTS = {
     "MicroBatch": "trainer.packer",
     "ModelConfig": "orchestrator.config",
     "MultiLoRALinear": "trainer.lora",
-    "MultiLoRAModules": "trainer.lora",
+    "MultiLoRAModules": "trainer.lora_apply",
     "MultiRunManager": "trainer.manager",
     "OptimConfig": "orchestrator.config",
     "OrchestratorConfig": "orchestrator.config",
@@ -31,9 +31,9 @@ _EXPORTS = {
     "RunProgress": "rundir.checkpoint",
     "RunStatus": "trainer.manager",
     "STABLE_MARKER": "rundir",
-    "apply_multi_lora": "trainer.lora",
+    "apply_multi_lora": "trainer.lora_apply",
     "create_run": "orchestrator.config",
-    "default_target_modules": "trainer.lora",
+    "default_target_modules": "trainer.lora_apply",
     "get_multi_run_manager": "trainer.manager",
     "load_checkpoint": "rundir.checkpoint",
     "orch_config_to_toml": "orchestrator.config",
@@ -91,13 +91,8 @@ if TYPE_CHECKING:
     from rlplex.multirun.rundir import STABLE_MARKER, RunDir
     from rlplex.multirun.rundir.checkpoint import RunCheckpoint, RunProgress, load_checkpoint
     from rlplex.multirun.rundir.peft_export import write_peft_adapter
-    from rlplex.multirun.trainer.lora import (
-        AdapterBatch,
-        MultiLoRALinear,
-        MultiLoRAModules,
-        apply_multi_lora,
-        default_target_modules,
-    )
+    from rlplex.multirun.trainer.lora import AdapterBatch, MultiLoRALinear
+    from rlplex.multirun.trainer.lora_apply import MultiLoRAModules, apply_multi_lora, default_target_modules
     from rlplex.multirun.trainer.manager import (
         EMPTY_SLOT_SCALING,
         MultiRunManager,

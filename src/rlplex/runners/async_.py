@@ -42,10 +42,7 @@ from rlplex.agents.base import Agent, AgentFactory
 from rlplex.diagnostics import MetricsLogger, ProgressLine
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.errors import ConfigError, SnapshotError, WaitTimeoutError
-from rlplex.models import unwrap_model
-from rlplex.runners.metrics import episode_metrics, evaluation_metrics
-from rlplex.runners.minibatch import TrainResult
-from rlplex.runners.snapshot import (
+from rlplex.io.snapshot import (
     SnapshotMode,
     algo_name,
     check_compatible,
@@ -57,6 +54,9 @@ from rlplex.runners.snapshot import (
     schedule_itrs,
     set_rng_state,
 )
+from rlplex.models import unwrap_model
+from rlplex.runners.metrics import episode_metrics, evaluation_metrics
+from rlplex.runners.minibatch import TrainResult
 from rlplex.samplers.async_ import POLL_S, AsyncSampler
 from rlplex.samplers.base import Evaluator
 from rlplex.samplers.rng import streams_digest

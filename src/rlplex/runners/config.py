@@ -29,8 +29,8 @@ from rlplex.algos.td3 import TD3, DDPGConfig, TD3Config
 from rlplex.config import StrictModel, load_config
 from rlplex.envs import EnvConfig, EnvSpaces, describe_action_space, describe_observation_space, probe_spaces
 from rlplex.errors import ConfigError
+from rlplex.io.snapshot import SnapshotMode
 from rlplex.models.encoders import NATURE_FEATURES, EncoderKind, choose_encoder, nature_cnn_parameters
-from rlplex.runners.snapshot import SnapshotMode
 from rlplex.samplers import Evaluator, ParallelSampler, SerialSampler
 from rlplex.samplers.base import Sampler
 

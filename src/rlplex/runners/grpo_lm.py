@@ -54,11 +54,7 @@ from rlplex.dataflow.stream import (
 from rlplex.diagnostics import MetricsLogger, ProgressLine
 from rlplex.errors import RlplexError, SnapshotError
 from rlplex.inference.config import InferenceConfig
-from rlplex.models.hf import Tokenizer, encode_prompt, load_causal_lm, load_tokenizer
-from rlplex.models.lm import generate, mean_reward
-from rlplex.models.spec import ModelSpec
-from rlplex.runners.grpo_vllm import ServedLoRAPolicy, served_rollout_worker
-from rlplex.runners.snapshot import (
+from rlplex.io.snapshot import (
     check_compatible,
     latest_snapshot,
     read_snapshot,
@@ -66,6 +62,10 @@ from rlplex.runners.snapshot import (
     save_by_mode,
     set_rng_state,
 )
+from rlplex.models.hf import Tokenizer, encode_prompt, load_causal_lm, load_tokenizer
+from rlplex.models.lm import generate, mean_reward
+from rlplex.models.spec import ModelSpec
+from rlplex.runners.grpo_vllm import ServedLoRAPolicy, served_rollout_worker
 from rlplex.tasks import Environment, EnvSpec, Example, load_environment
 
 TRAIN_KEYS = ("packed_input_ids", "packed_logprobs", "prompt_mask", "rewards", "task_ids", "version_start")

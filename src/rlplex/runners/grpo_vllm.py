@@ -28,7 +28,7 @@ from rlplex.inference.vllm_server import Endpoint, VLLMServer, free_port, requir
 from rlplex.models.hf import Tokenizer, encode_prompt, model_stop_ids
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir.peft_export import write_peft_adapter
-from rlplex.multirun.trainer.lora import MultiLoRAModules, apply_multi_lora
+from rlplex.multirun.trainer.lora_apply import MultiLoRAModules, apply_multi_lora
 from rlplex.tasks import Environment
 
 

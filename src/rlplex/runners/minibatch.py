@@ -20,9 +20,7 @@ from rlplex.agents.base import Agent
 from rlplex.algos.base import Algo
 from rlplex.diagnostics import MetricsLogger, ProgressLine
 from rlplex.errors import ConfigError, SnapshotError
-from rlplex.models import unwrap_model
-from rlplex.runners.metrics import episode_metrics, evaluation_metrics
-from rlplex.runners.snapshot import (
+from rlplex.io.snapshot import (
     SnapshotMode,
     algo_name,
     check_compatible,
@@ -34,6 +32,8 @@ from rlplex.runners.snapshot import (
     schedule_itrs,
     set_rng_state,
 )
+from rlplex.models import unwrap_model
+from rlplex.runners.metrics import episode_metrics, evaluation_metrics
 from rlplex.samplers.base import Evaluator, Sampler
 from rlplex.samplers.rng import process_rng_state, streams_digest
 

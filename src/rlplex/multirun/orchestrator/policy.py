@@ -25,7 +25,7 @@ from torch import nn
 
 from rlplex.errors import AdapterError
 from rlplex.multirun.rundir.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
-from rlplex.multirun.trainer.lora import MultiLoRAModules, apply_multi_lora
+from rlplex.multirun.trainer.lora_apply import MultiLoRAModules, apply_multi_lora
 
 MAX_ADAPTER_BYTES = 512 * 1024 * 1024
 MAX_ADAPTER_CONFIG_BYTES = 1_000_000

@@ -27,6 +27,7 @@ from safetensors import SafetensorError, safe_open
 
 from rlplex.errors import CheckpointError, RunDirGoneError, SnapshotError
 from rlplex.io.safe_files import check_regular_file, read_regular_file
+from rlplex.io.snapshot import MAX_SNAPSHOT_BYTES, read_snapshot, write_snapshot_into
 from rlplex.multirun.rundir import (
     STABLE_MARKER,
     RunDir,
@@ -42,7 +43,6 @@ from rlplex.multirun.rundir.peft_export import (
     is_stable_adapter,
     read_adapter_progress,
 )
-from rlplex.runners.snapshot import MAX_SNAPSHOT_BYTES, read_snapshot, write_snapshot_into
 
 log = logging.getLogger(__name__)
 

@@ -56,7 +56,7 @@ from rlplex.multirun.rundir.retention import prune_steps, remove_orphaned_tempor
 from rlplex.multirun.rundir.rollouts import MalformedRolloutError, read_rollouts, rollouts_ready
 from rlplex.multirun.trainer.config import TrainerConfig
 from rlplex.multirun.trainer.log import BackgroundWriter, ProgressLog, RunFinisher, final_outputs_missing
-from rlplex.multirun.trainer.lora import apply_multi_lora
+from rlplex.multirun.trainer.lora_apply import apply_multi_lora
 from rlplex.multirun.trainer.manager import MultiRunManager, setup_multi_run_manager
 from rlplex.multirun.trainer.packer import MicroBatch, Packer
 from rlplex.multirun.trainer.run_optim import RunOptimizers, StepStats
