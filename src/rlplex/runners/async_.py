@@ -119,15 +119,17 @@ class AsyncRl:
         max_updates_per_chunk: int = 32,
         schedule_steps: int | None = None,
         n_workers: int | None = None,
+        envpool: bool = False,
     ) -> None:
         """`n_workers`: None samples in one sampler process; a number, in that many worker
-        processes behind it (`[sampler] kind = "parallel"`)."""
+        processes behind it (`[sampler] kind = "parallel"`). `envpool`: the sampler process
+        steps its environments with EnvPool (`[sampler] kind = "envpool"`)."""
         if n_steps <= 0 or replay_ratio <= 0:
             raise ConfigError(
                 f"field 'runner': n_steps and replay_ratio must be positive (got {n_steps}, {replay_ratio})"
             )
         self.algo, self.agent_factory, self.env_config = algo, agent_factory, env
-        self.batch_T, self.batch_B, self.n_workers = batch_T, batch_B, n_workers
+        self.batch_T, self.batch_B, self.n_workers, self.envpool = batch_T, batch_B, n_workers, envpool
         self.itr_batch_size = batch_T * batch_B
         self.n_itr = max(1, -(-n_steps // self.itr_batch_size))
         self.schedule_itrs = schedule_itrs(schedule_steps, n_steps, self.itr_batch_size)
@@ -158,7 +160,7 @@ class AsyncRl:
         self.algo.initialize(self.agent, n_itr=self.schedule_itrs, world_size=1, shared_replay=True)
         if self._resume_state is not None:
             self._load_resume_state(self._resume_state)
-        self.sampler = AsyncSampler(self.env_config, self.batch_T, self.batch_B, self.n_workers)
+        self.sampler = AsyncSampler(self.env_config, self.batch_T, self.batch_B, self.n_workers, self.envpool)
         algo_class: Any = type(self.algo)
         algo_factory = partial(algo_class, self.algo.config)
         start_batches = self.start_env_steps // self.itr_batch_size

@@ -36,7 +36,11 @@ from rlplex.samplers.base import Sampler
 
 
 class SamplerConfig(StrictModel):
-    kind: Literal["serial", "parallel"] = "serial"
+    kind: Literal["serial", "parallel", "envpool"] = Field(
+        "serial",
+        description="serial: in this process; parallel: in worker processes; envpool: on EnvPool's C++ threads "
+        "(where envpool installs: Atari games and the tasks EnvPool has under the same id)",
+    )
     batch_T: int = Field(128, ge=1, description="time steps per environment per batch")
     batch_B: int = Field(8, ge=1, description="environments per rank")
     n_workers: int = Field(
@@ -256,6 +260,10 @@ def build_sampler(config: TrainConfig) -> Sampler:
     if s.kind == "parallel":
         factory = agent_factory(config, probe_spaces(config.env))
         return ParallelSampler(config.env, s.batch_T, s.batch_B, s.n_workers, agent_factory=factory)
+    if s.kind == "envpool":
+        from rlplex.samplers.envpool_ import EnvPoolSampler
+
+        return EnvPoolSampler(config.env, s.batch_T, s.batch_B)
     raise ConfigError(f"field 'sampler.kind': unknown sampler kind {s.kind!r}")
 
 
@@ -401,6 +409,7 @@ def _build_async_runner(config: TrainConfig, spaces: EnvSpaces, output_dir: str 
         show_progress=show,
         schedule_steps=r.schedule_steps,
         n_workers=config.sampler.n_workers if config.sampler.kind == "parallel" else None,
+        envpool=config.sampler.kind == "envpool",
     )
     if r.kind == "async":
         return AsyncRl(**args)

@@ -88,14 +88,20 @@ def _semaphore_names(obj: Any) -> list[str]:
 class AsyncSampler:
     """Master-side owner of the sampler and copier processes and of their shared memory."""
 
-    def __init__(self, env: EnvConfig, batch_T: int, batch_B: int, n_workers: int | None = None) -> None:
+    def __init__(
+        self, env: EnvConfig, batch_T: int, batch_B: int, n_workers: int | None = None, envpool: bool = False
+    ) -> None:
         """`n_workers`: None samples in the sampler process itself; a number, in that many
-        worker processes behind it (`ParallelSampler`)."""
+        worker processes behind it (`ParallelSampler`). `envpool`: the sampler process steps
+        its environments on EnvPool's threads (`EnvPoolSampler`; no worker processes)."""
+        if envpool and n_workers is not None:
+            raise ConfigError("AsyncSampler: envpool steps the environments itself; give no n_workers")
         if n_workers is not None and not 1 <= n_workers <= batch_B:
             raise ConfigError(
                 f"field 'sampler.n_workers': {n_workers} workers need 1 <= n_workers <= batch_B ({batch_B})"
             )
         self.env_config, self.batch_T, self.batch_B, self.n_workers = env, batch_T, batch_B, n_workers
+        self.envpool = envpool
         self.processes: list[SpawnProcess] = []
         self._owned: list[Any] = []
         self._episodes_read = 0
@@ -170,6 +176,7 @@ class AsyncSampler:
             self.batch_T,
             self.batch_B,
             self.n_workers,
+            self.envpool,
             agent_factory,
             spaces,
             n_batches,

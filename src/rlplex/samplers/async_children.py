@@ -83,6 +83,7 @@ class SamplerSpec:
     batch_T: int
     batch_B: int
     n_workers: int | None  # None: sample in the sampler process; a number: in that many workers
+    envpool: bool  # sample in the sampler process with EnvPool's threads
     agent_factory: AgentFactory
     spaces: EnvSpaces
     n_batches: int
@@ -129,7 +130,11 @@ def _sample(spec: SamplerSpec, counter_block: SharedArrays) -> None:
     sync = spec.sync
     agent = spec.agent_factory(spec.spaces)
     sampler: SerialSampler | ParallelSampler
-    if spec.n_workers is None:
+    if spec.envpool:
+        from rlplex.samplers.envpool_ import EnvPoolSampler
+
+        sampler = EnvPoolSampler(spec.env, spec.batch_T, spec.batch_B)
+    elif spec.n_workers is None:
         sampler = SerialSampler(spec.env, spec.batch_T, spec.batch_B)
     else:
         sampler = ParallelSampler(

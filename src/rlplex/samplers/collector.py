@@ -20,6 +20,7 @@ from rlplex.samplers.rng import env_rng_state, set_env_rng_state
 
 Policy = Callable[[np.ndarray], tuple[np.ndarray, dict[str, np.ndarray]]]
 StateReset = Callable[[np.ndarray], None]  # a recurrent agent's `reset_state(done_B)`
+StepResults = tuple[list[Any], list[Any], list[Any], list[int]]  # rewards, terminated, truncated, ended
 
 
 class EnvCollector:
@@ -82,10 +83,25 @@ class EnvCollector:
                 reset_state(out.terminated[t] | out.truncated[t])
 
     def _step_envs(self, env_action: np.ndarray, out: Any, t: int) -> None:
-        # The per-env loop does only what must be per env (step, reset, the observation rows);
-        # rewards, flags and episode totals are gathered in lists and written once per time
+        # Rewards, flags and episode totals are gathered in lists and written once per time
         # step: a numpy scalar write costs about as much as a CartPole step.
-        next_obs = out.next_observation[t]
+        rewards, terminated, truncated, ended = self._step_each(env_action, out.next_observation[t])
+        reward = np.asarray(rewards, dtype=np.float64)
+        out.reward[t] = reward
+        out.terminated[t] = terminated
+        out.truncated[t] = truncated
+        self._episode_return += reward
+        self._episode_length += 1
+        if ended:
+            out.completed_return[t, ended] = self._episode_return[ended]
+            out.completed_length[t, ended] = self._episode_length[ended]
+            self._episode_return[ended] = 0.0
+            self._episode_length[ended] = 0
+
+    def _step_each(self, env_action: np.ndarray, next_obs: np.ndarray) -> StepResults:
+        """Step every environment once: write its observation after the step into `next_obs`
+        and, reset at once where its episode ended, the one the policy sees next into
+        `self.observation`. Only what must be per environment happens in this loop."""
         n = len(self.envs)
         rewards: list[Any] = [0.0] * n
         terminated: list[Any] = [False] * n
@@ -98,17 +114,7 @@ class EnvCollector:
                 ended.append(i)
                 obs, _ = env.reset()
             self.observation[i] = obs
-        reward = np.asarray(rewards, dtype=np.float64)
-        out.reward[t] = reward
-        out.terminated[t] = terminated
-        out.truncated[t] = truncated
-        self._episode_return += reward
-        self._episode_length += 1
-        if ended:
-            out.completed_return[t, ended] = self._episode_return[ended]
-            out.completed_length[t, ended] = self._episode_length[ended]
-            self._episode_return[ended] = 0.0
-            self._episode_length[ended] = 0
+        return rewards, terminated, truncated, ended
 
     def close(self) -> None:
         for env in self.envs:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlplex.agents.base import state_reset_of
-from rlplex.envs import EnvConfig, env_seed, make_env, probe_spaces
+from rlplex.envs import EnvConfig, EnvSpaces, env_seed, make_env, probe_spaces
 from rlplex.errors import RlplexError
 from rlplex.samplers.batch import SampleBatch, allocate_batch
 from rlplex.samplers.collector import EnvCollector
@@ -29,15 +29,17 @@ class SerialSampler:
 
     def initialize(self, agent: Agent, seed: int, rank: int = 0) -> None:
         spaces = probe_spaces(self.env_config)
-        envs = [make_env(self.env_config) for _ in range(self.batch_B)]
         seeds = [env_seed(seed, rank, 0, i) for i in range(self.batch_B)]
-        self._collector = EnvCollector(envs, spaces, seeds)
+        self._collector = self._make_collector(spaces, seeds)
         self._agent, self._rank = agent, rank
         self._batch = allocate_batch(spaces, agent.info_spec, self.batch_T, self.batch_B)
 
+    def _make_collector(self, spaces: EnvSpaces, seeds: list[int]) -> EnvCollector:
+        return EnvCollector([make_env(self.env_config) for _ in seeds], spaces, seeds)
+
     def obtain_samples(self, itr: int) -> SampleBatch:
         if self._collector is None or self._agent is None or self._batch is None:
-            raise RlplexError("SerialSampler.obtain_samples called before initialize()")
+            raise RlplexError(f"{type(self).__name__}.obtain_samples called before initialize()")
         # inference_mode: no autograd bookkeeping at all, a few µs less per policy call.
         with torch.inference_mode():
             self._collector.collect(self._agent.step, self._batch, state_reset_of(self._agent))
@@ -47,12 +49,12 @@ class SerialSampler:
         """The environments' generator states. The policy samples from this process's global
         generators, which the runner's snapshot holds itself: no process states here."""
         if self._collector is None:
-            raise RlplexError("SerialSampler.state_dict called before initialize()")
+            raise RlplexError(f"{type(self).__name__}.state_dict called before initialize()")
         return {"processes": [], "envs": self._collector.rng_states()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self._collector is None:
-            raise RlplexError("SerialSampler.load_state_dict called before initialize()")
+            raise RlplexError(f"{type(self).__name__}.load_state_dict called before initialize()")
         self._collector.restore_rng_states(fit_env_states(state["envs"], self.batch_B, self._rank))
 
     def shutdown(self) -> None:
