@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,37 @@ def tiny_checkpoint(**settings: Any) -> Path:
 
 def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def seconds_per_call(step: Callable[[], object], n: int) -> tuple[float, float]:
+    """(wall, thread CPU) seconds per call of `step`, over `n` calls."""
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        step()
+    return (time.perf_counter() - t0) / n, (time.thread_time() - c0) / n
+
+
+def alternate_rounds(
+    contenders: dict[str, Callable[[], object]], calls: int, rounds: int, warm_up: int = 20
+) -> dict[str, Any]:
+    """Time the contenders in alternating rounds of `calls` calls each, so that a noisy shared
+    machine disturbs them alike. Per contender: every round's wall and thread-CPU seconds per
+    call and their medians (the CPU time of one thread, which other processes disturb less)."""
+    for step in contenders.values():
+        seconds_per_call(step, warm_up)
+    wall: dict[str, list[float]] = {name: [] for name in contenders}
+    cpu: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, step in contenders.items():
+            w, c = seconds_per_call(step, calls)
+            wall[name].append(w)
+            cpu[name].append(c)
+    return {
+        "wall_seconds_per_call": wall,
+        "cpu_seconds_per_call": cpu,
+        "median_wall": {name: statistics.median(t) for name, t in wall.items()},
+        "median_cpu": {name: statistics.median(t) for name, t in cpu.items()},
+    }
 
 
 def write_json(name: str, payload: dict[str, Any]) -> Path:

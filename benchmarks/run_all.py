@@ -21,6 +21,7 @@ BENCHMARKS = [
     "learn_dqn_cartpole",
     "classic_learning",
     "sac_update",
+    "dqn_update",
     "mujoco_sac",
     "atari_smoke",
     "async_replay_ratio",

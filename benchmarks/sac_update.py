@@ -18,15 +18,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 from collections.abc import Callable
 
 import gymnasium as gym
 import numpy as np
 import torch
 
-from benchmarks.common import report
+from benchmarks.common import alternate_rounds, report
 from rlplex.agents import SacAgent
 from rlplex.algos.sac import SAC, SACConfig
 from rlplex.envs import EnvSpaces
@@ -83,14 +81,6 @@ def sb3_step() -> Callable[[], None]:
     return lambda: model.train(gradient_steps=1, batch_size=BATCH)
 
 
-def seconds_per_step(step: Callable[[], None], n: int) -> tuple[float, float]:
-    """(wall, thread CPU) seconds per call."""
-    t0, c0 = time.perf_counter(), time.thread_time()
-    for _ in range(n):
-        step()
-    return (time.perf_counter() - t0) / n, (time.thread_time() - c0) / n
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 rounds of 50 steps")
@@ -102,17 +92,9 @@ def main() -> None:
     steps = args.steps or (50 if args.quick else 200)
     rounds = args.rounds or (3 if args.quick else 7)
     contenders = {"rlplex": rlplex_step(), "sb3": sb3_step()}
-    for step in contenders.values():
-        seconds_per_step(step, 20)  # warm-up
-    wall: dict[str, list[float]] = {name: [] for name in contenders}
-    cpu: dict[str, list[float]] = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, step in contenders.items():
-            w, c = seconds_per_step(step, steps)
-            wall[name].append(w)
-            cpu[name].append(c)
-    median = {name: statistics.median(t) for name, t in wall.items()}
-    median_cpu = {name: statistics.median(t) for name, t in cpu.items()}
+    timed = alternate_rounds(contenders, steps, rounds)
+    wall, cpu = timed["wall_seconds_per_call"], timed["cpu_seconds_per_call"]
+    median, median_cpu = timed["median_wall"], timed["median_cpu"]
     ratio, ratio_cpu = median["rlplex"] / median["sb3"], median_cpu["rlplex"] / median_cpu["sb3"]
     rows: list[tuple[object, ...]] = [
         (name, median[name] * 1e3, median_cpu[name] * 1e3, min(wall[name]) * 1e3) for name in contenders

@@ -27,6 +27,18 @@ def test_sac_update_times_both_libraries(tmp_path: Path, monkeypatch: pytest.Mon
     assert math.isfinite(result["ratio_rlplex_to_sb3"]) and result["ratio_rlplex_to_sb3"] > 0
 
 
+def test_dqn_update_times_rlplex_with_both_adams_and_sb3(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from benchmarks import dqn_update
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["dqn_update", "--rounds", "1", "--steps", "3"])
+    dqn_update.main()
+    result = json.loads((tmp_path / "bench_results" / "dqn_update.json").read_text())
+    assert set(result["median_wall"]) == {"rlplex", "rlplex, per-parameter Adam", "sb3"}
+    assert all(t > 0 for t in result["median_cpu"].values())
+    assert math.isfinite(result["ratio_rlplex_to_sb3"]) and result["ratio_per_parameter_to_fused_adam"] > 0
+
+
 def test_mujoco_sac_trains_both_libraries_on_halfcheetah(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import mujoco_sac
 
