@@ -45,6 +45,42 @@ def seconds_per_call(step: Callable[[], object], n: int) -> tuple[float, float]:
     return (time.perf_counter() - t0) / n, (time.thread_time() - c0) / n
 
 
+def silent_sb3_with_replay(model: Any, data: dict[str, np.ndarray]) -> Any:
+    """An SB3 off-policy model with no log output (as in a learn() without a logger) and `data`
+    (observation, action, reward, next_observation, terminated) in its replay buffer."""
+    from stable_baselines3.common.logger import configure
+
+    model.set_logger(configure(None, []))
+    actions = data["action"] if data["action"].ndim > 1 else data["action"][:, None]
+    for i in range(len(data["reward"])):
+        model.replay_buffer.add(
+            data["observation"][i : i + 1],
+            data["next_observation"][i : i + 1],
+            actions[i : i + 1],
+            data["reward"][i : i + 1],
+            data["terminated"][i : i + 1],
+            [{}],
+        )
+    return model
+
+
+def round_options(description: str, quick_steps: int, steps: int) -> tuple[int, int, int]:
+    """The command line of a benchmark timed in alternating rounds: (calls per round, rounds,
+    torch threads), the threads already set."""
+    import argparse
+
+    import torch
+
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help=f"3 rounds of {quick_steps} steps")
+    parser.add_argument("--steps", type=int, default=None, help=f"gradient steps per round (default {steps})")
+    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 7)")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for every contender")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    return args.steps or (quick_steps if args.quick else steps), args.rounds or (3 if args.quick else 7), args.threads
+
+
 def alternate_rounds(
     contenders: dict[str, Callable[[], object]], calls: int, rounds: int, warm_up: int = 20
 ) -> dict[str, Any]:

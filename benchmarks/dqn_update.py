@@ -16,14 +16,13 @@ Writes bench_results/dqn_update.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import gymnasium as gym
 import numpy as np
 import torch
 
-from benchmarks.common import alternate_rounds, report
+from benchmarks.common import alternate_rounds, report, round_options, silent_sb3_with_replay
 from rlplex.agents import DqnAgent
 from rlplex.algos import DQN, DQNConfig
 from rlplex.envs import EnvSpaces
@@ -64,7 +63,6 @@ class _Spec(gym.Env[np.ndarray, int]):
 
 def sb3_model() -> object:
     from stable_baselines3 import DQN as Sb3DQN
-    from stable_baselines3.common.logger import configure
 
     model = Sb3DQN(
         "MlpPolicy",
@@ -77,30 +75,11 @@ def sb3_model() -> object:
         device="cpu",
         seed=0,
     )
-    model.set_logger(configure(None, []))  # no output, as in a learn() without a logger
-    data = random_transitions(FILL, 0)
-    for i in range(FILL):
-        model.replay_buffer.add(
-            data["observation"][i : i + 1],
-            data["next_observation"][i : i + 1],
-            data["action"][i : i + 1, None],
-            data["reward"][i : i + 1],
-            data["terminated"][i : i + 1],
-            [{}],
-        )
-    return model
+    return silent_sb3_with_replay(model, random_transitions(FILL, 0))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="3 rounds of 100 steps")
-    parser.add_argument("--steps", type=int, default=None, help="gradient steps per round (default 500)")
-    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 7)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for all")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    steps = args.steps or (100 if args.quick else 500)
-    rounds = args.rounds or (3 if args.quick else 7)
+    steps, rounds, threads = round_options(__doc__ or "", 100, 500)
     fused, loop, sb3 = rlplex_step(), rlplex_step(fused=False), sb3_model()
     counters = {"fused": iter(range(10**9)), "loop": iter(range(10**9))}
     contenders = {
@@ -117,7 +96,7 @@ def main() -> None:
     report(
         "dqn_update",
         f"DQN gradient step, obs {OBS_DIM} / {N_ACTIONS} actions, batch {BATCH}, {HIDDEN[0]}x{HIDDEN[1]}, "
-        f"{args.threads} thread(s), median of {rounds} rounds x {steps} steps",
+        f"{threads} thread(s), median of {rounds} rounds x {steps} steps",
         ["contender", "wall ms / step", "CPU ms / step"],
         rows,
         {
@@ -125,7 +104,7 @@ def main() -> None:
             "n_actions": N_ACTIONS,
             "batch_size": BATCH,
             "hidden": list(HIDDEN),
-            "threads": args.threads,
+            "threads": threads,
             "rounds": rounds,
             "steps_per_round": steps,
             **timed,

@@ -16,7 +16,6 @@ Writes bench_results/sac_update.json.
 
 from __future__ import annotations
 
-import argparse
 import os
 from collections.abc import Callable
 
@@ -24,7 +23,7 @@ import gymnasium as gym
 import numpy as np
 import torch
 
-from benchmarks.common import alternate_rounds, report
+from benchmarks.common import alternate_rounds, report, round_options, silent_sb3_with_replay
 from rlplex.agents import SacAgent
 from rlplex.algos.sac import SAC, SACConfig
 from rlplex.envs import EnvSpaces
@@ -64,33 +63,14 @@ class _Spec(gym.Env[np.ndarray, np.ndarray]):
 
 def sb3_step() -> Callable[[], None]:
     from stable_baselines3 import SAC as Sb3SAC
-    from stable_baselines3.common.logger import configure
 
     model = Sb3SAC("MlpPolicy", _Spec(), batch_size=BATCH, buffer_size=FILL, learning_starts=0, device="cpu", seed=0)
-    model.set_logger(configure(None, []))  # no output, as in a learn() without a logger
-    data = random_transitions(FILL, 0)
-    for i in range(FILL):
-        model.replay_buffer.add(
-            data["observation"][i : i + 1],
-            data["next_observation"][i : i + 1],
-            data["action"][i : i + 1],
-            data["reward"][i : i + 1],
-            data["terminated"][i : i + 1],
-            [{}],
-        )
+    silent_sb3_with_replay(model, random_transitions(FILL, 0))
     return lambda: model.train(gradient_steps=1, batch_size=BATCH)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="3 rounds of 50 steps")
-    parser.add_argument("--steps", type=int, default=None, help="gradient steps per round (default 200)")
-    parser.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 7)")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads for both")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    steps = args.steps or (50 if args.quick else 200)
-    rounds = args.rounds or (3 if args.quick else 7)
+    steps, rounds, threads = round_options(__doc__ or "", 50, 200)
     contenders = {"rlplex": rlplex_step(), "sb3": sb3_step()}
     timed = alternate_rounds(contenders, steps, rounds)
     wall, cpu = timed["wall_seconds_per_call"], timed["cpu_seconds_per_call"]
@@ -103,7 +83,7 @@ def main() -> None:
     report(
         "sac_update",
         f"SAC gradient step, obs {OBS_DIM} / action {ACTION_DIM}, batch {BATCH}, 256x256, "
-        f"{args.threads} thread(s), median of {rounds} rounds x {steps} steps (goal rlplex / sb3 <= {GOAL})",
+        f"{threads} thread(s), median of {rounds} rounds x {steps} steps (goal rlplex / sb3 <= {GOAL})",
         ["contender", "wall ms / step", "CPU ms / step", "wall ms, best round"],
         rows,
         {
@@ -111,7 +91,7 @@ def main() -> None:
             "action_dim": ACTION_DIM,
             "batch_size": BATCH,
             "hidden": [256, 256],
-            "threads": args.threads,
+            "threads": threads,
             "rounds": rounds,
             "steps_per_round": steps,
             "wall_seconds_per_step": wall,
