@@ -5,6 +5,7 @@ training on Pong with finite losses and exact resume from a snapshot."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,7 @@ from rlplex.envs import AtariConfig, EnvConfig, EnvSpaces, make_env, probe_space
 from rlplex.errors import ConfigError
 from rlplex.io.snapshot import read_snapshot, write_snapshot
 from rlplex.models.encoders import FlattenEncoder, NatureCnn, nature_cnn_parameters
-from rlplex.replays import UniformReplayBuffer
+from rlplex.replays import PrioritizedReplayBuffer, UniformReplayBuffer
 from rlplex.runners.config import TrainConfig, build_runner, check_fits_in_memory, check_observation_space
 from rlplex.samplers import ParallelSampler, SerialSampler
 
@@ -57,7 +58,7 @@ def test_atari_train_and_eval_variants() -> None:
     finally:
         train.close()
         evaluation.close()
-    assert probe_spaces(PONG) == IMAGE
+    assert probe_spaces(PONG) == dataclasses.replace(IMAGE, frame_stack=4)
 
 
 def test_episodic_life_ends_the_training_episode_but_not_the_game() -> None:
@@ -274,3 +275,50 @@ def test_recurrent_agents_refuse_image_observations() -> None:
         )
         with pytest.raises(ConfigError, match=r"recurrent agent .* 1-D float Box"):
             check_observation_space(config, spaces)
+
+
+# ----- stacked frames stored once in the replay ---------------------------------------------------
+@pytest.mark.parametrize("kind", ["uniform", "prioritized"])
+def test_a_replay_of_frame_stacks_keeps_five_frames_a_slot_and_gives_back_the_same_transitions(kind: str) -> None:
+    stacked = probe_spaces(PONG)
+    assert stacked.frame_stack == 4 and stacked.obs_shape == IMAGE.obs_shape
+    assert probe_spaces(CARTPOLE).frame_stack == 1
+    cls = PrioritizedReplayBuffer if kind == "prioritized" else UniformReplayBuffer
+    small, full = cls.create(stacked, capacity=150), cls.create(IMAGE, capacity=150)
+    assert small.stacked and not full.stacked
+    frames = 84 * 84 * 150
+    assert small._arrays["observation"].nbytes + small._arrays["next_frame"].nbytes == 5 * frames
+    sampler = SerialSampler(PONG, batch_T=40, batch_B=2)  # Pong cut at 100 steps: episodes end
+    sampler.initialize(CategoricalPgAgent(IMAGE), seed=0)
+    try:
+        ended = 0
+        for itr in range(5):  # 400 steps into 150 slots: the ring wraps
+            batch = sampler.obtain_samples(itr)
+            ended += int(batch.terminated.sum() + batch.truncated.sum())
+            samples = {name: getattr(batch, name) for name in ("observation", "action", "reward", "next_observation")}
+            samples |= {"terminated": batch.terminated, "done": batch.terminated | batch.truncated}
+            assert small.append_samples(samples) == full.append_samples(samples) == 80
+    finally:
+        sampler.shutdown()
+    assert ended >= 2, "the test needs episode ends in the replay"
+    for n_step, gamma in ((1, None), (3, 0.99)):
+        a = small.sample(64, np.random.default_rng(1), n_step, gamma)
+        b = full.sample(64, np.random.default_rng(1), n_step, gamma)
+        assert a.keys() == b.keys()
+        for name in a:
+            assert np.array_equal(a[name], b[name]), (n_step, name)
+    state = small.state_dict()
+    assert "next_frame" in state["data"] and "next_observation" not in state["data"]
+    again = cls.create(stacked, capacity=150)
+    again.load_state_dict(state)
+    a, b = small.sample(32, np.random.default_rng(2)), again.sample(32, np.random.default_rng(2))
+    assert all(np.array_equal(a[name], b[name]) for name in a)
+
+
+def test_the_memory_check_counts_five_frames_a_slot_for_frame_stacks() -> None:
+    config = validate_config(
+        TrainConfig, {"env": {"id": "ALE/Pong-v5", "atari": {}}, "algo": {"name": "dqn", "buffer_size": 1_000_000}}
+    )
+    stacked = EnvSpaces((4, 84, 84), "discrete", 6, (), obs_dtype="uint8", frame_stack=4)
+    with pytest.raises(ConfigError, match=r"observations need 32\.9 GiB"):
+        check_fits_in_memory(config, stacked, 16 * 2**30, "pong.toml")

@@ -41,6 +41,10 @@ class EnvSpaces:
     # uint8 for uint8 Boxes (images: 4x less memory in batches and replay; the model scales
     # them), float32 for every other Box.
     obs_dtype: str = "float32"
+    # > 1: observations are stacks of this many frames along axis 0 (FrameStackObservation),
+    # a step shifting the stack by one frame; a replay then stores a next observation's newest
+    # frame only.
+    frame_stack: int = 1
 
     @property
     def action_dtype(self) -> type[np.generic]:
@@ -84,8 +88,11 @@ def spaces_of(env: gym.Env[Any, Any]) -> EnvSpaces:
         raise EnvironmentSpecError(f"observation space {obs_space} is not a Box; rlplex agents need flat arrays")
     act_space = env.action_space
     obs_dtype = "uint8" if obs_space.dtype == np.uint8 else "float32"
+    stack = _frame_stack(env)
     if isinstance(act_space, gym.spaces.Discrete):
-        return EnvSpaces(tuple(obs_space.shape), "discrete", int(act_space.n), (), obs_dtype=obs_dtype)
+        return EnvSpaces(
+            tuple(obs_space.shape), "discrete", int(act_space.n), (), obs_dtype=obs_dtype, frame_stack=stack
+        )
     if isinstance(act_space, gym.spaces.Box):
         return EnvSpaces(
             tuple(obs_space.shape),
@@ -95,8 +102,17 @@ def spaces_of(env: gym.Env[Any, Any]) -> EnvSpaces:
             tuple(float(x) for x in np.asarray(act_space.low).ravel()),
             tuple(float(x) for x in np.asarray(act_space.high).ravel()),
             obs_dtype,
+            stack,
         )
     raise EnvironmentSpecError(f"action space {act_space} is neither Discrete nor Box")
+
+
+def _frame_stack(env: gym.Env[Any, Any]) -> int:
+    """The stack size of an outermost FrameStackObservation (no wrapper after it changes the
+    observations), else 1."""
+    if isinstance(env, gym.wrappers.FrameStackObservation):
+        return int(env.stack_size)
+    return 1
 
 
 def probe_spaces(config: EnvConfig) -> EnvSpaces:

@@ -9,6 +9,11 @@ Each slot also keeps `done` (terminated or truncated: the episode ended there) a
 `serial` (its position in the stream of all appended transitions), from which n-step
 returns are assembled at sample time (`rlplex.replays.nstep`).
 
+Stacked frames (`EnvSpaces.frame_stack` > 1, Atari): a step shifts the stack by one frame, so
+a slot stores the next observation's newest frame only (`next_frame`) and the next
+observation is rebuilt from the slot's own observation when sampled: 5 frames a slot
+instead of 8, exact for every step, a terminal one included.
+
 The cursor, the size, the total number of transitions ever appended and the number of
 environments of the last append (the stride between one environment's consecutive steps)
 live in a small counter array that is shared too, so that memory-copier processes (AsyncRl)
@@ -33,19 +38,26 @@ from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle, allo
 
 FIELDS = ("observation", "action", "reward", "next_observation", "terminated")
 WRITTEN = (*FIELDS, "done")  # what an append copies in
-STORED = (*WRITTEN, "serial")  # what a slot holds
+STORED = (*WRITTEN, "serial")  # what a slot holds (with `next_frame` for `next_observation` when stacked)
 # Counters every replay kind keeps first (SharedReplay reads them); the uniform one adds a stride.
 _CURSOR, _SIZE, _TOTAL, _STRIDE = 0, 1, 2, 3
 LOCK_TIMEOUT_S = 30.0
 _LOCK_POLL_S = 0.2
 
 
+def stacks_frames(spaces: EnvSpaces) -> bool:
+    return spaces.frame_stack > 1 and len(spaces.obs_shape) >= 2 and spaces.obs_shape[0] == spaces.frame_stack
+
+
 def replay_layout(spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    next_name, next_shape = (
+        ("next_frame", spaces.obs_shape[1:]) if stacks_frames(spaces) else ("next_observation", spaces.obs_shape)
+    )
     return {
         "observation": ((capacity, *spaces.obs_shape), spaces.obs_dtype),
         "action": ((capacity, *spaces.action_shape), spaces.action_dtype),
         "reward": ((capacity,), np.float32),
-        "next_observation": ((capacity, *spaces.obs_shape), spaces.obs_dtype),
+        next_name: ((capacity, *next_shape), spaces.obs_dtype),
         "terminated": ((capacity,), np.bool_),
         "done": ((capacity,), np.bool_),
         "serial": ((capacity,), np.int64),
@@ -109,6 +121,24 @@ class SharedReplay:
 class UniformReplayBuffer(SharedReplay):
     kind = "uniform"
 
+    @property
+    def stacked(self) -> bool:
+        """Observations are frame stacks: slots keep a next observation's newest frame only."""
+        return "next_frame" in self._arrays
+
+    @property
+    def stored_fields(self) -> tuple[str, ...]:
+        return tuple(name for name in (*STORED, "next_frame") if name in self._arrays)
+
+    def _transitions(self) -> dict[str, Any]:
+        """The stored arrays as transitions: `next_observation` rebuilt where it is not stored."""
+        if not self.stacked:
+            return self._arrays
+        return {
+            **self._arrays,
+            "next_observation": NextFromFrames(self._arrays["observation"], self._arrays["next_frame"]),
+        }
+
     @classmethod
     def create(cls, spaces: EnvSpaces, capacity: int, shared: bool = False, lock: Any = None) -> UniformReplayBuffer:
         if capacity <= 0:
@@ -127,7 +157,6 @@ class UniformReplayBuffer(SharedReplay):
             self._block = None
         self._lock = None  # a named semaphore: unlinked once the last reference goes
 
-
     # ----- counters -------------------------------------------------------------------------
     # ----- data -----------------------------------------------------------------------------
     def append_samples(self, samples: dict[str, np.ndarray]) -> int:
@@ -142,13 +171,16 @@ class UniformReplayBuffer(SharedReplay):
         n_dims = samples["reward"].ndim
         stride = int(samples["reward"].shape[1]) if n_dims >= 2 else 1
         columns = {**samples, "done": samples.get("done", samples["terminated"])}
-        flat = {name: columns[name].reshape(-1, *columns[name].shape[n_dims:]) for name in WRITTEN}
+        written = [name for name in self.stored_fields if name != "serial"]
+        if self.stacked:  # the newest frame of each next observation
+            columns["next_frame"] = np.take(samples["next_observation"], -1, axis=n_dims)
+        flat = {name: columns[name].reshape(-1, *columns[name].shape[n_dims:]) for name in written}
         n = len(flat["reward"])
         keep = min(n, self.capacity)
         with self._locked():
             cursor, total = int(self._counters[_CURSOR]), int(self._counters[_TOTAL])
             idx = (cursor + np.arange(n - keep, n)) % self.capacity
-            for name in WRITTEN:
+            for name in written:
                 self._arrays[name][idx] = flat[name][n - keep :]
             self._arrays["serial"][idx] = total + np.arange(n - keep, n)
             self._counters[_CURSOR] = (cursor + n) % self.capacity
@@ -178,9 +210,10 @@ class UniformReplayBuffer(SharedReplay):
             return self._gather(rng.integers(0, size, size=batch_size), n_step, gamma)
 
     def _gather(self, idx: np.ndarray, n_step: int, gamma: float | None) -> dict[str, np.ndarray]:
+        arrays = self._transitions()
         if gamma is None:
-            return {name: self._arrays[name][idx] for name in FIELDS}
-        return nstep_transitions(self._arrays, idx, n_step, gamma, int(self._counters[_STRIDE]))
+            return {name: arrays[name][idx] for name in FIELDS}
+        return nstep_transitions(arrays, idx, n_step, gamma, int(self._counters[_STRIDE]))
 
     # ----- snapshots ------------------------------------------------------------------------
     def state_dict(self, include_data: bool = True) -> dict[str, Any]:
@@ -189,7 +222,7 @@ class UniformReplayBuffer(SharedReplay):
             if include_data:
                 size = int(self._counters[_SIZE])
                 # Slots [0, size) are exactly the filled ones, whether or not the ring wrapped.
-                state["data"] = {name: self._arrays[name][:size].copy() for name in STORED}
+                state["data"] = {name: self._arrays[name][:size].copy() for name in self.stored_fields}
                 state.update(self._extra_state(size))
         return state
 
@@ -206,13 +239,13 @@ class UniformReplayBuffer(SharedReplay):
             )
         counters = np.asarray(state["counters"], dtype=np.int64)
         if "data" in state:
-            missing = [name for name in STORED if name not in state["data"]]
+            missing = [name for name in self.stored_fields if name not in state["data"]]
             if missing:
                 raise SnapshotError(f"the snapshot's replay buffer lacks {missing} (written by an older rlplex)")
         with self._locked():
             if "data" in state:
                 size = int(counters[_SIZE])
-                for name in STORED:
+                for name in self.stored_fields:
                     self._arrays[name][:size] = state["data"][name]
                 self._counters[:] = counters
                 self._load_extra_state(state, size)
@@ -220,6 +253,17 @@ class UniformReplayBuffer(SharedReplay):
                 # Without the data, keep the step count (schedules depend on it) but start empty.
                 self._counters[:] = (0, 0, int(counters[_TOTAL]), 1)
                 self._load_extra_state(state, 0)
+
+
+class NextFromFrames:
+    """`next_observation` of stacked-frame slots, rebuilt on indexing: the slot's observation
+    shifted by one frame, ending in the stored newest frame."""
+
+    def __init__(self, observation: np.ndarray, next_frame: np.ndarray) -> None:
+        self.observation, self.next_frame = observation, next_frame
+
+    def __getitem__(self, idx: Any) -> np.ndarray:
+        return np.concatenate([self.observation[idx][:, 1:], self.next_frame[idx][:, None]], axis=1)
 
 
 def locked(lock: Any | None, wait_check: Callable[[], None] | None) -> AbstractContextManager[Any]:

@@ -31,6 +31,7 @@ from rlplex.envs import EnvConfig, EnvSpaces, describe_action_space, describe_ob
 from rlplex.errors import ConfigError
 from rlplex.io.snapshot import SnapshotMode
 from rlplex.models.encoders import NATURE_FEATURES, EncoderKind, choose_encoder, nature_cnn_parameters
+from rlplex.replays.uniform import stacks_frames
 from rlplex.samplers import Evaluator, ParallelSampler, SerialSampler
 from rlplex.samplers.base import Sampler
 
@@ -166,8 +167,11 @@ def check_fits_in_memory(config: TrainConfig, spaces: EnvSpaces, available_bytes
             f"for the networks' parameters and optimizer state; this machine has {available_bytes / 2**30:,.1f} GiB"
         )
     buffer_size = getattr(config.algo, "buffer_size", 0)
-    # Each slot holds an observation and the next one (uint8 frames: 1 byte a pixel).
-    replay = buffer_size * 2 * math.prod(spaces.obs_shape) * np.dtype(spaces.obs_dtype).itemsize
+    # Each slot holds an observation and the next one, or of stacked frames the next one's newest
+    # frame only (uint8 frames: 1 byte a pixel).
+    next_shape = spaces.obs_shape[1:] if stacks_frames(spaces) else spaces.obs_shape
+    per_slot = math.prod(spaces.obs_shape) + math.prod(next_shape)
+    replay = buffer_size * per_slot * np.dtype(spaces.obs_dtype).itemsize
     if needed + replay > available_bytes:
         raise ConfigError(
             f"{source}: field 'algo.buffer_size': {buffer_size:,} transitions of {describe_observation_space(spaces)} "
