@@ -11,6 +11,7 @@ tiny checkpoint. Commands that share a job run in one test, in the README's orde
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -198,7 +199,15 @@ class Background:
         return self.log.read_text()[-3000:]
 
     def ended(self, code: int, timeout: float = 120) -> None:
-        assert self.process.wait(timeout=timeout) == code, f"{self.command}:\n{self.tail()}"
+        try:
+            returned = self.process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.process.send_signal(signal.SIGUSR1)  # rlplex prints every thread's stack to the log
+            with contextlib.suppress(AssertionError):
+                wait_for(lambda: "most recent call first" in self.tail(), 10, "the stack dump", interval=0.2)
+            log = self.log.read_text()[-8000:]
+            raise AssertionError(f"{self.command} did not end within {timeout:g} s:\n{log}") from None
+        assert returned == code, f"{self.command}:\n{self.tail()}"
 
     def kill(self) -> None:
         if self.process.poll() is None:

@@ -7,6 +7,7 @@ out, an error inside a rank) or an unexpected failure; 128 + N a stop by signal 
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -335,6 +336,9 @@ _register_main_job()
 
 
 def main() -> None:
+    # `kill -USR1 <pid>` prints every thread's stack to stderr (the log) and carries on: what a
+    # user, or a test, needs of a command that seems stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         app()
     except KeyboardInterrupt:

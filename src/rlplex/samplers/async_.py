@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from rlplex.envs import EnvConfig, EnvSpaces
-from rlplex.errors import ConfigError, WaitTimeoutError, WorkerDiedError
+from rlplex.errors import ConfigError, RlplexError, WaitTimeoutError, WorkerDiedError
 from rlplex.samplers.async_children import (
     BATCHES,
     COPIED,
@@ -237,10 +237,16 @@ class AsyncSampler:
     def _acquire(self, primitive: Any, what: str) -> None:
         waited = 0.0
         while not primitive.acquire(timeout=POLL_S):
-            self.check_alive()  # a child killed while holding it shows up here as WorkerDiedError
-            waited += POLL_S
-            if waited >= LOCK_TIMEOUT_S:
-                raise WaitTimeoutError(f"AsyncSampler: {what} not acquired within {LOCK_TIMEOUT_S} s")
+            try:
+                self.check_alive()  # a child killed while holding it shows up here as WorkerDiedError
+                waited += POLL_S
+                if waited >= LOCK_TIMEOUT_S:
+                    raise WaitTimeoutError(f"AsyncSampler: {what} not acquired within {LOCK_TIMEOUT_S} s")
+            except RlplexError:
+                # The error's traceback keeps this frame alive: not the primitive with it, so that
+                # its named semaphore goes with the sampler's others at shutdown.
+                del primitive
+                raise
 
     @property
     def env_steps(self) -> int:
