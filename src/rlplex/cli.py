@@ -72,7 +72,7 @@ def train(
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
     """Train a classic RL agent with the runners (MinibatchRl, SyncRl, AsyncRl, ...)."""
-    with _sigterm_as_interrupt() as received:
+    with _stop_signals_as_interrupt() as received:
         try:
             guard(
                 console,
@@ -87,9 +87,12 @@ def train(
 
 
 @contextmanager
-def _sigterm_as_interrupt() -> Iterator[list[int]]:
-    """SIGTERM stops `rlplex train` like Ctrl-C: the runners' cleanup runs (ranks and sampler
-    processes stopped) instead of the process vanishing. Yields the signals received."""
+def _stop_signals_as_interrupt() -> Iterator[list[int]]:
+    """SIGTERM stops a long command (`rlplex train`, `rlplex job run/resume`) like Ctrl-C: its
+    cleanup runs (ranks, sampler processes or the job's nodes stopped) instead of the process
+    vanishing. SIGINT is handled here too, not left to Python's default: a process that starts
+    with SIGINT ignored (a script's `cmd &`, a test runner's worker) would otherwise ignore a
+    Ctrl-C or `kill -INT` for good. Yields the signals received."""
     received: list[int] = []
 
     def handle(signum: int, frame: object) -> None:
@@ -99,11 +102,12 @@ def _sigterm_as_interrupt() -> Iterator[list[int]]:
     if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
         yield received
         return
-    previous = signal.signal(signal.SIGTERM, handle)
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield received
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 # What a finished or interrupted `rlplex train` leaves in its output folder.
@@ -191,7 +195,11 @@ app.add_typer(job_app, name="job")
 
 
 def _run_job_command(body: Any, debug: bool) -> None:
-    guard(console, debug, body, "job failed")
+    with _stop_signals_as_interrupt() as received:
+        try:
+            guard(console, debug, body, "job failed")
+        except KeyboardInterrupt:  # the master has stopped the job on its way out (`_drive`)
+            raise typer.Exit(128 + (received[-1] if received else signal.SIGINT)) from None
 
 
 def _drive(master: Any) -> None:
