@@ -67,7 +67,16 @@ def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec
                 "entrypoint": "rlplex.control.elastic:ElasticMaster",
                 "resources": {"cpu": 0.05},
                 "restart": {"scope": "worker", "max_restarts": trainer.max_restarts},
-                "config": {"workers": "trainer", "min_nodes": world, "max_nodes": world, "join_timeout_s": 60.0},
+                # A trainer node that dies is seen at once; silence means a hang. 30 s, not the
+                # default 10: its agent thread can starve while the node imports torch and loads
+                # the model on a busy machine (a node check failed at prepare that way).
+                "config": {
+                    "workers": "trainer",
+                    "min_nodes": world,
+                    "max_nodes": world,
+                    "join_timeout_s": 60.0,
+                    "member_timeout_s": 30.0,
+                },
             },
             "orchestrator": {
                 "entrypoint": "rlplex.mainjob.orchestrator_node:OrchestratorNode",
