@@ -23,7 +23,7 @@ run starts new episodes that never repeat the earlier run's.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -73,39 +73,44 @@ def envpool_task(env: EnvConfig) -> tuple[str, dict[str, Any]]:
     return game, options
 
 
-def make_pool(env: EnvConfig, seed: int) -> Any:
+def pool_maker(env: EnvConfig) -> Callable[[int], Any]:
+    """A function of a seed that makes a pool of one of `env`'s environment; the task is checked
+    once, here."""
     envpool = import_envpool()
     task, options = envpool_task(env)
-    if task not in envpool.list_all_envs():
+    tasks = envpool.list_all_envs()
+    if task not in tasks:
         raise EnvironmentSpecError(
             f"field 'env.id': EnvPool has no task {task!r} (sampler.kind = 'envpool'); its tasks include "
-            f"{', '.join(sorted(envpool.list_all_envs())[:12])}, ...; or use kind = 'parallel'"
+            f"{', '.join(sorted(tasks)[:12])}, ...; or use kind = 'parallel'"
         )
-    try:
-        with warnings.catch_warnings():  # gymnasium on EnvPool's float64 Box bounds: nothing to act on
-            warnings.simplefilter("ignore", UserWarning)
-            return envpool.make(
-                task, env_type="gymnasium", num_envs=1, batch_size=1, num_threads=1, seed=seed % 2**31, **options
-            )
-    except (TypeError, ValueError, RuntimeError) as error:
-        raise EnvironmentSpecError(f"field 'env.kwargs': EnvPool refused {task!r} with {options}: {error}") from None
 
-
-def check_envpool_spaces(env: EnvConfig, spaces: EnvSpaces) -> None:
-    """Refuse a task whose EnvPool spaces differ from gymnasium's (the agent is built for those)."""
-    pool = make_pool(env, 0)
-    try:
-        with warnings.catch_warnings():  # as in make_pool
-            warnings.simplefilter("ignore", UserWarning)
-            space = pool.observation_space
-        shape, dtype = tuple(space.shape), str(space.dtype)
-        if (shape, dtype) != (spaces.obs_shape, spaces.obs_dtype):
+    def make(seed: int) -> Any:
+        try:
+            with warnings.catch_warnings():  # gymnasium on EnvPool's float64 Box bounds: nothing to act on
+                warnings.simplefilter("ignore", UserWarning)
+                return envpool.make(
+                    task, env_type="gymnasium", num_envs=1, batch_size=1, num_threads=1, seed=seed % 2**31, **options
+                )
+        except (TypeError, ValueError, RuntimeError) as error:
             raise EnvironmentSpecError(
-                f"field 'env.id': EnvPool's {env.id!r} observes {dtype} {shape}, gymnasium's {spaces.obs_dtype} "
-                f"{spaces.obs_shape}; use sampler.kind = 'parallel'"
-            )
-    finally:
-        pool.close()
+                f"field 'env.kwargs': EnvPool refused {task!r} with {options}: {error}"
+            ) from None
+
+    return make
+
+
+def check_envpool_spaces(env: EnvConfig, spaces: EnvSpaces, pool: Any) -> None:
+    """Refuse a task whose EnvPool spaces differ from gymnasium's (the agent is built for those)."""
+    with warnings.catch_warnings():  # as in pool_maker
+        warnings.simplefilter("ignore", UserWarning)
+        space = pool.observation_space
+    shape, dtype = tuple(space.shape), str(space.dtype)
+    if (shape, dtype) != (spaces.obs_shape, spaces.obs_dtype):
+        raise EnvironmentSpecError(
+            f"field 'env.id': EnvPool's {env.id!r} observes {dtype} {shape}, gymnasium's {spaces.obs_dtype} "
+            f"{spaces.obs_shape}; use sampler.kind = 'parallel'"
+        )
 
 
 class EnvPoolCollector(EnvCollector):
@@ -113,17 +118,24 @@ class EnvPoolCollector(EnvCollector):
     receive all); an ended episode is reset at once in its pool."""
 
     def __init__(self, env: EnvConfig, spaces: EnvSpaces, seeds: list[int]) -> None:
-        self.env_config = env
         self._pool_seeds = list(seeds)
         self._episodes = [0] * len(seeds)  # episodes begun per environment since its pool's seed
-        super().__init__([make_pool(env, seed) for seed in seeds], spaces, seeds)
+        self._make_pool = pool_maker(env)
+        pools = [self._make_pool(seed) for seed in seeds]
+        try:
+            check_envpool_spaces(env, spaces, pools[0])
+        except EnvironmentSpecError:
+            for pool in pools:
+                pool.close()
+            raise
+        super().__init__(pools, spaces, seeds)
         self.pools: list[Any] = self.envs  # the same list: EnvPool pools, not gymnasium environments
 
     def reset(self) -> None:
         for i, seed in enumerate(self._seeds):
             if seed is not None and seed != self._pool_seeds[i]:  # a resumed run's new seed
                 self.pools[i].close()
-                self.pools[i] = make_pool(self.env_config, seed)
+                self.pools[i] = self._make_pool(seed)
                 self._pool_seeds[i], self._episodes[i] = seed, 0
         for pool in self.pools:
             pool.async_reset()
@@ -178,5 +190,4 @@ class EnvPoolSampler(SerialSampler):
     """A `SerialSampler` whose environments EnvPool steps on C++ threads (the module docstring)."""
 
     def _make_collector(self, spaces: EnvSpaces, seeds: list[int]) -> EnvCollector:
-        check_envpool_spaces(self.env_config, spaces)
         return EnvPoolCollector(self.env_config, spaces, seeds)
