@@ -1,7 +1,8 @@
 """Cross-process waiting and liveness for shared-memory structures (Linux).
 
 `FUTEX` sleeps on a u32 word in a shared mapping until a peer changes it and wakes the
-sleepers; `pid_alive` tells a waiter whether the peer holding what it waits on is gone.
+sleepers; `pid_alive` tells a waiter whether the peer holding what it waits on is gone;
+`acquire_polling` takes a multiprocessing lock without hanging behind a dead holder.
 Together they let a process of one machine wait for another without a broker or a pipe.
 """
 
@@ -12,10 +13,13 @@ import mmap
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FUTEX", "Futex", "pid_alive"]
+_POLL_S = 0.2  # how often a polling acquire re-checks its peer
+
+__all__ = ["FUTEX", "Futex", "acquire_polling", "pid_alive"]
 
 
 class _Timespec(ctypes.Structure):
@@ -86,3 +90,23 @@ def pid_alive(pid: int) -> bool:
             pass
         return True
     return stat[stat.rindex(b")") + 2 : stat.rindex(b")") + 3] not in (b"Z", b"X")
+
+
+def acquire_polling(lock: Any, check: Callable[[], None] | None, what: str, timeout_s: float = 30.0) -> None:
+    """Acquire a multiprocessing lock (or semaphore), polling: `check` (the owner's "is my peer
+    alive?", which raises when it is not) runs while another process holds it, and after
+    `timeout_s` this gives up with WaitTimeoutError rather than hang behind a dead holder."""
+    from rlplex.errors import WaitTimeoutError
+
+    deadline = time.monotonic() + timeout_s
+    while not lock.acquire(timeout=_POLL_S):
+        try:
+            if check is not None:
+                check()
+            if time.monotonic() > deadline:
+                raise WaitTimeoutError(f"{what} not acquired within {timeout_s:g} s")
+        except BaseException:
+            # The error's traceback keeps this frame alive: not the lock with it (a named
+            # semaphore is unlinked only when its last reference goes).
+            del lock
+            raise

@@ -23,7 +23,6 @@ multiprocessing lock for the shared case): a sample never sees a half-written sl
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -32,7 +31,8 @@ from typing import Any, Self
 import numpy as np
 
 from rlplex.envs import EnvSpaces
-from rlplex.errors import RlplexError, SnapshotError, WaitTimeoutError
+from rlplex.errors import RlplexError, SnapshotError
+from rlplex.io.shm_sync import acquire_polling
 from rlplex.replays.nstep import nstep_transitions
 from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle, allocate
 
@@ -42,7 +42,6 @@ STORED = (*WRITTEN, "serial")  # what a slot holds (with `next_frame` for `next_
 # Counters every replay kind keeps first (SharedReplay reads them); the uniform one adds a stride.
 _CURSOR, _SIZE, _TOTAL, _STRIDE = 0, 1, 2, 3
 LOCK_TIMEOUT_S = 30.0
-_LOCK_POLL_S = 0.2
 
 
 def stacks_frames(spaces: EnvSpaces) -> bool:
@@ -272,12 +271,7 @@ def locked(lock: Any | None, wait_check: Callable[[], None] | None) -> AbstractC
     gives up after LOCK_TIMEOUT_S rather than hang behind a dead holder."""
     if lock is None:
         return nullcontext()
-    deadline = time.monotonic() + LOCK_TIMEOUT_S
-    while not lock.acquire(timeout=_LOCK_POLL_S):
-        if wait_check is not None:
-            wait_check()
-        if time.monotonic() > deadline:
-            raise WaitTimeoutError(f"replay buffer write lock not acquired within {LOCK_TIMEOUT_S} s")
+    acquire_polling(lock, wait_check, "replay buffer write lock", LOCK_TIMEOUT_S)
     return _Release(lock)
 
 

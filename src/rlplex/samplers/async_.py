@@ -48,7 +48,8 @@ import torch
 from torch import nn
 
 from rlplex.envs import EnvConfig, EnvSpaces
-from rlplex.errors import ConfigError, RlplexError, WaitTimeoutError, WorkerDiedError
+from rlplex.errors import ConfigError, WorkerDiedError
+from rlplex.io.shm_sync import acquire_polling
 from rlplex.samplers.async_children import (
     BATCHES,
     COPIED,
@@ -235,18 +236,8 @@ class AsyncSampler:
             self.sync.progress.release()
 
     def _acquire(self, primitive: Any, what: str) -> None:
-        waited = 0.0
-        while not primitive.acquire(timeout=POLL_S):
-            try:
-                self.check_alive()  # a child killed while holding it shows up here as WorkerDiedError
-                waited += POLL_S
-                if waited >= LOCK_TIMEOUT_S:
-                    raise WaitTimeoutError(f"AsyncSampler: {what} not acquired within {LOCK_TIMEOUT_S} s")
-            except RlplexError:
-                # The error's traceback keeps this frame alive: not the primitive with it, so that
-                # its named semaphore goes with the sampler's others at shutdown.
-                del primitive
-                raise
+        # A child killed while holding it shows up in check_alive as WorkerDiedError.
+        acquire_polling(primitive, self.check_alive, f"AsyncSampler: {what}", LOCK_TIMEOUT_S)
 
     @property
     def env_steps(self) -> int:
