@@ -28,8 +28,8 @@ import numpy as np
 
 from benchmarks.common import report
 from rlplex.envs import EnvSpaces
+from rlplex.processes import CONTEXT
 from rlplex.replays import PrioritizedReplayBuffer, UniformReplayBuffer
-from rlplex.samplers.processes import CONTEXT
 
 SPACES = EnvSpaces(obs_shape=(4,), action_kind="discrete", n_actions=2, action_shape=())
 BATCH = 256

@@ -11,8 +11,8 @@ import pytest
 from rlplex.envs import EnvSpaces
 from rlplex.errors import RlplexError, SnapshotError
 from rlplex.io.snapshot import read_snapshot, write_snapshot
+from rlplex.processes import CONTEXT
 from rlplex.replays import ReplayHandle, UniformReplayBuffer
-from rlplex.samplers.processes import CONTEXT
 
 SPACES = EnvSpaces(obs_shape=(2,), action_kind="discrete", n_actions=3, action_shape=())
 

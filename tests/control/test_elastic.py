@@ -346,13 +346,14 @@ def test_a_hung_node_check_fails_prepare_within_the_rpc_timeout(job_dir: Path, m
         master.close()
 
 
-def test_nccl_node_check_needs_cuda() -> None:
+def test_nccl_node_check_needs_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     torch = pytest.importorskip("torch")
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
     from rlplex.control.elastic.check import run_check
 
-    outcome = run_check(0, 1, "127.0.0.1", 1, 8, 1.0, backend="nccl")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    outcome = run_check(8, 1.0, backend="nccl")
     assert outcome == {"ok": False, "error": "backend nccl needs CUDA, and torch.cuda.is_available() is False here"}
 
 

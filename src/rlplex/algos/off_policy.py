@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from rlplex.errors import RlplexError
+from rlplex.processes import CONTEXT
 from rlplex.replays import PrioritizedReplayBuffer, UniformReplayBuffer
 from rlplex.samplers.batch import SampleBatch
-from rlplex.samplers.processes import CONTEXT
 
 
 def transitions_of(samples: SampleBatch) -> dict[str, np.ndarray]:

@@ -40,9 +40,9 @@ from rlplex.config import StrictModel
 from rlplex.errors import ConfigError, RlplexError, SnapshotError
 from rlplex.models import unwrap_model
 from rlplex.models.recurrent import RecurrentQNet
+from rlplex.processes import CONTEXT
 from rlplex.replays.sequence import SequenceReplayBuffer, sequences_of
 from rlplex.samplers.batch import SampleBatch
-from rlplex.samplers.processes import CONTEXT
 
 
 class SequencePriorityConfig(StrictModel):

@@ -24,7 +24,7 @@ job's token as HMAC key, so the master and every peer node authenticate one anot
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field
 
@@ -33,7 +33,7 @@ from rlplex.control.job.states import JobState, NodeState
 from rlplex.control.job.store import JobStore, NodeRecord
 from rlplex.control.node.worker import Worker, WorkerContext
 from rlplex.control.rpc import RpcClient, parse_address
-from rlplex.dataflow.process_worker import CALL_TIMEOUT_S, ModelServer, ProcessModelWorker
+from rlplex.dataflow.process_worker import CALL_TIMEOUT_S, ModelServer, RemoteModelWorker
 from rlplex.errors import ConfigError, WaitTimeoutError, WorkerDiedError
 
 _POLL_S = 0.05
@@ -57,15 +57,19 @@ class ModelWorkerConfig(StrictModel):
 
 
 class ModelWorkerNode(Worker):
-    """A control-plane worker serving one model worker until the job stops it."""
+    """A control-plane worker serving one model worker until the job stops it.
 
-    config_model = ModelWorkerConfig
+    A subclass may build its interface another way (`build_interface`) under a config of its own."""
+
+    config_model: ClassVar[type[StrictModel]] = ModelWorkerConfig
 
     def __init__(self, context: WorkerContext) -> None:
         super().__init__(context)
-        config = ModelWorkerConfig.model_validate(context.config)
-        self.target, self.kwargs = config.interface, config.kwargs
         self.server: ModelServer | None = None
+
+    def build_interface(self) -> object:
+        config = ModelWorkerConfig.model_validate(self.context.config)
+        return load_interface(config.interface, config.kwargs)
 
     def self_check(self) -> None:
         # Built here, before start, so that a broken interface fails `prepare()` with its reason.
@@ -73,8 +77,7 @@ class ModelWorkerNode(Worker):
 
         torch.set_num_threads(1)
         if self.server is None:
-            interface = load_interface(self.target, self.kwargs)
-            self.server = ModelServer(self.context.node_id, interface, self.context.token, self._called)
+            self.server = ModelServer(self.context.node_id, self.build_interface(), self.context.token, self._called)
 
     def _called(self) -> None:
         assert self.server is not None
@@ -96,16 +99,14 @@ class ModelWorkerNode(Worker):
             self.server.close()
 
 
-class JobModelWorker(ProcessModelWorker):
+class JobModelWorker(RemoteModelWorker):
     """The master's handle on node `rank` of a `ModelWorkerNode` role (see the module docstring)."""
 
     def __init__(
         self, context: WorkerContext, role: str, rank: int, restart_timeout_s: float = 60.0,
         call_timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:  # fmt: skip
-        super().__init__(
-            f"{role}-{rank}", factory=object, authkey=context.token, max_restarts=1 << 30, call_timeout_s=call_timeout_s
-        )
+        super().__init__(f"{role}-{rank}", authkey=context.token, call_timeout_s=call_timeout_s)
         self.context, self.role, self.rank = context, role, rank
         self.restart_timeout_s = restart_timeout_s
         self.incarnation = -1
@@ -143,25 +144,13 @@ class JobModelWorker(ProcessModelWorker):
                 raise WorkerDiedError(f"model worker {self.name!r} is {state} and will not come back")
             return nodes[0]
 
-    def start(self) -> JobModelWorker:
+    def _launch(self) -> tuple[str, int]:
+        """The address of the node's next RUNNING incarnation (restarts are the job's to decide)."""
         record = self._wait_running(self.incarnation, self.restart_timeout_s)
         rpc = RpcClient(parse_address(record.address), self.context.token, record.node_id)
         try:
             host, port = rpc.call("call", "address")
         finally:
             rpc.close()
-        self._connect_control((str(host), int(port)))
-        self.store.connect((str(host), int(port)), self.authkey)
         self.incarnation = record.incarnation
-        return self
-
-    def _restart(self) -> None:
-        self._disconnect()
-        self.store.reset()
-        self.start()
-
-    def close(self) -> None:
-        self._closed = True
-        self._disconnect()
-        self.store.reset()
-        self._calls.shutdown(wait=False, cancel_futures=True)
+        return (str(host), int(port))

@@ -26,14 +26,14 @@ job's restart policy.
 from __future__ import annotations
 
 import asyncio
-import multiprocessing as mp
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from multiprocessing.context import SpawnProcess
+from typing import Any, Self
 
 from rlplex.control.rpc import (
     Address,
@@ -48,8 +48,8 @@ from rlplex.dataflow.dataplane import DataPlane, DataPlaneError, LocalTensorStor
 from rlplex.dataflow.mfc import MFCDef, MFCExecutionError, ModelInterfaceType
 from rlplex.dataflow.workers import Outputs, drop_when_done
 from rlplex.errors import NodeFailedError, WaitTimeoutError, WorkerDiedError
+from rlplex.processes import CONTEXT, start_process, stop_processes
 
-CONTEXT = mp.get_context("spawn")  # forking a process that runs torch threads can deadlock
 CONNECT_TIMEOUT_S = 30.0  # a live peer answers the handshake in milliseconds; a stopped one never
 CALL_TIMEOUT_S = 600.0  # the default for one MFC call (a model's generate or train step)
 STORE_TIMEOUT_S = 60.0  # a store operation: get, drop, size
@@ -239,67 +239,93 @@ class RemoteTensorStore:
             self.incarnation += 1
 
 
-class ProcessModelWorker:
+class RemoteModelWorker:
+    """The master's handle on a model worker serving in another process: one call in flight on
+    its connection, store operations on a second one, and a call that loses its server issued
+    again on the server's next incarnation.
+
+    Who starts that incarnation is the one thing its two kinds differ in: `ProcessModelWorker`
+    spawns its own child, within a restart budget; `JobModelWorker` waits for the control plane,
+    whose failure policy decides. A subclass implements `_launch` (start or find the server and
+    return its address) and may refuse a replacement in `_check_budget`."""
+
     def __init__(
         self,
         name: str,
-        factory: InterfaceFactory,
         authkey: bytes | None = None,
-        max_restarts: int = 3,
-        start_timeout_s: float = 120.0,
         connect_timeout_s: float | None = None,
         call_timeout_s: float = CALL_TIMEOUT_S,
     ) -> None:
         self.name = name
-        self.factory = factory
         self.authkey = authkey or os.urandom(32)
-        self.max_restarts = max_restarts
-        self.start_timeout_s = start_timeout_s
         self.connect_timeout_s = connect_timeout_s
         self.call_timeout_s = call_timeout_s
         self.store = RemoteTensorStore(name, connect_timeout_s)
         self.restarts = 0
-        self.process: Any = None
-        self._parent: Connection | None = None  # the child lives while this end is open
         self._client: RpcClient | None = None
         # One thread per handle: calls of several MFCs on this worker queue here, so one
-        # call is in flight on the connection at a time (the child runs them one by one anyway).
+        # call is in flight on the connection at a time (the server runs them one by one anyway).
         self._calls = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"calls-{name}")
         self._closed = False
 
-    def _connect_control(self, address: Address) -> None:
+    # ----- what a kind of worker decides ------------------------------------------------
+    def _launch(self) -> Address:
+        raise NotImplementedError
+
+    def _check_budget(self, cause: str) -> None:
+        """Raise `WorkerDiedError` when the server may not be replaced (after `cause`)."""
+
+    def _retire(self) -> None:
+        """Let go of a server that is being replaced or closed."""
+
+    def _died_between_calls(self) -> bool:
+        return False
+
+    # ----- the shared lifecycle ---------------------------------------------------------
+    def start(self) -> Self:
+        address = self._launch()
         timeout = CONNECT_TIMEOUT_S if self.connect_timeout_s is None else self.connect_timeout_s
         self._client = RpcClient(address, self.authkey, f"model worker {self.name!r}", self.call_timeout_s, timeout)
+        self.store.connect(address, self.authkey)
+        return self
 
     def _disconnect(self) -> None:
         client, self._client = self._client, None
         if client is not None:
             client.close()
 
-    def start(self) -> ProcessModelWorker:
-        parent, child = CONTEXT.Pipe()
-        self.process = CONTEXT.Process(
-            target=_child_main,
-            args=(self.name, self.factory, self.authkey, child),
-            name=f"model-worker-{self.name}",
-            daemon=True,
-        )
-        self.process.start()
-        child.close()
-        self._parent = parent
-        if not parent.poll(self.start_timeout_s):
-            self.close()
-            raise WorkerDiedError(f"model worker {self.name!r} did not start within {self.start_timeout_s}s")
-        try:
-            address = tuple(parent.recv())
-        except EOFError:
-            self.process.join(timeout=5)
-            raise WorkerDiedError(
-                f"model worker {self.name!r} died while starting (exit code {self.process.exitcode})"
-            ) from None
-        self._connect_control((str(address[0]), int(address[1])))
-        self.store.connect((str(address[0]), int(address[1])), self.authkey)
-        return self
+    def _replace(self, cause: str) -> None:
+        self._check_budget(cause)
+        self.restarts += 1
+        self._disconnect()
+        self._retire()
+        self.store.reset()
+        self.start()
+
+    def _call_blocking(self, request: dict[str, Any]) -> dict[str, list[Any]]:
+        while True:
+            client = self._client
+            if self._closed or client is None:
+                raise WorkerDiedError(f"model worker {self.name!r} is closed")
+            try:
+                infos: dict[str, list[Any]] = client.call("run", request, timeout_s=self.call_timeout_s)
+                return infos
+            except RpcConnectionLost as error:
+                if self._closed:
+                    raise WorkerDiedError(f"model worker {self.name!r} is closed") from None
+                self._replace(f"died ({error})")
+
+    async def revive(self) -> bool:
+        """Restart a server that died between calls (its store is gone); True if it was restarted.
+
+        Queued behind any call in flight, which restarts a server that dies under it itself."""
+        return await asyncio.wrap_future(self._calls.submit(self._revive_blocking))
+
+    def _revive_blocking(self) -> bool:
+        if self._closed or not self._died_between_calls():
+            return False
+        self._replace("died")
+        return True
 
     def _request(self, mfc: MFCDef, ids: Sequence[int], plane: DataPlane) -> dict[str, Any]:
         inputs: dict[str, Any] = {}
@@ -332,55 +358,6 @@ class ProcessModelWorker:
             "inputs": inputs,
         }
 
-    def _call_blocking(self, request: dict[str, Any]) -> dict[str, list[Any]]:
-        while True:
-            client = self._client
-            if self._closed or client is None:
-                raise WorkerDiedError(f"model worker {self.name!r} is closed")
-            try:
-                infos: dict[str, list[Any]] = client.call("run", request, timeout_s=self.call_timeout_s)
-                return infos
-            except RpcConnectionLost as error:
-                if self._closed:
-                    raise WorkerDiedError(f"model worker {self.name!r} is closed") from None
-                if self.restarts >= self.max_restarts:
-                    raise WorkerDiedError(
-                        f"model worker {self.name!r} died ({error}); restart budget of {self.max_restarts} spent"
-                    ) from None
-                self.restarts += 1
-                self._restart()
-
-    async def revive(self) -> bool:
-        """Restart a child that died between calls (its store is gone); True if it was restarted.
-
-        Queued behind any call in flight, which restarts a child that dies under it itself."""
-        return await asyncio.wrap_future(self._calls.submit(self._revive_blocking))
-
-    def _revive_blocking(self) -> bool:
-        if self._closed or self.process is None or self.process.is_alive():
-            return False
-        if self.restarts >= self.max_restarts:
-            raise WorkerDiedError(f"model worker {self.name!r} died; restart budget of {self.max_restarts} spent")
-        self.restarts += 1
-        self._restart()
-        return True
-
-    def _restart(self) -> None:
-        self._disconnect()
-        self._stop_child()
-        self.store.reset()
-        self.start()
-
-    def _stop_child(self) -> None:
-        if self._parent is not None:
-            self._parent.close()  # the child's cue to exit
-            self._parent = None
-        if self.process is not None:
-            self.process.join(timeout=5)
-            if self.process.is_alive():
-                self.process.kill()
-                self.process.join(timeout=5)
-
     async def run(self, mfc: MFCDef, ids: Sequence[int], plane: DataPlane) -> Outputs:
         future = self._calls.submit(self._call_blocking, self._request(mfc, ids, plane))
         try:
@@ -399,5 +376,62 @@ class ProcessModelWorker:
     def close(self) -> None:
         self._closed = True
         self._disconnect()
-        self._stop_child()
+        self._retire()
+        self.store.reset()
         self._calls.shutdown(wait=False, cancel_futures=True)
+
+
+class ProcessModelWorker(RemoteModelWorker):
+    """A model worker in a child process of this one, restarted here up to `max_restarts` times."""
+
+    def __init__(
+        self,
+        name: str,
+        factory: InterfaceFactory,
+        authkey: bytes | None = None,
+        max_restarts: int = 3,
+        start_timeout_s: float = 120.0,
+        connect_timeout_s: float | None = None,
+        call_timeout_s: float = CALL_TIMEOUT_S,
+    ) -> None:
+        super().__init__(name, authkey, connect_timeout_s, call_timeout_s)
+        self.factory = factory
+        self.max_restarts = max_restarts
+        self.start_timeout_s = start_timeout_s
+        self.process: SpawnProcess | None = None
+        self._parent: Connection | None = None  # the child lives while this end is open
+
+    def _launch(self) -> Address:
+        parent, child = CONTEXT.Pipe()
+        self.process = start_process(
+            _child_main, (self.name, self.factory, self.authkey, child), f"model-worker-{self.name}"
+        )
+        child.close()
+        self._parent = parent
+        if not parent.poll(self.start_timeout_s):
+            self.close()
+            raise WorkerDiedError(f"model worker {self.name!r} did not start within {self.start_timeout_s}s")
+        try:
+            address = tuple(parent.recv())
+        except EOFError:
+            self.process.join(timeout=5)
+            raise WorkerDiedError(
+                f"model worker {self.name!r} died while starting (exit code {self.process.exitcode})"
+            ) from None
+        return (str(address[0]), int(address[1]))
+
+    def _check_budget(self, cause: str) -> None:
+        if self.restarts >= self.max_restarts:
+            raise WorkerDiedError(
+                f"model worker {self.name!r} {cause}; restart budget of {self.max_restarts} spent"
+            ) from None
+
+    def _died_between_calls(self) -> bool:
+        return self.process is not None and not self.process.is_alive()
+
+    def _retire(self) -> None:
+        if self._parent is not None:
+            self._parent.close()  # the child's cue to exit
+            self._parent = None
+        if self.process is not None:
+            stop_processes([self.process], grace_s=5.0)

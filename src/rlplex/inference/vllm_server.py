@@ -39,7 +39,7 @@ from rlplex.errors import ConfigError, InferenceError, InferenceUnavailableError
 from rlplex.inference.config import SMALL_MACHINE_CORES, InferenceConfig
 from rlplex.io.shm_reaper import group_pids, release, shm_in_use
 from rlplex.models.spec import ModelSpec
-from rlplex.parent_death import die_with_parent
+from rlplex.processes import die_with_parent
 
 API_KEY_FILE = "api_key"
 ENDPOINT_FILE = "endpoint.json"

@@ -2,7 +2,7 @@
 
     SyncLauncher (parent, not a rank)         rank r = 0 .. W-1 (spawned process)
     ---------------------------------         --------------------------------------------
-    TCPStore server on 127.0.0.1:<free>  <--  init_process_group(gloo | nccl, timeout)
+    TCPStore server on 127.0.0.1:<free>  <--  join_group(gloo | nccl, timeout)
     start W processes ------------------->    runner = build(r, W)        # SyncRl(Eval)
                                               runner.train():  MinibatchRl loop, where
                                                 agent.model = DDP(model)  # rank 0's weights
@@ -42,7 +42,6 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
@@ -55,11 +54,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from rlplex import errors
-from rlplex.control.elastic.rdzv import LOCAL_HOST, loopback_collectives_env, serve_tcp_store
+from rlplex.control.elastic.entry import join_group
+from rlplex.control.elastic.rdzv import LOCAL_HOST, dist_env, serve_tcp_store
 from rlplex.errors import ConfigError, RlplexError, RunFailedError, WaitTimeoutError, WorkerDiedError
 from rlplex.models import unwrap_model
+from rlplex.processes import CONTEXT, die_with_launcher, start_process, stop_processes
 from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval, TrainResult
-from rlplex.samplers.processes import CONTEXT, die_with_launcher, stop_processes
 from rlplex.samplers.rng import process_rng_state, set_process_rng_state
 
 Backend = Literal["gloo", "nccl"]
@@ -215,14 +215,14 @@ def _rank_main(
     # A rank outlived by nothing: killed with the launcher, it cannot go on writing snapshots.
     die_with_launcher()
     torch.set_num_threads(1)
-    timeout = timedelta(seconds=collective_timeout_s)
     outcome = RankOutcome(rank=rank)
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        os.environ.update(loopback_collectives_env())
-        store = dist.TCPStore(LOCAL_HOST, store_port, world_size + 1, is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+        # Ranks of one machine: the launcher serves the store, as rank 0's node does for a round.
+        assignment = {"rank": rank, "local_rank": rank, "world": world_size, "local_world": world_size}
+        os.environ.update(dist_env(assignment | {"group_rank": 0, "addr": LOCAL_HOST, "port": store_port}))
+        join_group(backend, collective_timeout_s, alone=True)
         runner = build(rank, world_size)
         if not isinstance(runner, SyncRl):
             raise ConfigError(f"the rank builder must return a SyncRl or SyncRlEval, got {type(runner).__name__}")
@@ -303,8 +303,7 @@ class SyncLauncher:
                     sender,
                 )
                 # Not a daemon: a rank may start sampler worker processes of its own.
-                process = CONTEXT.Process(target=_rank_main, args=args, name=f"rank {rank}", daemon=False)
-                process.start()
+                process = start_process(_rank_main, args, f"rank {rank}", daemon=False)
                 sender.close()
                 self.processes.append(process)
                 conns.append(receiver)

@@ -50,6 +50,7 @@ from torch import nn
 from rlplex.envs import EnvConfig, EnvSpaces
 from rlplex.errors import ConfigError, WorkerDiedError
 from rlplex.io.shm_sync import acquire_polling
+from rlplex.processes import CONTEXT, check_alive, start_process, stop_processes
 from rlplex.samplers.async_children import (
     BATCHES,
     COPIED,
@@ -66,7 +67,6 @@ from rlplex.samplers.async_children import (
     sampler_main,
 )
 from rlplex.samplers.parallel import RNG_SLOT_BYTES, RNG_SLOT_BYTES_PER_ENV
-from rlplex.samplers.processes import CONTEXT, check_alive, start_process, stop_processes
 from rlplex.samplers.shared import SharedBatch
 from rlplex.samplers.shared_arrays import SharedArrays
 

@@ -22,8 +22,8 @@ from torch import nn
 
 from rlplex.envs import EnvConfig, EnvSpaces
 from rlplex.errors import RlplexError
+from rlplex.processes import die_with_launcher
 from rlplex.samplers.parallel import ParallelSampler
-from rlplex.samplers.processes import die_with_launcher
 from rlplex.samplers.rng import process_rng_state, set_process_rng_state
 from rlplex.samplers.serial import SerialSampler
 from rlplex.samplers.shared import SharedBatch, SharedBatchHandle

@@ -63,9 +63,9 @@ from rlplex.agents.base import Agent, AgentFactory, state_reset_of
 from rlplex.envs import EnvConfig, EnvSpaces, env_seed, make_env, probe_spaces
 from rlplex.errors import ConfigError, RlplexError, SnapshotError, WaitTimeoutError
 from rlplex.models import unwrap_model
+from rlplex.processes import CONTEXT, check_alive, die_with_launcher, start_process, stop_processes
 from rlplex.samplers.batch import SampleBatch
 from rlplex.samplers.collector import EnvCollector
-from rlplex.samplers.processes import CONTEXT, check_alive, die_with_launcher, start_process, stop_processes
 from rlplex.samplers.rng import fit_env_states, process_rng_state, set_process_rng_state, streams_digest
 from rlplex.samplers.shared import SharedBatch, SharedBatchHandle
 from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle

@@ -14,16 +14,18 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 
-def run_check(
-    rank: int, world: int, addr: str, port: int, size: int, timeout_s: float, backend: str = "gloo", local_rank: int = 0
-) -> dict[str, Any]:
+def run_check(size: int, timeout_s: float, backend: str = "gloo") -> dict[str, Any]:
+    """In the group that torchrun's environment describes (see `join_group`)."""
     import torch
     import torch.distributed as dist
 
+    from rlplex.control.elastic.entry import join_group
+
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     torch.set_num_threads(1)
     device = torch.device("cpu")
     if backend == "nccl":
@@ -37,9 +39,7 @@ def run_check(
             torch.cuda.synchronize(device)
 
     t0 = time.perf_counter()
-    dist.init_process_group(
-        backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s)
-    )
+    join_group(backend, timeout_s, alone=True)
     try:
         ones = torch.ones(1024, device=device)
         t1 = time.perf_counter()
@@ -71,16 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backend", choices=["gloo", "nccl"], default="gloo")
     args = parser.parse_args(argv)
     try:
-        result = run_check(
-            int(os.environ["RANK"]),
-            int(os.environ["WORLD_SIZE"]),
-            os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            int(os.environ["MASTER_PORT"]),
-            args.size,
-            args.timeout_s,
-            args.backend,
-            int(os.environ.get("LOCAL_RANK", 0)),
-        )
+        result = run_check(args.size, args.timeout_s, args.backend)
     except Exception as error:
         result = {"ok": False, "error": f"{type(error).__name__}: {error}"}
     print(json.dumps(result), flush=True)

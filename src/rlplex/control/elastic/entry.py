@@ -80,19 +80,24 @@ def load_function(target: str) -> tuple[Callable[..., Any], Any]:
     return function, config_model_of(function, target)
 
 
-def join_group(backend: str = "gloo") -> bool:
-    """Join the torch.distributed group described by torchrun's environment; False when there is
-    no group to join (one rank) or this process is in one already. Under an ElasticWorker the
-    round's store is served by rank 0's node (TORCHELASTIC_USE_AGENT_STORE=True): the ranks join
-    it as clients, as under torchrun."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+def join_group(backend: str = "gloo", timeout_s: float | None = None, alone: bool = False) -> bool:
+    """Join the torch.distributed group described by torchrun's environment (`dist_env`): the one
+    way rlplex forms a group (trainer ranks, node checks, `SyncRl` ranks).
+
+    False when there is no group to join (one rank, unless `alone`) or this process is in one
+    already. The ranks join the store as clients (TORCHELASTIC_USE_AGENT_STORE=True): it is served
+    on a loopback-bound socket by the round's rank-0 node or by the launcher (`serve_tcp_store`),
+    never by rank 0's own TCPStore, which would listen on every interface. The timeout of every
+    collective is `timeout_s`, else RLPLEX_DIST_TIMEOUT_S, else 300 s."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 and not alone:
         return False
     import torch.distributed as dist
 
     if dist.is_initialized():
         return False
-    timeout = timedelta(seconds=float(os.environ.get("RLPLEX_DIST_TIMEOUT_S", "300")))
-    dist.init_process_group(backend, init_method="env://", timeout=timeout)
+    if timeout_s is None:
+        timeout_s = float(os.environ.get("RLPLEX_DIST_TIMEOUT_S", "300"))
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
     return True
 
 

@@ -42,7 +42,7 @@ from rlplex.errors import JobSpecError, RlplexError
 # lives as long as the node does.
 _ORPHAN_GUARD = (
     "import os, signal, sys\n"
-    "from rlplex.parent_death import die_with_parent\n"
+    "from rlplex.processes import die_with_parent\n"
     "die_with_parent(signal.SIGKILL, int(sys.argv[1]))  # exits 137 if the node is already gone\n"
     "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
 )

@@ -1,24 +1,54 @@
-"""Child processes of the runners (sampler workers, copiers, ranks): start, watch, stop.
+"""The process kernel of the library's own children: one way to start, watch and stop them.
 
-Every blocking wait on a child has a timeout and a cause: `check_alive` turns a dead child
+Sampler workers, copiers, runner ranks and model workers are `spawn`ed through `start_process`;
+every blocking wait on a child has a timeout and a cause: `check_alive` turns a dead child
 into `WorkerDiedError` naming it and its exit code, and `stop_processes` leaves no orphan
 (terminate, then kill after a grace period). A child calls `die_with_launcher` first thing,
 so it is SIGTERMed at once when its parent is killed (no orphan keeps training).
+
+Processes started as commands (control-plane nodes, vLLM servers, elastic scripts) call
+`die_with_parent` for the same guarantee. `PR_SET_PDEATHSIG` asks the kernel to signal the
+child when its parent dies, however the parent dies (SIGKILL included). The request fires
+when the *thread* that started the child exits, so children are started from a thread that
+lives as long as the parent does (the main thread, in rlplex).
+
+Jobs' nodes are not started here: the control plane's backends place, start and restart them
+(`rlplex.control`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing as mp
+import os
 import signal
+import sys
 from collections.abc import Callable, Sequence
 from multiprocessing.context import SpawnProcess
 from typing import Any
 
 from rlplex.errors import WorkerDiedError
-from rlplex.parent_death import die_with_parent
 
 # `spawn`, not `fork`: forking a process that already runs torch threads can deadlock.
 CONTEXT = mp.get_context("spawn")
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(signum: int = signal.SIGTERM, parent_pid: int | None = None) -> None:
+    """In the child: receive `signum` when the parent dies.
+
+    With `parent_pid`, also close the race where the parent died before the request took
+    effect (the child was then already re-parented, so the kernel will never signal it): the
+    child exits at once with status 128 + `signum`, as if the signal had arrived. Does nothing
+    off Linux.
+    """
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(Exception):  # no libc to load: the parent-pid check below still runs
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signum))
+    if parent_pid is not None and os.getppid() != parent_pid:
+        os._exit(128 + int(signum))
 
 
 def die_with_launcher() -> None:
