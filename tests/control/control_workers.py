@@ -1,6 +1,7 @@
 """Workers for the control-plane tests. Faults come from RLPLEX_TEST_FAULTS="kind@node_id,..."
 (never from product code): stall (incarnation 0 stops progressing), crash (every incarnation
-fails after one item), self_check, check_child (the hook raises)."""
+fails after one item), self_check, check_child (the hook raises), slow_check (the self_check of
+every incarnation after the first takes 5 s)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ class Counter(WorkerLoad):
     def self_check(self) -> None:
         if "self_check" in faults(self.context):
             raise RuntimeError("injected self_check failure: disk not writable")
+        if "slow_check" in faults(self.context) and self.context.incarnation > 0:
+            time.sleep(5.0)  # a node that loads a model before it reports ready
 
     def run(self) -> None:
         cfg = self.context.config

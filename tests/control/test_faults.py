@@ -67,6 +67,31 @@ def test_sigkilled_worker_is_restarted_and_nothing_is_lost(job_dir: Path, scope:
         assert master.store.job(master.job_id).restarts == 1
 
 
+def test_a_slow_check_of_a_restarted_node_blames_no_other_node(
+    job_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The master checks a restarted node with a blocking call (self_check may load a model). The
+    # heartbeats the other nodes sent meanwhile count: none of them is silent for 3 s.
+    monkeypatch.setenv("RLPLEX_TEST_FAULTS", "slow_check@counter-1")
+    spec = counter_job(job_dir, items=30, delay_s=0.01)
+    spec.roles["counter"].config.update(hold_until="go", hold_after=3)
+    with PrimeMaster.create(spec) as master:
+        master.start()
+        wait_for(lambda: progress_of(master, "counter-1") >= 3, 20, "counter-1 to process 3 items")
+        os.kill(master.get_nodes_by_role()["counter"][1].pid, signal.SIGKILL)
+
+        def restarted_and_running() -> bool:
+            master.monitor()
+            node = next(n for n in master.get_nodes_by_role()["counter"] if n.node_id == "counter-1")
+            return node.restarts == 1 and node.state == "RUNNING"
+
+        wait_for(restarted_and_running, 30, "counter-1 restarted and RUNNING")
+        (job_dir / "go").write_text("")
+        assert master.wait(timeout=40) == JobState.STOPPED
+        assert [(action, target) for action, target, _ in decisions(master)] == [("RESTART_WORKER", "counter-1")]
+        assert items_done(job_dir) == set(range(30))
+
+
 def test_a_stopped_worker_misses_heartbeats_and_is_replaced(job_dir: Path) -> None:
     with PrimeMaster.create(counter_job(job_dir, heartbeat_timeout_s=1.0)) as master:
         master.start()

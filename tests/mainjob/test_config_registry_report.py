@@ -15,6 +15,8 @@ from rlplex.mainjob.registry import (
     answer,
     pending_requests,
     read_registry,
+    rollout_ranks,
+    rollout_slots,
     run_for_rank,
     submit_add,
     wait_for_answer,
@@ -96,6 +98,28 @@ def test_registry_maps_ranks_to_runs_and_requests_get_answers(tmp_path: Path) ->
     (tmp_path / "runs.json").write_text("{}")
     with pytest.raises(ConfigError, match="expected a JSON list"):
         read_registry(tmp_path)
+
+
+def test_rollout_nodes_are_numbered_in_the_order_runs_join_and_the_job_has_a_role_for_them(tmp_path: Path) -> None:
+    from rlplex.mainjob.build import ROLLOUT_ROLE, build_job_spec
+
+    entries = [
+        RunEntry(id="run_a", config=RUN | {"rollout_workers": 2}),
+        RunEntry(id="run_b", config=RUN),  # generates in its orchestrator's process
+        RunEntry(id="run_c", config=RUN | {"rollout_workers": 3}),
+    ]
+    assert rollout_slots(entries) == ["run_a", "run_a", "run_c", "run_c", "run_c"]
+    write_registry(tmp_path, entries)
+    assert rollout_ranks(tmp_path, "run_c") == [2, 3, 4] and rollout_ranks(tmp_path, "run_b") == []
+    # A run joining later appends its nodes: the ranks of the runs already there do not move.
+    write_registry(tmp_path, [*entries, RunEntry(id="run_d", config=RUN | {"rollout_workers": 2})])
+    assert rollout_ranks(tmp_path, "run_c") == [2, 3, 4] and rollout_ranks(tmp_path, "run_d") == [5, 6]
+    job = MainJobConfig.model_validate(
+        {"name": "mj", "output_dir": str(tmp_path), "model": {"name": "m"}, "runs": [e.model_dump() for e in entries]}
+    )
+    roles = build_job_spec(job).roles
+    assert roles[ROLLOUT_ROLE].count == 5 and roles["orchestrator"].count == 3
+    assert roles[ROLLOUT_ROLE].entrypoint == "rlplex.mainjob.rollout_node:RolloutNode"
 
 
 def fake_run(runs_dir: Path, run_id: str, trained: int, rewards: list[float]) -> RunDir:

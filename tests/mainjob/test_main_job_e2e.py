@@ -1,5 +1,6 @@
 """The main job end to end with a tiny budget: every process real (PrimeMaster, elastic trainer
-ranks over gloo, orchestrators, conductor); a run added and a run evicted by the job's events."""
+ranks over gloo, orchestrators, rollout nodes, conductor); a run added and a run evicted by the
+job's events."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ def test_main_job_runs_end_to_end_with_an_added_and_an_evicted_run(tmp_path: Pat
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
     runs = {"run_a": run_config(1, 3), "run_b": run_config(2, 30, "optim = { lr = 3e-3 }")}
-    path.write_text(tiny_job("mj-e2e", out, runs, {"run_c": run_config(3, 2)}, rest=EVENTS))
+    # run_c generates on two nodes of the job's rollout role, which grows when run_c joins.
+    later = {"run_c": run_config(3, 2, "rollout_workers = 2")}
+    path.write_text(tiny_job("mj-e2e", out, runs, later, rest=EVENTS))
     try:
         state = run_main_job(load_main_job(path), Console(file=open(tmp_path / "console.txt", "w")), live=False)
         assert state == JobState.STOPPED, (out / "report.md").read_text()
@@ -42,6 +45,9 @@ def test_main_job_runs_end_to_end_with_an_added_and_an_evicted_run(tmp_path: Pat
         assert runs["run_a"].trained_steps == 3 and runs["run_c"].trained_steps == 2
         assert runs["run_b"].state == "evicted" and runs["run_b"].reason == "evicted on purpose by the test"
         assert runs["run_b"].trained_steps < 30  # the others carried on without it
+        rollout = [node for node in collect(out).nodes if node.role == "rollout"]
+        assert sorted(node.rank for node in rollout) == [0, 1]
+        assert all(node.progress.get("calls", 0) >= 1 for node in rollout), [n.progress for n in rollout]
         report = (out / "report.md").read_text()
         for section in ("## Runs", "## Learning curves", "## Nodes and restarts", "## Evictions", "tokens/s"):
             assert section in report, section

@@ -2,8 +2,9 @@
 
 Roles: `trainer` (ElasticWorkers, one per rank, each running `run_trainer(TrainerConfig)` in a
 process of the round's group, the config passed as its JSON), `elastic` (the ElasticMaster of
-their rendezvous), `orchestrator` (one node per run), `conductor` (the driver that plays events
-and ends the job), and with `[inference] engine = "vllm"`, `inference` (one node running the
+their rendezvous), `orchestrator` (one node per run), `rollout` (the nodes that runs with
+`rollout_workers > 1` generate on), `conductor` (the driver that plays events and ends the job),
+and with `[inference] engine = "vllm"`, `inference` (one node running the
 job's vLLM servers).
 """
 
@@ -13,7 +14,10 @@ from typing import Any
 
 from rlplex.control.job.spec import JobSpec, parse_job
 from rlplex.mainjob.config import MainJobConfig
+from rlplex.mainjob.registry import rollout_slots
 from rlplex.multirun.trainer.config import TrainerConfig
+
+ROLLOUT_ROLE = "rollout"  # the role `rollout_node.RolloutNode` serves
 
 
 def trainer_config(config: MainJobConfig) -> TrainerConfig:
@@ -35,12 +39,13 @@ def trainer_config(config: MainJobConfig) -> TrainerConfig:
 def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec:
     trainer = config.trainer
     world = trainer.world_size
+    rollout_restarts = 3 * len(rollout_slots([*config.runs, *config.later_runs]))
     data: dict[str, Any] = {
         "name": config.name,
         "output_dir": str(config.output_dir.resolve()),
         "backend": config.backend,
         "ray_address": config.ray_address,
-        "max_restarts": 4 * (trainer.max_restarts + len(config.runs) + len(config.later_runs)),
+        "max_restarts": 4 * (trainer.max_restarts + len(config.runs) + len(config.later_runs)) + rollout_restarts,
         # Small shares: on a 2-core laptop the processes take turns; placement still refuses
         # a trainer wider than the machine.
         "capacity": {"cpu": max(2.0, 0.5 * world + 1.0)},
@@ -83,6 +88,15 @@ def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec
                 "count": len(config.runs),
                 "resources": {"cpu": 0.05},
                 "restart": {"scope": "worker", "max_restarts": 3 * (len(config.runs) + len(config.later_runs))},
+                "heartbeat_timeout_s": 10.0,
+            },
+            # The processes runs with `rollout_workers > 1` generate on (see `rollout_node`); a
+            # run that joins later scales the role up.
+            ROLLOUT_ROLE: {
+                "entrypoint": "rlplex.mainjob.rollout_node:RolloutNode",
+                "count": len(rollout_slots(config.runs)),
+                "resources": {"cpu": 0.05},
+                "restart": {"scope": "worker", "max_restarts": rollout_restarts},
                 "heartbeat_timeout_s": 10.0,
             },
             "conductor": {

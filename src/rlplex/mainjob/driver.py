@@ -23,12 +23,20 @@ from rlplex.errors import ConfigError, JobInterruptedError, RlplexError, WaitTim
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.vllm_server import ensure_api_key, require_vllm
 from rlplex.io.safe_files import ensure_output_dir, read_regular_text
-from rlplex.mainjob.build import build_job_spec
+from rlplex.mainjob.build import ROLLOUT_ROLE, build_job_spec
 from rlplex.mainjob.conductor import TERMINAL_RUN_STATES
 from rlplex.mainjob.config import JOB_CONFIG_FILE, MainJobConfig
 from rlplex.mainjob.frame import render
 from rlplex.mainjob.preflight import check_main_job, run_problems
-from rlplex.mainjob.registry import REGISTRY_FILE, REQUESTS_DIR, answer, pending_requests, read_registry, write_registry
+from rlplex.mainjob.registry import (
+    REGISTRY_FILE,
+    REQUESTS_DIR,
+    answer,
+    pending_requests,
+    read_registry,
+    rollout_slots,
+    write_registry,
+)
 from rlplex.mainjob.report import write_report
 from rlplex.mainjob.view import collect
 from rlplex.models.spec import ModelSpec
@@ -66,6 +74,8 @@ def accept_requests(
             continue
         write_registry(output_dir, [*registry, entry])
         master.scale_role("orchestrator", len(registry) + 1)
+        if (rollouts := len(rollout_slots([*registry, entry]))) > len(rollout_slots(registry)):
+            master.scale_role(ROLLOUT_ROLE, rollouts)
         answer(request.path, True, f"{entry.id} added as orchestrator rank {len(registry)}")
         added.append(entry.id)
     return added

@@ -2,7 +2,8 @@
 
 The run's orchestrator (`rlplex.multirun.orchestrator`) runs inside the node's process, so a
 node killed with SIGKILL takes its orchestrator with it, and the control plane's restart
-resumes the run from its first step whose rollouts are not stable. Two ends of a run are not
+resumes the run from its first step whose rollouts are not stable. A run with
+`rollout_workers = N > 1` generates on N nodes of the job's `rollout` role (`rollout_node`). Two ends of a run are not
 faults for the control plane to heal, and end the node normally:
 - eviction (by the trainer, by `rlplex runs evict`, or by the run itself);
 - rejection: a user error of this run (the trainer refused its config, or the config cannot
@@ -15,6 +16,7 @@ faults for the control plane to heal, and end the node normally:
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from pydantic import Field
 
@@ -46,6 +48,7 @@ class OrchestratorNode(WorkerLoad):
         self.entry.orch_config(str(self.context.output_dir / "runs.json"))  # a bad config fails prepare
 
     def run(self) -> None:
+        from rlplex.mainjob.rollout_node import rollout_workers
         from rlplex.multirun.orchestrator.loop import RunEvictedError, run_orchestrator
 
         run = RunDir(self.runs_dir, self.entry.id)
@@ -57,7 +60,8 @@ class OrchestratorNode(WorkerLoad):
             # the run's `control/orch.toml` (the run-folder protocol the trainer reads).
             config = self.entry.orch_config(str(self.context.output_dir / "runs.json"))
             self.runs_dir.mkdir(exist_ok=True)
-            run_orchestrator(self.runs_dir, self.entry.id, config)
+            workers = partial(rollout_workers, self.context, self.entry.id)
+            run_orchestrator(self.runs_dir, self.entry.id, config, actor_workers=workers)
         except RunEvictedError:
             log.warning("run %s evicted: %s", self.entry.id, run.eviction_reason())
         except ConfigError as error:

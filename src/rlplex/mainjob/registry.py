@@ -2,7 +2,9 @@
 
 `runs.json` in the job's output folder is the list of runs in the order they joined: node
 `rank` of the orchestrator role serves entry `rank`, so adding a run is appending an entry
-and scaling the role by one. Only the master process writes it (atomically); anyone else
+and scaling the role by one. A run whose config asks for `rollout_workers = N > 1` generates on
+N nodes of the `rollout` role, numbered in the same order (`rollout_slots`), so its nodes too are
+appended when it joins. Only the master process writes it (atomically); anyone else
 asks through `requests/`: `rlplex runs add` drops a JSON file there, the master's loop
 accepts it (appends, scales) or rejects it with the reason next to it. Everything is JSON:
 these files cross a trust boundary.
@@ -62,6 +64,20 @@ def run_for_rank(output_dir: Path, rank: int) -> RunEntry:
     if not 0 <= rank < len(entries):
         raise ConfigError(f"{output_dir / REGISTRY_FILE}: no run for orchestrator rank {rank} ({len(entries)} runs)")
     return entries[rank]
+
+
+def rollout_slots(entries: list[RunEntry]) -> list[str]:
+    """The run that node `rank` of the `rollout` role generates for, for each rank in order."""
+    slots: list[str] = []
+    for entry in entries:
+        workers = entry.orch_config(REGISTRY_FILE).rollout_workers
+        if workers > 1:  # 1: the run generates in its orchestrator's own process
+            slots += [entry.id] * workers
+    return slots
+
+
+def rollout_ranks(output_dir: Path, run_id: str) -> list[int]:
+    return [rank for rank, run in enumerate(rollout_slots(read_registry(output_dir))) if run == run_id]
 
 
 @dataclass(frozen=True)

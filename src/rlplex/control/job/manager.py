@@ -153,6 +153,9 @@ class PrimeManager:
         self._acknowledge_finals()
         if self.job.state == JobState.READY and self._failover:
             self._finish_failover()
+        # Checking or starting a node is a blocking call (a self_check may load a model for
+        # seconds): take the heartbeats that arrived meanwhile before judging anyone's silence.
+        self._drain()
         decision = self.policy.decide(self.status())
         if decision.action != Action.NONE:
             self._execute(decision)

@@ -47,6 +47,7 @@ import logging
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -70,6 +71,10 @@ MAX_EMPTY_BATCH_ATTEMPTS = 3
 EXIT_DONE, EXIT_ERROR, EXIT_CONFIG, EXIT_EVICTED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
 _PROGRESS_EVERY_S = 10.0
 _STEP_TIMEOUT_S = 3600.0  # a stalled dataflow fails with the buffer's dump; generation never takes this long
+
+
+ActorWorkers = Callable[[], list[ModelWorker]]
+"""Connects to the model workers a run with `rollout_workers > 1` generates on."""
 
 
 class RunEvictedError(MultiRunError, RuntimeError):
@@ -176,11 +181,20 @@ class StepDataflow:
 
     One event loop for the orchestrator's life: the buffer's events belong to it. Reward and
     hand-over run in-process (`LocalModelWorker`, a thread each); generation too when
-    `rollout_workers` is 1, else on that many `ProcessModelWorker`s, each loading the base
-    model with `from_pretrained` and the broadcast adapters from the run directory itself.
+    `rollout_workers` is 1, else on that many model workers, each loading the base model with
+    `from_pretrained` and the broadcast adapters from the run directory itself: the nodes of the
+    main job's `rollout` role (`actor_workers`), or else `ProcessModelWorker`s, children of this
+    process.
     """
 
-    def __init__(self, output_dir: Path, run: RunDir, config: OrchestratorConfig, env: Environment) -> None:
+    def __init__(
+        self,
+        output_dir: Path,
+        run: RunDir,
+        config: OrchestratorConfig,
+        env: Environment,
+        actor_workers: ActorWorkers | None = None,
+    ) -> None:
         from rlplex.models.hf import load_tokenizer
         from rlplex.models.lm import pad_id_of
 
@@ -198,6 +212,13 @@ class StepDataflow:
             if config.rollout_workers == 1:
                 self.actor = _in_process_actor(output_dir, run, config, env, tokenizer)
                 self.workers["actor"].append(LocalModelWorker("actor", self.actor))
+            elif actor_workers is not None:
+                self.workers["actor"] = actor_workers()
+                if len(self.workers["actor"]) != config.rollout_workers:
+                    raise MultiRunError(
+                        f"{run.run_id}: rollout_workers = {config.rollout_workers}, but the job gave "
+                        f"{len(self.workers['actor'])} rollout workers"
+                    )
             else:
                 factory = partial(ActorModel.for_run, str(output_dir), run.run_id, config)
                 for index in range(config.rollout_workers):
@@ -263,8 +284,11 @@ def run_orchestrator(
     config: OrchestratorConfig,
     wait: WaitOptions | None = None,
     tensorboard: bool = True,
+    actor_workers: ActorWorkers | None = None,
 ) -> int:
-    """Run the orchestrator of `run_id` to completion; return the number of steps it generated."""
+    """Run the orchestrator of `run_id` to completion; return the number of steps it generated.
+
+    `actor_workers`: where `rollout_workers > 1` generates (see `StepDataflow`)."""
     from rlplex.diagnostics import MetricsLogger
 
     wait = wait or WaitOptions()
@@ -281,7 +305,10 @@ def run_orchestrator(
     generated = 0
     if step < config.max_steps:
         run.ensure_dir()  # MetricsLogger makes missing parents: never let it recreate a deleted run
-        with StepDataflow(output_dir, run, config, env) as dataflow, MetricsLogger(run.root, tensorboard) as metrics:
+        with (
+            StepDataflow(output_dir, run, config, env, actor_workers) as dataflow,
+            MetricsLogger(run.root, tensorboard) as metrics,
+        ):
             empty = 0
             while step < config.max_steps:
                 check_evicted(run)
@@ -352,4 +379,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlplex orchestrator: {shown}", file=sys.stderr, flush=True)
         return code
     return EXIT_DONE
-
