@@ -36,7 +36,7 @@ from rlplex.multirun.rundir import UNWRITTEN_EVICTIONS, RunDir, stable_steps, wr
 from rlplex.multirun.rundir.checkpoint import PROGRESS_FILE, stable_checkpoints
 from rlplex.multirun.rundir.peft_export import is_stable_adapter
 from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE, write_rollouts
-from rlplex.multirun.trainer import manager as manager_module
+from rlplex.multirun.trainer import discovery as discovery_module
 from rlplex.multirun.trainer.log import read_progress_csv
 from rlplex.multirun.trainer.loop import MultiRunTrainer
 
@@ -188,7 +188,7 @@ def test_an_eviction_that_cannot_be_written_still_drops_the_run(
     def disk_full(run: RunDir, reason: str) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(manager_module, "write_eviction", disk_full)
+    monkeypatch.setattr(discovery_module, "write_eviction", disk_full)
     trainer = make_trainer(tmp_path, 2)
     _iterate(trainer, 2)
     assert "run_bad" not in trainer.manager.id_2_idx and not bad.is_evicted()

@@ -29,7 +29,7 @@ _EXPORTS = {
     "RunDir": "rundir",
     "RunOptimizers": "trainer.run_optim",
     "RunProgress": "rundir.checkpoint",
-    "RunStatus": "trainer.manager",
+    "RunStatus": "trainer.discovery",
     "STABLE_MARKER": "rundir",
     "apply_multi_lora": "trainer.lora_apply",
     "create_run": "orchestrator.config",
@@ -91,12 +91,12 @@ if TYPE_CHECKING:
     from rlplex.multirun.rundir import STABLE_MARKER, RunDir
     from rlplex.multirun.rundir.checkpoint import RunCheckpoint, RunProgress, load_checkpoint
     from rlplex.multirun.rundir.peft_export import write_peft_adapter
+    from rlplex.multirun.trainer.discovery import RunStatus
     from rlplex.multirun.trainer.lora import AdapterBatch, MultiLoRALinear
     from rlplex.multirun.trainer.lora_apply import MultiLoRAModules, apply_multi_lora, default_target_modules
     from rlplex.multirun.trainer.manager import (
         EMPTY_SLOT_SCALING,
         MultiRunManager,
-        RunStatus,
         get_multi_run_manager,
         setup_multi_run_manager,
     )

@@ -1,5 +1,5 @@
 """The multi-run trainer (seed 000): `MultiRunTrainer` (`loop`), its `MultiRunManager` of runs in
-LoRA slots (`manager`, `adapters`, `hooks`, `sync`, `discovery`), the packer, per-run optimisers,
+LoRA slots (`manager`, `adapters`, `hooks`, `sync`, `discovery`: scan and ledger), the packer, per-run optimisers,
 its config and its outputs. `python -m rlplex.multirun.trainer` runs it standalone.
 
 `rlplex.multirun.trainer:run_trainer` is the entry point of the main job's trainer role. Names

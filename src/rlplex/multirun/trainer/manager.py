@@ -35,14 +35,13 @@ checkpoint they resume) is taken on rank 0 and travels in the snapshot.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rlplex.errors import CheckpointError, MultiRunError, RunConfigError, RunDirGoneError
+from rlplex.errors import CheckpointError, MultiRunError, RunConfigError
 from rlplex.multirun.orchestrator.config import (
     OrchestratorConfig,
     frozen_config_reason,
@@ -51,9 +50,6 @@ from rlplex.multirun.orchestrator.config import (
 )
 from rlplex.multirun.rundir import (
     RunDir,
-    read_unwritten_evictions,
-    write_eviction,
-    write_unwritten_evictions,
 )
 from rlplex.multirun.rundir.checkpoint import (
     RunProgress,
@@ -62,7 +58,7 @@ from rlplex.multirun.rundir.checkpoint import (
     save_checkpoint,
 )
 from rlplex.multirun.trainer.adapters import AdapterRegistry, LoraModule
-from rlplex.multirun.trainer.discovery import RunScanner
+from rlplex.multirun.trainer.discovery import CLOSED_STATUSES, RunLedger, RunScanner, RunStatus, signature_of
 from rlplex.multirun.trainer.hooks import (
     ConfigValidationHook,
     DiscoveredHook,
@@ -75,21 +71,8 @@ from rlplex.multirun.trainer.sync import ProgressEntry, ResumeEntry, RunEntry, S
 
 log = logging.getLogger(__name__)
 
-RunStatus = Literal["active", "waiting", "rejected", "pending", "evicted", "finished"]
-CLOSED_STATUSES: tuple[RunStatus, ...] = ("evicted", "finished")
-"""Statuses a run keeps until its marker file goes away; such a run never holds a slot."""
 EMPTY_SLOT_SCALING = 1e6
 """Scaling factor of an empty slot: an adapter used without a run shows up loudly."""
-
-_Signature = tuple[int, int, int]
-
-
-def _signature(path: Path) -> _Signature | None:
-    try:
-        info = os.stat(path)
-    except OSError:
-        return None
-    return (info.st_mtime_ns, info.st_size, info.st_ino)
 
 
 class MultiRunManager(AdapterRegistry):
@@ -132,21 +115,9 @@ class MultiRunManager(AdapterRegistry):
         self._synced: dict[int, RunEntry] = {}
         self._sync_version = 0
 
-        # Master-only bookkeeping of runs without a slot.
+        # Master-only: the runs without a slot, and who each run is.
         self._scanner = RunScanner(self.output_dir)
-        self._status: dict[str, RunStatus] = {}
-        self._reasons: dict[str, str] = {}
-        self._waiting: dict[str, tuple[_Signature | None, OrchestratorConfig]] = {}
-        self._unadmitted: dict[str, _Signature | None] = {}
-        """rejected or pending runs and the orch.toml signature they were judged on."""
-        self._inodes: dict[str, int] = {}
-        self._identities: dict[str, str | None] = {}
-        self._active_signatures: dict[str, _Signature | None] = {}
-        """orch.toml signature of each active run when it was admitted (its config is frozen)."""
-        self._unwritten: dict[str, tuple[str | None, str]] = {}
-        """Evictions whose marker could not be written: run id -> (identity, reason)."""
-        if self.is_master:
-            self._unwritten = read_unwritten_evictions(self.output_dir)
+        self._ledger = RunLedger(self.output_dir, self._validate, self.is_master)
 
         self.register_discovered_hook(self._set_lora_scaling, name="rlplex.multirun.set_lora_scaling")
         self.register_creation_hook(self._reset_new_run, name="rlplex.multirun.reset_run_parameters")
@@ -161,11 +132,11 @@ class MultiRunManager(AdapterRegistry):
 
     def run_dir(self, run_id: str) -> RunDir:
         """The run's directory, bound to the identity the master knows it by (writes check it)."""
-        return RunDir(self.output_dir, run_id, self._identities.get(run_id))
+        return self._ledger.run_dir(run_id)
 
     def is_leaving(self, run_id: str) -> bool:
         """True once the run is evicted or finished: it must not be trained, even before it leaves its slot."""
-        return self._status.get(run_id) in CLOSED_STATUSES
+        return self._ledger.is_closed(run_id)
 
     # ---- hooks -------------------------------------------------------------------------------
     def register_discovered_hook(self, hook: DiscoveredHook, name: str | None = None) -> None:
@@ -186,30 +157,30 @@ class MultiRunManager(AdapterRegistry):
     # ---- statuses ----------------------------------------------------------------------------
     def run_statuses(self) -> dict[str, RunStatus]:
         """Every `run_*` directory known at the last scan (master) or the active runs (others)."""
-        statuses: dict[str, RunStatus] = dict(self._status)
+        statuses: dict[str, RunStatus] = dict(self._ledger.status)
         statuses.update({run_id: "active" for run_id in self.id_2_idx if statuses.get(run_id) not in CLOSED_STATUSES})
         return dict(sorted(statuses.items()))
 
     def status_reason(self, run_id: str) -> str | None:
         """Why a run is rejected, evicted or finished (None otherwise)."""
-        return self._reasons.get(run_id)
+        return self._ledger.reasons.get(run_id)
 
     # ---- discovery (master) ------------------------------------------------------------------
     def discover_runs(self) -> None:
         """Master only: bring the run table up to date with `output_dir` (the seed's seven steps)."""
         self._require_master("discover_runs")
         scan = self._scanner.scan()  # 1 (and 2: evicted and finished runs are listed apart)
-        replaced = self._replaced(scan.inodes)
+        replaced = self._ledger.replaced(scan.inodes)
         for name in replaced:
-            self._forget(name)
-        unwritten = {name for name in scan.live if name in self._unwritten}
+            self._ledger.forget(name)
+        unwritten = {name for name in scan.live if name in self._ledger.unwritten}
         live = set(scan.live) - unwritten
         deleted = [
             (idx, run_id) for run_id, idx in self.id_2_idx.items() if run_id not in live or run_id in replaced
         ]  # 3
         closed: dict[str, RunStatus] = {name: "evicted" for name in [*scan.evicted, *unwritten]}
         closed.update({name: "finished" for name in scan.finished})
-        self._update_unslotted(live, closed)
+        self._ledger.update_unslotted(live, closed, self.id_2_idx)
         self._check_frozen_configs(live - replaced)
         for idx, run_id in deleted:  # 4
             for _, hook in self.hooks.forgotten:
@@ -217,47 +188,16 @@ class MultiRunManager(AdapterRegistry):
         for idx, _ in deleted:  # 6 (frees the slots the new runs take)
             self._delete_run_data(idx)
 
-        new = [name for name in scan.live if name not in self.id_2_idx and name not in self._status]
-        self._judge(new)  # 5
-        for name, signature in list(self._unadmitted.items()):
-            if name not in new and _signature(self.run_dir(name).orch_config) != signature:
-                self._judge([name])  # a rejected or pending run whose orch.toml changed
+        new = [name for name in scan.live if name not in self.id_2_idx and name not in self._ledger.status]
+        self._ledger.judge(new)  # 5
+        for name, signature in list(self._ledger.unadmitted.items()):
+            if name not in new and signature_of(self.run_dir(name).orch_config) != signature:
+                self._ledger.judge([name])  # a rejected or pending run whose orch.toml changed
 
         admitted = self._admit_waiting()  # 6
         for idx, run_id in admitted:  # 7
             for _, hook in self.hooks.discovered:
                 hook(idx, run_id, self.config[idx])
-
-    def _replaced(self, inodes: dict[str, int]) -> set[str]:
-        """Names whose directory is not the run known under that name (another inode or identity)."""
-        replaced = {name for name, inode in inodes.items() if self._inodes.get(name, inode) != inode}
-        self._inodes = inodes
-        identities: dict[str, str | None] = {}
-        for name in inodes:
-            run = RunDir(self.output_dir, name)
-            identity = run.read_identity()
-            if name in self._identities and self._identities[name] != identity:
-                replaced.add(name)
-            if identity is None:
-                try:
-                    identity = run.ensure_identity()  # made by hand or by an older rlplex
-                except (OSError, RunDirGoneError, MultiRunError) as error:
-                    log.warning("run %s: no identity and none could be written (%s)", name, error)
-            identities[name] = identity
-        self._identities = identities
-        for name in replaced:
-            log.warning("run %s: the directory was replaced by a new run of the same name", name)
-        # Deleted, or a new run under that name: the recorded eviction is not its own.
-        stale = [
-            name
-            for name, (identity, _) in self._unwritten.items()
-            if identities.get(name, identity) != identity or name not in inodes
-        ]
-        for name in stale:
-            del self._unwritten[name]
-        if stale:
-            self._save_unwritten()
-        return replaced
 
     def _check_frozen_configs(self, live: set[str]) -> None:
         """Evict an active run whose orch.toml now says something else (see the module docstring)."""
@@ -265,8 +205,8 @@ class MultiRunManager(AdapterRegistry):
             if name not in live or self.is_leaving(name):
                 continue
             run = self.run_dir(name)
-            signature = _signature(run.orch_config)
-            if signature == self._active_signatures.get(name):
+            signature = signature_of(run.orch_config)
+            if signature == self._ledger.active_signatures.get(name):
                 continue
             try:
                 config = read_orch_config(run.orch_config, within=run.root)
@@ -274,60 +214,9 @@ class MultiRunManager(AdapterRegistry):
                 self.evict_run(idx, f"{run.orch_config} changed while the run was active and no longer reads: {error}")
                 continue
             if config == self.config[idx]:
-                self._active_signatures[name] = signature  # rewritten with the same config
+                self._ledger.active_signatures[name] = signature  # rewritten with the same config
                 continue
             self.evict_run(idx, frozen_config_reason(run.orch_config, self.config[idx], config))
-
-    def _update_unslotted(self, live: set[str], closed: dict[str, RunStatus]) -> None:
-        for name, status in list(self._status.items()):
-            if closed.get(name) == status or (name in live and status not in CLOSED_STATUSES):
-                continue
-            # Deleted, newly closed, or its evicted.txt / finished.txt was removed (then judged anew).
-            self._forget(name)
-        for name, status in closed.items():
-            self._waiting.pop(name, None)
-            self._unadmitted.pop(name, None)
-            if self._status.get(name) != status:
-                self._status[name] = status
-                self._reasons[name] = self._closed_reason(name, status)
-                slot = self.id_2_idx.get(name)
-                freed = "" if slot is None else f"; slot {slot} frees"
-                log.info("run %s is %s (%s)%s", name, status, self._reasons[name], freed)
-
-    def _closed_reason(self, name: str, status: RunStatus) -> str:
-        run = self.run_dir(name)
-        if status == "evicted":
-            return run.eviction_reason() or "evicted"
-        step = run.finished_step()
-        return f"finished: trained {step} steps" if step is not None else f"finished ({run.finished} unreadable)"
-
-    def _forget(self, name: str) -> None:
-        for table in (self._status, self._waiting, self._unadmitted, self._reasons, self._active_signatures):
-            table.pop(name, None)
-
-    def _judge(self, names: list[str]) -> None:
-        """Step 5: load and validate; sort each run into waiting, rejected or pending."""
-        for name in names:
-            run = self.run_dir(name)
-            signature = _signature(run.orch_config)
-            self._waiting.pop(name, None)
-            if signature is None and not os.path.lexists(run.orch_config):
-                self._status[name] = "pending"
-                self._reasons[name] = f"{run.orch_config} not written yet"
-                self._unadmitted[name] = None
-                continue
-            try:
-                config = read_orch_config(run.orch_config, within=run.root)
-                self._validate(config, run)
-            except RunConfigError as error:
-                self._reject(run, signature, str(error))
-                continue
-            self._unadmitted.pop(name, None)
-            self._reasons.pop(name, None)
-            self._status[name] = "waiting"
-            self._waiting[name] = (signature, config)
-            if os.path.lexists(run.config_error):
-                run.remove_file(run.config_error)
 
     def _validate(self, config: OrchestratorConfig, run: RunDir) -> None:
         limit = self.max_lora_rank()
@@ -344,42 +233,31 @@ class MultiRunManager(AdapterRegistry):
             if not ok:
                 raise RunConfigError(f"{run.orch_config}: rejected by {name}: {message}")
 
-    def _reject(self, run: RunDir, signature: _Signature | None, reason: str) -> None:
-        name = run.run_id
-        self._status[name] = "rejected"
-        self._reasons[name] = reason
-        self._unadmitted[name] = signature
-        log.warning("run %s rejected: %s", name, reason)
-        try:
-            run.write_text(run.config_error, reason + "\n")
-        except (OSError, RunDirGoneError, MultiRunError) as error:
-            log.error("run %s: could not write %s: %s", name, run.config_error, error)
-
     def _admit_waiting(self) -> list[tuple[int, str]]:
         admitted: list[tuple[int, str]] = []
         free = [idx for idx in range(self.max_runs) if idx not in self.idx_2_id]
-        for name in list(self._waiting):
+        for name in list(self._ledger.waiting):
             if not free:
                 break
-            signature, config = self._waiting[name]
+            signature, config = self._ledger.waiting[name]
             run = self.run_dir(name)
-            if _signature(run.orch_config) != signature:
-                self._judge([name])  # rewritten while waiting: judge the new file
-                if name not in self._waiting:
+            if signature_of(run.orch_config) != signature:
+                self._ledger.judge([name])  # rewritten while waiting: judge the new file
+                if name not in self._ledger.waiting:
                     continue
-                signature, config = self._waiting[name]
-            del self._waiting[name]
-            self._status.pop(name, None)
+                signature, config = self._ledger.waiting[name]
+            del self._ledger.waiting[name]
+            self._ledger.status.pop(name, None)
             try:
                 point = choose_resume(run)
             except CheckpointError as error:
-                self._close_as_evicted(name, f"cannot resume: {error}")
+                self._ledger.close_as_evicted(name, f"cannot resume: {error}")
                 continue
             idx = free.pop(0)
             self._next_incarnation += 1
             resume = ResumeEntry(checkpoint=point.checkpoint, adapter=point.adapter)
             self._create_run_data(idx, name, config, self._next_incarnation, point.progress, resume)
-            self._active_signatures[name] = signature
+            self._ledger.active_signatures[name] = signature
             admitted.append((idx, name))
         return admitted
 
@@ -518,29 +396,7 @@ class MultiRunManager(AdapterRegistry):
             raise MultiRunError(f"evict_run: slot {idx} holds no run (active slots: {sorted(self.idx_2_id)})")
         run_id = self.idx_2_id[idx]
         log.warning("evicting run %s (slot %d): %s", run_id, idx, reason)
-        self._close_as_evicted(run_id, reason)
-
-    def _close_as_evicted(self, run_id: str, reason: str) -> None:
-        """Write the run's eviction marker; if that fails, keep it evicted anyway (see the docstring)."""
-        try:
-            write_eviction(self.run_dir(run_id), reason)
-        except RunDirGoneError:
-            log.warning("run %s to be evicted is already deleted or replaced", run_id)
-        except (OSError, MultiRunError) as error:
-            log.error("run %s: evicted, but its marker could not be written: %s", run_id, error)
-            marker = self.run_dir(run_id).evicted
-            self._unwritten[run_id] = (self._identities.get(run_id), f"{reason} ({marker} not written: {error})")
-            self._save_unwritten()
-        self._waiting.pop(run_id, None)
-        self._unadmitted.pop(run_id, None)
-        self._status[run_id] = "evicted"
-        self._reasons[run_id] = reason
-
-    def _save_unwritten(self) -> None:
-        try:
-            write_unwritten_evictions(self.output_dir, self._unwritten)
-        except OSError as error:
-            log.error("%s: not written: %s", self.output_dir, error)
+        self._ledger.close_as_evicted(run_id, reason)
 
     # ---- per-run checkpoints -----------------------------------------------------------------
     def save_run_checkpoint(
