@@ -28,14 +28,17 @@ def job_dir(tmp_path: Path) -> Iterator[Path]:
         assert not alive, f"orphan node processes left behind: {[p.pid for p in alive]}"
 
 
-def build_job(job_dir: Path, steps: int, generator_kwargs: dict[str, str]) -> PrimeMaster:
+def build_job(
+    job_dir: Path, steps: int, generator_kwargs: dict[str, str], reward_kwargs: dict[str, str] | None = None
+) -> PrimeMaster:
     trained = str(job_dir.parent / "trained.txt")
     spec = (
         JobBuilder("dataflow", job_dir, capacity={"cpu": 4})
         .role("generator", entrypoint=NODE, count=2, resources={"cpu": 0.5},
               config={"interface": "process_interfaces:Generator", "kwargs": generator_kwargs},
               restart={"scope": "worker", "max_restarts": 2})
-        .role("reward", entrypoint=NODE, resources={"cpu": 0.5}, config={"interface": "process_interfaces:Reward"})
+        .role("reward", entrypoint=NODE, resources={"cpu": 0.5},
+              config={"interface": "process_interfaces:Reward", "kwargs": reward_kwargs or {}})
         .role("trainer", entrypoint=NODE, resources={"cpu": 0.5},
               config={"interface": "process_interfaces:Trainer", "kwargs": {"log": trained}})
         .role("master", kind="driver", entrypoint="job_driver:drive", resources={"cpu": 0.5},
@@ -70,5 +73,24 @@ def test_killed_generation_node_is_restarted_by_the_control_plane_and_its_call_r
         generators = master.get_nodes_by_role()["generator"]
     assert sorted(n.restarts for n in generators) == [0, 1]
     assert victim not in [n.pid for n in generators]
+    assert (job_dir / "driver_restarts.txt").read_text() == "1"
+    assert trained(job_dir) == list(range(8))  # nothing lost, nothing trained twice
+
+
+def test_a_generation_node_killed_between_calls_is_revived_and_its_lost_values_recomputed(job_dir: Path) -> None:
+    # Both generators have answered; the reward holds its call while generator-0, idle, is
+    # killed. The train call then needs generator-0's sequences: its handle moves to the node's
+    # next incarnation and the executor generates the lost ones again.
+    hold = job_dir.parent / "reward_pid"
+    with build_job(job_dir, steps=1, generator_kwargs={}, reward_kwargs={"hold_first_call_in": str(hold)}) as master:
+        master.start()
+        wait_for(lambda: hold.exists() and hold.read_text(), 60, "the reward to hold its first call")
+        victim = master.get_nodes_by_role()["generator"][0].pid
+        os.kill(victim, signal.SIGKILL)
+        hold.with_name(hold.name + ".go").write_text("")
+        assert master.wait(timeout=120) == JobState.STOPPED
+        generators = master.get_nodes_by_role()["generator"]
+        driver = master.get_nodes_by_role()["master"][0]
+    assert [n.restarts for n in generators] == [1, 0] and driver.restarts == 0  # the step was not redone
     assert (job_dir / "driver_restarts.txt").read_text() == "1"
     assert trained(job_dir) == list(range(8))  # nothing lost, nothing trained twice

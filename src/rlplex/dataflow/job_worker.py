@@ -16,7 +16,9 @@ which the `FunctionExecutor` uses exactly like a `ProcessModelWorker`:
 
 Restarts are the control plane's: when a node dies mid-call, its handle waits for the
 master to start the node's next incarnation (the role's restart policy and budgets decide
-whether it does), connects to it and issues the call again. A call's outputs are recorded
+whether it does), connects to it and issues the call again. A node that died between calls
+is found when another call needs the values it held (`revive`): the handle moves to the next
+incarnation, and the executor recomputes what was lost. A call's outputs are recorded
 only when it returns, so no datapoint is lost or run twice. The node's listener uses the
 job's token as HMAC key, so the master and every peer node authenticate one another.
 """
@@ -143,6 +145,15 @@ class JobModelWorker(RemoteModelWorker):
                 state = last.state if last else "absent"
                 raise WorkerDiedError(f"model worker {self.name!r} is {state} and will not come back")
             return nodes[0]
+
+    def _died_between_calls(self) -> bool:
+        """The node does not answer, or is no longer the incarnation this handle is connected to
+        (the master may not have seen the death yet: the first test comes first)."""
+        if super()._died_between_calls():
+            return True
+        with JobStore.open_readonly(self.context.output_dir, self.context.job_id) as job:
+            node = self._node(job)
+        return node is None or node.incarnation != self.incarnation or node.state != NodeState.RUNNING
 
     def _launch(self) -> tuple[str, int]:
         """The address of the node's next RUNNING incarnation (restarts are the job's to decide)."""

@@ -279,6 +279,13 @@ class RemoteModelWorker:
         """Let go of a server that is being replaced or closed."""
 
     def _died_between_calls(self) -> bool:
+        """The server does not answer (a remote error still means it is there)."""
+        try:
+            len(self.store)
+        except RpcRemoteError:
+            return False
+        except (NodeFailedError, DataPlaneError, WaitTimeoutError):
+            return True
         return False
 
     # ----- the shared lifecycle ---------------------------------------------------------
