@@ -58,9 +58,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks.common import RESULTS, report, tiny_checkpoint
+from benchmarks.curves import curve_gap, curve_summary, smooth
 from benchmarks.multirun_throughput import process_env, trainer_command
 from rlplex.diagnostics import plot_learning_curves
 from rlplex.multirun import OrchestratorConfig
@@ -257,43 +256,6 @@ def train_group(output_dir: Path, specs: Sequence[RunSpec], budget: Budget, seed
                 proc.kill()
                 proc.wait()
     return GroupResult({spec.run_id: read_rewards(output_dir, spec.run_id) for spec in specs}, seconds)
-
-
-# ---- analysis ------------------------------------------------------------------------------------
-def smooth(values: Sequence[float], window: int) -> np.ndarray:
-    """Trailing moving average (shorter at the start)."""
-    x = np.asarray(values, dtype=float)
-    sums = np.concatenate([[0.0], np.cumsum(x)])
-    idx = np.arange(len(x))
-    start = np.maximum(0, idx - window + 1)
-    return (sums[idx + 1] - sums[start]) / (idx + 1 - start)
-
-
-def curve_summary(rewards: Sequence[float], window: int, tail: int, target: float) -> dict[str, Any]:
-    smoothed = smooth(rewards, window)
-    reached = np.flatnonzero(smoothed >= target)
-    # Step-to-step noise around a slowly moving trend: differences of neighbours cancel the trend.
-    step_noise = float(np.std(np.diff(rewards)) / np.sqrt(2)) if len(rewards) > 2 else float("nan")
-    first, final = float(np.mean(rewards[:tail])), float(np.mean(rewards[-tail:]))
-    return {
-        "first": first,
-        "final": final,
-        "rise": final - first,
-        "final_reached_target": bool(np.mean(rewards[-tail:]) >= target),
-        "smoothed_reached_target_at_step": int(reached[0]) if reached.size else None,
-        "step_noise_std": step_noise,
-        "smoothed_noise_std": step_noise / np.sqrt(window),
-    }
-
-
-def curve_gap(a: Sequence[float], b: Sequence[float], window: int) -> dict[str, float]:
-    n = min(len(a), len(b))
-    diff = np.abs(smooth(a[:n], window) - smooth(b[:n], window))
-    return {
-        "max_abs": float(diff.max()),
-        "mean_abs": float(diff.mean()),
-        "raw_identical_steps": int(np.sum(np.asarray(a[:n]) == np.asarray(b[:n]))),
-    }
 
 
 # ---- the benchmark -------------------------------------------------------------------------------

@@ -45,8 +45,9 @@ def test_main_job_runs_end_to_end_with_an_added_and_an_evicted_run(tmp_path: Pat
         assert runs["run_a"].trained_steps == 3 and runs["run_c"].trained_steps == 2
         assert runs["run_b"].state == "evicted" and runs["run_b"].reason == "evicted on purpose by the test"
         assert runs["run_b"].trained_steps < 30  # the others carried on without it
-        rollout = [node for node in collect(out).nodes if node.role == "rollout"]
-        assert sorted(node.rank for node in rollout) == [0, 1]
+        view = collect(out)
+        rollout = [node for node in view.nodes if node.role == "rollout"]
+        assert sorted(node.rank for node in rollout) == [0, 1] and view.rollout_runs == ["run_c", "run_c"]
         assert all(node.progress.get("calls", 0) >= 1 for node in rollout), [n.progress for n in rollout]
         report = (out / "report.md").read_text()
         for section in ("## Runs", "## Learning curves", "## Nodes and restarts", "## Evictions", "tokens/s"):

@@ -14,7 +14,7 @@ from rich.live import Live
 
 from rlplex.control.job.store import NodeRecord
 from rlplex.mainjob.config import RunEntry
-from rlplex.mainjob.frame import render
+from rlplex.mainjob.frame import node_rows, render
 from rlplex.mainjob.registry import write_registry
 from rlplex.mainjob.report import write_report
 from rlplex.mainjob.timing import ETA_WINDOW_STEPS, eta_s, format_duration, seconds_per_step, step_history
@@ -107,6 +107,15 @@ def test_a_short_terminal_keeps_the_job_line_and_the_runs_and_counts_what_is_lef
     with Live(render(job(runs), live=True), console=console, auto_refresh=False) as live:
         live.update(render(job(runs), live=True), refresh=True)
     assert "..." not in terminal.getvalue() and "+10 more runs (10 finished)" in terminal.getvalue()
+
+
+def test_node_rows_name_the_run_each_orchestrator_and_rollout_node_serves() -> None:
+    view = job(four_runs())
+    view.nodes = [node("orchestrator", 1), node("rollout", 0), node("rollout", 1), node("trainer", 0)]
+    view.rollout_runs = ["run_gamma", "run_gamma"]
+    serves = {(r[0], r[1]): r[2] for r in node_rows(view, view.nodes)}
+    assert serves == {("orchestrator", "1"): "run_beta", ("rollout", "0"): "run_gamma",
+                      ("rollout", "1"): "run_gamma", ("trainer", "0"): ""}  # fmt: skip
 
 
 def test_nodes_left_out_are_counted_and_failed_ones_shown_first() -> None:

@@ -120,8 +120,8 @@ def test_a_run_made_again_under_its_name_starts_afresh_and_old_writes_are_droppe
     old_identity = RunDir(out, "run_a").read_identity()
     # Hold the writer so that a checkpoint of the old run is still queued when it is replaced.
     gate = threading.Event()
-    trainer.writer.submit(lambda: gate.wait(30) or None)
-    trainer._checkpoint(trainer.manager.id_2_idx["run_a"], "run_a", 2)
+    trainer.outputs.writer.submit(lambda: gate.wait(30) or None)
+    trainer.outputs.checkpoint(trainer.manager.id_2_idx["run_a"], "run_a", 2)
     shutil.rmtree(out / "run_a")
     make_runs(out, ["run_a"])  # same name (ext4 often hands back the same inode), new identity
     gate.set()

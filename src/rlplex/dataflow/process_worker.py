@@ -48,7 +48,7 @@ from rlplex.dataflow.dataplane import DataPlane, DataPlaneError, LocalTensorStor
 from rlplex.dataflow.mfc import MFCDef, MFCExecutionError, ModelInterfaceType
 from rlplex.dataflow.workers import Outputs, drop_when_done
 from rlplex.errors import NodeFailedError, WaitTimeoutError, WorkerDiedError
-from rlplex.processes import CONTEXT, start_process, stop_processes
+from rlplex.processes import CONTEXT, die_with_launcher, start_process, stop_processes
 
 CONNECT_TIMEOUT_S = 30.0  # a live peer answers the handshake in milliseconds; a stopped one never
 CALL_TIMEOUT_S = 600.0  # the default for one MFC call (a model's generate or train step)
@@ -167,6 +167,7 @@ class ModelServer:
 
 
 def _child_main(name: str, factory: InterfaceFactory, authkey: bytes, parent: Connection) -> None:
+    die_with_launcher()  # a model that is loading does not read the pipe that would tell it
     import torch
 
     torch.set_num_threads(1)

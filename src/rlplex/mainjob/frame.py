@@ -160,8 +160,13 @@ def node_rows(view: JobView, nodes: Sequence[NodeRecord]) -> list[list[str]]:
     for node in nodes:
         age = f"{view.read_at - node.last_heartbeat:.1f} s" if node.last_heartbeat else "-"
         progress = ", ".join(f"{k}={v:g}" for k, v in list(node.progress.items())[:4]) or "-"
-        # Orchestrator rank r serves entry r of the registry, the order of `view.runs`.
-        serves = view.runs[node.rank].run_id if node.role == "orchestrator" and node.rank < len(view.runs) else ""
+        # Orchestrator rank r serves entry r of the registry, the order of `view.runs`; rollout
+        # rank r generates for the run `registry.rollout_slots` names.
+        serves = ""
+        if node.role == "orchestrator" and node.rank < len(view.runs):
+            serves = view.runs[node.rank].run_id
+        elif node.role == "rollout" and node.rank < len(view.rollout_runs):
+            serves = view.rollout_runs[node.rank]
         rows.append([node.role, str(node.rank), serves, node.state, str(node.restarts), age, progress])
     return rows
 

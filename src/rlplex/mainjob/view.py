@@ -33,7 +33,7 @@ from rlplex.control.job.store import STORE_FILE, JobRecord, JobStore, NodeRecord
 from rlplex.errors import ConfigError
 from rlplex.io.safe_files import check_regular_file, read_regular_text
 from rlplex.mainjob.config import INFERENCE_DIR, JOB_CONFIG_FILE, RunEntry
-from rlplex.mainjob.registry import REJECTIONS_DIR, read_registry, rejection_reason
+from rlplex.mainjob.registry import REJECTIONS_DIR, read_registry, rejection_reason, rollout_slots
 from rlplex.mainjob.timing import eta_s, job_eta_s, seconds_per_step, step_history
 from rlplex.multirun.rundir import UNWRITTEN_EVICTIONS, RunDir, read_unwritten_evictions, stable_steps
 
@@ -151,6 +151,7 @@ class JobView:
     inference: InferenceView | None = None
     master_pid: int = 0
     updated_at: float | None = None  # the job's last state change (wall clock)
+    rollout_runs: list[str] = field(default_factory=list)  # the run rollout node r generates for
 
     @property
     def ended_at(self) -> float | None:
@@ -370,9 +371,15 @@ def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
         record, nodes = found
         job_state, cause, created, master_pid = record.state, record.cause, record.created_at, record.master_pid
         updated = record.updated_at
-    runs = [run_view(runs_dir, entry) for entry in read_registry(output_dir)]
+    entries = read_registry(output_dir)
+    runs = [run_view(runs_dir, entry) for entry in entries]
     rendezvous = rendezvous_summaries(output_dir)
     inference = read_inference(output_dir)
+    try:
+        rollout_runs = rollout_slots(entries)
+    except ConfigError:  # the registry holds only configs that parsed when they joined
+        rollout_runs = []
     return JobView(
-        output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created, inference, master_pid, updated
-    )
+        output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created, inference, master_pid, updated,
+        rollout_runs,
+    )  # fmt: skip

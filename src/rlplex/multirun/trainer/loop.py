@@ -35,7 +35,6 @@ progress is ahead of its last checkpoint.
 
 from __future__ import annotations
 
-import copy
 import logging
 import threading
 import time
@@ -46,34 +45,22 @@ import torch
 import torch.distributed as dist
 
 from rlplex.algos.rl_math import clipped_surrogate
-from rlplex.errors import AdapterError, CheckpointError, MultiRunError, RunDirGoneError
+from rlplex.errors import MultiRunError
 from rlplex.models.hf import load_causal_lm, load_tokenizer, resolve_device
 from rlplex.models.lm import pad_id_of, token_logprobs
 from rlplex.multirun.orchestrator.config import OrchestratorConfig
-from rlplex.multirun.rundir.checkpoint import RunProgress, save_checkpoint
-from rlplex.multirun.rundir.peft_export import is_stable_adapter, write_peft_adapter
-from rlplex.multirun.rundir.retention import prune_steps, remove_orphaned_temporaries
+from rlplex.multirun.rundir.peft_export import is_stable_adapter
+from rlplex.multirun.rundir.retention import remove_orphaned_temporaries
 from rlplex.multirun.rundir.rollouts import MalformedRolloutError, read_rollouts, rollouts_ready
 from rlplex.multirun.trainer.config import TrainerConfig
-from rlplex.multirun.trainer.log import BackgroundWriter, ProgressLog, RunFinisher, final_outputs_missing
 from rlplex.multirun.trainer.lora_apply import apply_multi_lora
 from rlplex.multirun.trainer.manager import MultiRunManager, setup_multi_run_manager
+from rlplex.multirun.trainer.outputs import RunOutputs, StepDone
 from rlplex.multirun.trainer.packer import MicroBatch, Packer
 from rlplex.multirun.trainer.run_optim import RunOptimizers, StepStats
 
 log = logging.getLogger(__name__)
 __all__ = ["MultiRunTrainer"]
-
-
-@dataclass
-class StepDone:
-    idx: int
-    step: int
-    tokens: int
-    samples: int
-    dropped: int = 0  # 1: the rollouts were too stale; the step counts as done with no update
-    reward_mean: float = 0.0
-    policy_step: int = 0
 
 
 @dataclass
@@ -119,12 +106,8 @@ class MultiRunTrainer:
         self.manager.register_config_validation_hook(self._same_base, name="rlplex.multirun.trainer.same_base")
         self.manager.register_config_validation_hook(self._async_bound, name="rlplex.multirun.trainer.async_bound")
         self.packer = Packer(config.micro_tokens, config.micro_batches * self.world_size, pad_id_of(self.tokenizer))
-        self.progress_log = ProgressLog()
         self._evicted: set[str] = set()
-        self._checkpoint_due: dict[str, int] = {}
-        """The newest checkpoint step submitted per run id."""
-        self.writer = BackgroundWriter()
-        self.finisher = RunFinisher(self.writer, config.finish_retry_s)
+        self.outputs = RunOutputs(config, self.manager, self.optim, self.lora.fan_in_fan_out)
         self._stop = threading.Event()
         self._rewards: dict[int, tuple[float, int]] = {}
 
@@ -169,7 +152,7 @@ class MultiRunTrainer:
     def _on_create(self, idx: int, run_id: str) -> None:
         step = self.manager.progress[idx].step
         resumed = self.manager.resume_step(idx)
-        self._checkpoint_due[run_id] = resumed if resumed is not None else -1
+        self.outputs.checkpoint_due[run_id] = resumed if resumed is not None else -1
         if not self.is_master or idx in self.optim.resume_failures:
             return
         self.packer.drop(idx)
@@ -178,14 +161,13 @@ class MultiRunTrainer:
         # Leftovers of this trainer's writes cut short by a crash (the rollouts are the orchestrator's).
         remove_orphaned_temporaries(run.root, ("checkpoints", "broadcast", "control"))
         if not is_stable_adapter(run.broadcast_step(step)):
-            self._write_broadcast(idx, run_id, step)
+            self.outputs.broadcast(idx, run_id, step)
 
     def _on_forgotten(self, idx: int, run_id: str) -> None:
         self.packer.drop(idx)
         self._rewards.pop(idx, None)
         self._evicted.discard(run_id)
-        self._checkpoint_due.pop(run_id, None)
-        self.finisher.forget(run_id)
+        self.outputs.forget(run_id)
 
     # ---- one iteration -----------------------------------------------------------------------
     def iteration(self, master_stop: bool = False) -> IterationResult:
@@ -231,7 +213,7 @@ class MultiRunTrainer:
             step = self.manager.progress[idx].step
             run = self.manager.run_dir(run_id)
             if step >= self.manager.config[idx].max_steps:
-                self._mark_finished(idx, run_id, step)
+                self.outputs.mark_finished(idx, run_id, step)
                 continue
             if not rollouts_ready(run, step):
                 continue
@@ -349,139 +331,18 @@ class MultiRunTrainer:
                 raise MultiRunError(f"run {run_id}: trained step {s.step} but its progress is at {progress.step}")
             stepped.append((s.idx, run_id, progress.step))
             if self.is_master:
-                self._publish(s, run_id, stats)
+                self.outputs.publish(s, run_id, stats)
         return stepped
-
-    # ---- outputs (rank 0, written by the background writer in submission order) --------------
-    def _write_broadcast(self, idx: int, run_id: str, step: int) -> None:
-        lora_cfg = self.manager.config[idx].model.lora
-        run = self.manager.run_dir(run_id)
-        path = run.broadcast_step(step)
-        progress = self.manager.progress[idx].state_dict()
-        if progress["step"] != step:
-            raise MultiRunError(f"run {run_id}: broadcast of step {step} asked at progress step {progress['step']}")
-        state = self.manager.get_state_dict_for_run(idx)  # a copy: the next step cannot change it
-        targets = {name.rsplit(".", 1)[-1] for name in self.manager.lora_modules}
-        base_name = self.config.model.resolved().name  # peft and vLLM load the adapter over this
-        fan_in_fan_out = self.lora.fan_in_fan_out  # GPT-2's Conv1D layers store their weight transposed
-        retention = self.config.retention
-
-        def job() -> None:
-            try:
-                run.ensure_dir("broadcast")  # refused if the run was deleted or replaced meanwhile
-                write_peft_adapter(
-                    path,
-                    state,
-                    base_name,
-                    lora_cfg.rank,
-                    lora_cfg.alpha,
-                    targets,
-                    fan_in_fan_out=fan_in_fan_out,
-                    progress=progress,
-                )
-                run.check_identity()
-                prune_steps(run.broadcast, retention.broadcast, protect={step})
-                prune_steps(run.rollouts, retention.rollouts, below=step)  # rollouts below `step` are trained
-            except (AdapterError, RunDirGoneError, MultiRunError) as error:
-                log.warning("run %s: broadcast step %d not written: %s", run_id, step, error)
-
-        self.writer.submit(job)
-
-    def _checkpoint(self, idx: int, run_id: str, step: int) -> None:
-        # Copies taken now; the job writes by run id, so a slot reused meanwhile cannot receive it.
-        adapter = self.manager.get_state_dict_for_run(idx)
-        optimizer = copy.deepcopy(self.optim.optimizers[idx].state_dict())
-        scheduler = copy.deepcopy(self.optim.schedulers[idx].state_dict())
-        progress = RunProgress.from_state_dict(self.manager.progress[idx].state_dict())
-        run = self.manager.run_dir(run_id)
-        keep = self.config.retention.checkpoints
-
-        def job() -> None:
-            try:
-                save_checkpoint(run, step, adapter, optimizer, scheduler, progress)
-                run.check_identity()
-                prune_steps(run.checkpoints, keep, protect={step})
-            except (RunDirGoneError, CheckpointError, MultiRunError) as error:
-                log.warning("run %s: checkpoint step %d not written: %s", run_id, step, error)
-
-        self._checkpoint_due[run_id] = step
-        self.writer.submit(job)
-
-    def _mark_finished(self, idx: int, run_id: str, step: int, now: float | None = None) -> None:
-        """Rank 0: queue `control/finished.txt` of a run at its max_steps behind its final outputs.
-
-        The step's checkpoint and broadcast were queued when the run stepped (or, for a run
-        resumed at its last step, when it was created); a checkpoint not yet queued, or an
-        output that failed in an earlier attempt, is queued again first. `now=inf` ignores the
-        wait before a retry (the trainer is stopping).
-        """
-        if not self.finisher.due(run_id, now):
-            return
-        run = self.manager.run_dir(run_id)
-        retry = self.finisher.attempts(run_id) > 0
-        missing = final_outputs_missing(run, step) if retry else []
-        if self._checkpoint_due.get(run_id, -1) < step or "checkpoint" in missing:
-            self._checkpoint(idx, run_id, step)
-        if "broadcast" in missing:
-            self._write_broadcast(idx, run_id, step)
-        self.finisher.submit(run, step)
 
     def flush(self) -> None:
         """Wait until every output submitted so far is on disk (or has failed with a warning)."""
-        self.writer.flush()
-
-    def _publish(self, done: StepDone, run_id: str, stats: StepStats) -> None:
-        step = done.step + 1
-        max_steps = self.manager.config[done.idx].max_steps
-        # Checkpoint before broadcast (one writer thread keeps the order): a trainer killed in
-        # between leaves no published step that its resume would train a second time.
-        if step % self.config.checkpoint_every == 0 or step >= max_steps:
-            self._checkpoint(done.idx, run_id, step)
-        self._write_broadcast(done.idx, run_id, step)
-        progress = self.manager.progress[done.idx]
-        row = {
-            "step": step,
-            "total_tokens": progress.total_tokens,
-            "total_samples": progress.total_samples,
-            "loss": stats.loss,
-            "reward_mean": done.reward_mean,
-            "policy_step": done.policy_step,
-            "stale_dropped": done.dropped,  # 1: this step's rollouts were too stale to train
-            "grad_norm": stats.grad_norm,
-            "lr": stats.lr,
-            "slot": done.idx,
-            # Wall-clock time lets a reader (the live view) compute the trainer's throughput.
-            "time": round(time.time(), 3),
-        }
-        run = self.manager.run_dir(run_id)
-        self.writer.submit(lambda: self.progress_log.append(run, row))
-        log.info(
-            "run %s (slot %d): step %d/%d loss %.4f reward %.3f grad_norm %.3f lr %.2e tokens %d",
-            run_id,
-            done.idx,
-            step,
-            max_steps,
-            stats.loss,
-            done.reward_mean,
-            stats.grad_norm,
-            stats.lr,
-            progress.total_tokens,
-        )
+        self.outputs.flush()
 
     def finish(self) -> None:
         """Rank 0: checkpoint every run whose progress is ahead of its last checkpoint, and mark
         the runs at their max_steps finished (unless a marker is already queued)."""
-        if not self.is_master:
-            return
-        for idx, run_id in sorted(self.manager.idx_2_id.items()):
-            step = self.manager.progress[idx].step
-            if run_id in self._evicted or idx in self.optim.resume_failures:
-                continue
-            if step >= self.manager.config[idx].max_steps:
-                self._mark_finished(idx, run_id, step, now=float("inf"))
-            elif step > self._checkpoint_due.get(run_id, -1) and step > 0:
-                self._checkpoint(idx, run_id, step)
-        self.flush()
+        if self.is_master:
+            self.outputs.finish(self._evicted)
 
     # ---- the loop ----------------------------------------------------------------------------
     def run(self, steps: int | None = None, until_idle_s: float | None = None) -> int:
