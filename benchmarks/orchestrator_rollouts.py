@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from rlplex.diagnostics.metrics import read_metrics_csv
 from rlplex.models.hf import load_causal_lm
 from rlplex.multirun import OrchestratorConfig, apply_multi_lora, create_run, write_peft_adapter
 from rlplex.multirun.orchestrator.loop import WaitOptions, run_orchestrator
+from rlplex.multirun.rundir.rollouts import rollouts_ready
 
 NAME = "orchestrator_rollouts"
 TARGETS = ("q_proj", "v_proj")
@@ -49,7 +51,10 @@ def make_config(steps: int, batch: int, group: int, warmup: int, rollout_workers
     )
 
 
-def write_broadcasts(out: Path, config: OrchestratorConfig) -> None:
+def write_broadcasts(out: Path, config: OrchestratorConfig) -> threading.Thread:
+    """`broadcast/step_0` now, and `broadcast/step_<max_steps>` (which ends the orchestrator's
+    last wait) once the last step's rollouts are written: written before, it would tell a
+    starting orchestrator that every step is trained already. Returns the thread that waits."""
     import copy
 
     model = copy.deepcopy(load_causal_lm(config.model))
@@ -59,24 +64,38 @@ def write_broadcasts(out: Path, config: OrchestratorConfig) -> None:
         for _, param in lora.named_parameters_for_adapter(0):
             param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
     run = create_run(out, RUN_ID, config)  # what the orchestrator does first; it reuses the run
-    for step in (0, config.max_steps):
+    state = lora.adapter_state_dict(0)
+
+    def write(step: int) -> None:
         write_peft_adapter(
             run.broadcast_step(step),
-            lora.adapter_state_dict(0),
+            state,
             config.model.name,
             rank=config.model.lora.rank,
             alpha=config.model.lora.alpha,
             target_modules=TARGETS,
         )
 
+    def last() -> None:
+        deadline = time.monotonic() + 600
+        while not rollouts_ready(run, config.max_steps - 1) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        write(config.max_steps)
+
+    write(0)
+    thread = threading.Thread(target=last, daemon=True)
+    thread.start()
+    return thread
+
 
 def measure(config: OrchestratorConfig) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="rlplex-orch-bench-") as tmp:
         out = Path(tmp)
-        write_broadcasts(out, config)
+        trainer = write_broadcasts(out, config)
         t0, cpu0 = time.perf_counter(), time.process_time()
         run_orchestrator(out, RUN_ID, config, WaitOptions(timeout_s=60), tensorboard=False)
         wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        trainer.join()
         rows = read_metrics_csv(out / RUN_ID / "progress.csv")
     generated = sum(row["charts/generated_tokens"] for row in rows)
     return {

@@ -101,3 +101,12 @@ def test_arithmetic_preset_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     run = data["runs"][0]
     assert all(len(run[side]["rewards"]) == STEPS for side in ("shared", "alone"))
     assert math.isfinite(run["shared"]["rise"]) and isinstance(data["goal_all_well_configured_rise"], bool)
+
+
+def test_the_orchestrator_rollouts_benchmark_generates_every_step() -> None:
+    # It once measured nothing: its stand-in trainer published the final broadcast up front,
+    # which tells a starting orchestrator that every step is trained already.
+    from benchmarks.orchestrator_rollouts import make_config, measure
+
+    figures = measure(make_config(steps=2, batch=8, group=4, warmup=20))
+    assert figures["steps"] == 2 and figures["wall_tokens_per_s"] > 0
