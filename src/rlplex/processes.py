@@ -6,8 +6,9 @@ into `WorkerDiedError` naming it and its exit code, and `stop_processes` leaves 
 (terminate, then kill after a grace period). A child calls `die_with_launcher` first thing,
 so it is SIGTERMed at once when its parent is killed (no orphan keeps training).
 
-Processes started as commands (control-plane nodes, vLLM servers, elastic scripts) call
-`die_with_parent` for the same guarantee. `PR_SET_PDEATHSIG` asks the kernel to signal the
+Processes started as commands (vLLM servers, elastic scripts and node checks) call
+`die_with_parent` for the same guarantee; control-plane nodes do not, since they outlive a
+killed master by design. `PR_SET_PDEATHSIG` asks the kernel to signal the
 child when its parent dies, however the parent dies (SIGKILL included). The request fires
 when the *thread* that started the child exits, so children are started from a thread that
 lives as long as the parent does (the main thread, in rlplex).

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -62,8 +63,8 @@ class Reward:
         if self.hold is not None:
             hold, self.hold = self.hold, None
             hold.write_text(str(os.getpid()))
-            release = hold.with_name(hold.name + ".go")
-            while not release.exists():
+            release, deadline = hold.with_name(hold.name + ".go"), time.monotonic() + 120
+            while not release.exists() and time.monotonic() < deadline:
                 threading.Event().wait(0.02)
         return {"reward": [np.float32(seq.sum()) for seq in inputs["seq"]]}
 

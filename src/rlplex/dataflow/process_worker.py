@@ -439,7 +439,7 @@ class ProcessModelWorker(RemoteModelWorker):
 
     def _retire(self) -> None:
         if self._parent is not None:
-            self._parent.close()  # the child's cue to exit
+            self._parent.close()  # the child's cue to exit; SIGTERM follows for one busy in a call
             self._parent = None
         if self.process is not None:
             stop_processes([self.process], grace_s=5.0)

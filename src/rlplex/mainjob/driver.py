@@ -65,7 +65,7 @@ def accept_requests(
         try:
             if entry.id in {e.id for e in registry}:
                 raise ConfigError(f"{request.path}: run {entry.id!r} is already in the job")
-            entry.orch_config(str(request.path))
+            run_config = entry.orch_config(str(request.path))
         except RlplexError as error:
             answer(request.path, False, str(error))
             continue
@@ -74,8 +74,8 @@ def accept_requests(
             continue
         write_registry(output_dir, [*registry, entry])
         master.scale_role("orchestrator", len(registry) + 1)
-        if (rollouts := len(rollout_slots([*registry, entry]))) > len(rollout_slots(registry)):
-            master.scale_role(ROLLOUT_ROLE, rollouts)
+        if run_config.rollout_workers > 1:  # it generates on nodes of its own
+            master.scale_role(ROLLOUT_ROLE, len(rollout_slots([*registry, entry])))
         answer(request.path, True, f"{entry.id} added as orchestrator rank {len(registry)}")
         added.append(entry.id)
     return added

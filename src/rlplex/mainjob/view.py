@@ -377,7 +377,7 @@ def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
     inference = read_inference(output_dir)
     try:
         rollout_runs = rollout_slots(entries)
-    except ConfigError:  # the registry holds only configs that parsed when they joined
+    except ConfigError:  # configs parsed when they joined: only a hand-edited runs.json fails here
         rollout_runs = []
     return JobView(
         output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created, inference, master_pid, updated,
