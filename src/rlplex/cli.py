@@ -134,6 +134,7 @@ def _train(
     from rlplex.errors import ConfigError
     from rlplex.io.safe_files import ensure_output_dir
     from rlplex.io.snapshot import latest_snapshot
+    from rlplex.models.device import resolve_device
     from rlplex.runners.config import build_runner, check_fits_in_memory, load_train_config
 
     if resume and overwrite:
@@ -159,7 +160,10 @@ def _train(
         snapshot = latest_snapshot(output / "snapshots")
         runner.resume_from(snapshot)
         console.print(f"resuming from {snapshot}")
-    console.print(f"training {config.env.id} with {config.algo.name} ({config.runner.kind}); output in {output}")
+    device = resolve_device(config.runner.device, "runner.device").type
+    console.print(
+        f"training {config.env.id} with {config.algo.name} ({config.runner.kind}) on {device}; output in {output}"
+    )
     result = runner.train()
 
     rows = read_metrics_csv(output / "progress.csv") if (output / "progress.csv").exists() else []

@@ -14,10 +14,11 @@ import torch
 from torch import nn
 
 from rlplex.agents.base import InfoSpec
-from rlplex.agents.sac import continuous_action_dim, uniform_actions
+from rlplex.agents.sac import actor_obs, continuous_action_dim, uniform_actions
 from rlplex.envs import EnvSpaces
 from rlplex.models import unwrap_model
 from rlplex.models.continuous import DeterministicActor
+from rlplex.models.device import to_numpy
 
 
 class DdpgAgent:
@@ -42,14 +43,13 @@ class DdpgAgent:
     @torch.no_grad()
     def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         actor = self.actor
-        obs = torch.as_tensor(observation_B_O, dtype=torch.float32)
         if bool(actor.random_actions):
-            return uniform_actions(actor, len(obs)).numpy(), {}
-        action = actor(obs)
+            return to_numpy(uniform_actions(actor, len(observation_B_O))), {}
+        action = actor(actor_obs(actor, observation_B_O))
         action = (action + torch.randn_like(action) * actor.exploration_noise).clamp_(-1.0, 1.0)
-        return actor.to_env(action).numpy(), {}
+        return to_numpy(actor.to_env(action)), {}
 
     @torch.no_grad()
     def eval_step(self, observation_B_O: np.ndarray) -> np.ndarray:
         actor = self.actor
-        return actor.to_env(actor(torch.as_tensor(observation_B_O, dtype=torch.float32))).numpy()
+        return to_numpy(actor.to_env(actor(actor_obs(actor, observation_B_O))))

@@ -19,6 +19,7 @@ from rlplex.agents.base import InfoSpec
 from rlplex.envs import EnvSpaces, describe_action_space
 from rlplex.errors import ConfigError
 from rlplex.models import QMlp, unwrap_model
+from rlplex.models.device import model_device, to_numpy
 from rlplex.models.encoders import EncoderKind, as_obs_tensor, default_hidden, make_encoder
 
 
@@ -27,6 +28,7 @@ class EpsilonGreedy:
     state_dict) act with the schedule's current value; DqnAgent and R2d1Agent share it."""
 
     model: nn.Module
+    spaces: EnvSpaces
 
     @property
     def epsilon(self) -> float:
@@ -38,6 +40,13 @@ class EpsilonGreedy:
         value = unwrap_model(self.model).epsilon
         assert isinstance(value, torch.Tensor)
         value.fill_(epsilon)
+
+    def explore(self, greedy_B: torch.Tensor) -> torch.Tensor:
+        """Each greedy action replaced, with probability epsilon, by a uniform random one."""
+        n, device = greedy_B.shape[0], greedy_B.device
+        explore_B = torch.rand(n, device=device) < self.epsilon
+        random_B = torch.randint(0, self.spaces.n_actions, (n,), device=device)
+        return torch.where(explore_B, random_B, greedy_B)
 
 
 class DqnAgent(EpsilonGreedy):
@@ -72,14 +81,10 @@ class DqnAgent(EpsilonGreedy):
 
     @torch.no_grad()
     def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        q_B_A = self.q_values(as_obs_tensor(observation_B_O))
-        greedy_B = q_B_A.argmax(dim=-1)
-        n = greedy_B.shape[0]
-        explore_B = torch.rand(n) < self.epsilon
-        random_B = torch.randint(0, self.spaces.n_actions, (n,))
-        return torch.where(explore_B, random_B, greedy_B).numpy(), {}
+        q_B_A = self.q_values(as_obs_tensor(observation_B_O, model_device(self.model)))
+        return to_numpy(self.explore(q_B_A.argmax(dim=-1))), {}
 
     @torch.no_grad()
     def eval_step(self, observation_B_O: np.ndarray) -> np.ndarray:
-        q_B_A = self.q_values(as_obs_tensor(observation_B_O))
-        return q_B_A.argmax(dim=-1).numpy()
+        q_B_A = self.q_values(as_obs_tensor(observation_B_O, model_device(self.model)))
+        return to_numpy(q_B_A.argmax(dim=-1))

@@ -16,6 +16,7 @@ from rlplex.agents.base import InfoSpec
 from rlplex.envs import EnvSpaces
 from rlplex.errors import ConfigError
 from rlplex.models import ActorCriticMlp, GaussianActorCriticMlp, unwrap_model
+from rlplex.models.device import model_device, to_numpy
 from rlplex.models.encoders import EncoderKind, as_obs_tensor, default_hidden, make_encoder
 
 if TYPE_CHECKING:  # samplers import agents.base; a run-time import here would be circular
@@ -43,16 +44,20 @@ class PgAgent:
     def log_prob_entropy(self, out: torch.Tensor, action: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    @property
+    def device(self) -> torch.device:
+        return model_device(self.model)
+
     @torch.no_grad()
     def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        out, value_B = self.model(as_obs_tensor(observation_B_O))
+        out, value_B = self.model(as_obs_tensor(observation_B_O, self.device))
         action, log_prob_B = self._sample(out)
-        return action.numpy(), {"log_prob": log_prob_B.numpy(), "value": value_B.numpy()}
+        return to_numpy(action), {"log_prob": to_numpy(log_prob_B), "value": to_numpy(value_B)}
 
     @torch.no_grad()
     def eval_step(self, observation_B_O: np.ndarray) -> np.ndarray:
-        out, _ = self.model(as_obs_tensor(observation_B_O))
-        return self._mode(out).numpy()
+        out, _ = self.model(as_obs_tensor(observation_B_O, self.device))
+        return to_numpy(self._mode(out))
 
     def evaluate(
         self, observation: torch.Tensor, action: torch.Tensor
@@ -69,10 +74,11 @@ class PgAgent:
     # What PPO and A2C call: a batch as tensors whose first axis minibatches draw from (single
     # steps here; whole environment sequences for a recurrent agent), and the losses' inputs.
     def training_batch(self, samples: SampleBatch, **extra_T_B: np.ndarray) -> dict[str, torch.Tensor]:
-        """`observation`, `action` and each of `extra_T_B` ([T, B] arrays), flattened to [T * B, ...]."""
+        """`observation`, `action` and each of `extra_T_B` ([T, B] arrays), flattened to [T * B, ...],
+        on the model's device."""
         columns = {"observation": samples.observation, "action": samples.action, **extra_T_B}
-        n = samples.T * samples.B
-        return {k: torch.as_tensor(v.reshape(n, *v.shape[2:])) for k, v in columns.items()}
+        n, device = samples.T * samples.B, self.device
+        return {k: torch.as_tensor(v.reshape(n, *v.shape[2:]), device=device) for k, v in columns.items()}
 
     def evaluate_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(log_prob, entropy, value) with gradients for (a minibatch of) `training_batch`."""
@@ -81,8 +87,8 @@ class PgAgent:
     def next_values(self, samples: SampleBatch) -> np.ndarray:
         """V(next_observation) [T, B], the bootstrap of every step."""
         T, B = samples.T, samples.B
-        next_obs = torch.as_tensor(samples.next_observation.reshape(T * B, *samples.observation.shape[2:]))
-        return self.value(next_obs).numpy().reshape(T, B)
+        next_obs = as_obs_tensor(samples.next_observation.reshape(T * B, *samples.observation.shape[2:]), self.device)
+        return to_numpy(self.value(next_obs)).reshape(T, B)
 
 
 class CategoricalPgAgent(PgAgent):
@@ -99,7 +105,7 @@ class CategoricalPgAgent(PgAgent):
         # Inverse-CDF sampling: the first action whose cumulative probability reaches a uniform
         # draw (a third of `torch.multinomial`'s cost for a handful of rows). The clamp covers
         # a total probability that rounds to just under the draw.
-        below = log_p.exp().cumsum(-1) < torch.rand(out.shape[:-1]).unsqueeze(-1)
+        below = log_p.exp().cumsum(-1) < torch.rand(out.shape[:-1], device=out.device).unsqueeze(-1)
         action = below.sum(-1, keepdim=True).clamp_(max=out.shape[-1] - 1)
         return action.squeeze(-1), log_p.gather(-1, action).squeeze(-1)
 

@@ -25,6 +25,7 @@ from rlplex.agents.pg import CategoricalPgAgent
 from rlplex.envs import EnvSpaces, describe_action_space
 from rlplex.errors import ConfigError
 from rlplex.models import unwrap_model
+from rlplex.models.device import model_device, to_numpy, to_tensor
 from rlplex.models.recurrent import RecurrentActorCritic, RecurrentQNet, State
 
 if TYPE_CHECKING:  # samplers import agents.base; a run-time import here would be circular
@@ -54,8 +55,9 @@ def sequence_resets(terminated_T_B: np.ndarray, truncated_T_B: np.ndarray) -> np
 
 
 class _StatefulActing:
-    """The per-environment sampling state and the separate evaluation state."""
+    """The per-environment sampling state and the separate evaluation state, on the model's device."""
 
+    model: nn.Module
     state_size: int  # the width of h and of c
     _state: State | None
     _eval_state: State | None
@@ -67,13 +69,13 @@ class _StatefulActing:
 
     def _current(self, state: State | None, batch: int) -> State:
         if state is None or state[0].shape[0] != batch:
-            zeros = torch.zeros(batch, self.state_size)
+            zeros = torch.zeros(batch, self.state_size, device=model_device(self.model))
             return zeros, zeros.clone()
         return state
 
     def reset_state(self, done_B: np.ndarray) -> None:
         if self._state is not None and done_B.any():
-            keep = torch.as_tensor(~done_B, dtype=torch.float32).unsqueeze(-1)
+            keep = to_tensor(~done_B, self._state[0].device, torch.float32).unsqueeze(-1)
             self._state = (self._state[0] * keep, self._state[1] * keep)
 
     def reset_eval_state(self) -> None:
@@ -108,27 +110,28 @@ class RecurrentCategoricalPgAgent(_StatefulActing, CategoricalPgAgent):
 
     @torch.no_grad()
     def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        obs = torch.as_tensor(observation_B_O, dtype=torch.float32)
+        obs = to_tensor(observation_B_O, self.device, torch.float32)
         state = self._current(self._state, len(obs))
         logits, value, self._state = self.model(obs.unsqueeze(0), state)
         action, log_prob = self._sample(logits[0])
-        info = {"log_prob": log_prob.numpy(), "value": value[0].numpy()}
-        return action.numpy(), {**info, "rnn_h": state[0].numpy(), "rnn_c": state[1].numpy()}
+        info = {"log_prob": to_numpy(log_prob), "value": to_numpy(value[0])}
+        return to_numpy(action), {**info, "rnn_h": to_numpy(state[0]), "rnn_c": to_numpy(state[1])}
 
     @torch.no_grad()
     def eval_step(self, observation_B_O: np.ndarray) -> np.ndarray:
-        obs = torch.as_tensor(observation_B_O, dtype=torch.float32)
+        obs = to_tensor(observation_B_O, self.device, torch.float32)
         logits, _, self._eval_state = self.model(obs.unsqueeze(0), self._current(self._eval_state, len(obs)))
-        return self._mode(logits[0]).numpy()
+        return to_numpy(self._mode(logits[0]))
 
     def training_batch(self, samples: SampleBatch, **extra_T_B: np.ndarray) -> dict[str, torch.Tensor]:
         """Per environment: `observation` [B, T, O], `action`, each of `extra_T_B` [B, T],
         `reset` [B, T] and the state at each sequence's start, `rnn_h`/`rnn_c` [B, H]."""
         columns = {"observation": samples.observation, "action": samples.action, **extra_T_B}
-        batch = {k: torch.as_tensor(np.swapaxes(v, 0, 1)) for k, v in columns.items()}
-        batch["reset"] = torch.as_tensor(sequence_resets(samples.terminated, samples.truncated).T)
-        batch["rnn_h"] = torch.as_tensor(samples.agent_info["rnn_h"][0])
-        batch["rnn_c"] = torch.as_tensor(samples.agent_info["rnn_c"][0])
+        device = self.device
+        batch = {k: to_tensor(np.swapaxes(v, 0, 1), device) for k, v in columns.items()}
+        batch["reset"] = to_tensor(sequence_resets(samples.terminated, samples.truncated).T, device)
+        batch["rnn_h"] = to_tensor(samples.agent_info["rnn_h"][0], device)
+        batch["rnn_c"] = to_tensor(samples.agent_info["rnn_c"][0], device)
         return batch
 
     def evaluate_batch(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -142,16 +145,16 @@ class RecurrentCategoricalPgAgent(_StatefulActing, CategoricalPgAgent):
     def next_values(self, samples: SampleBatch) -> np.ndarray:
         """V(next_observation[t]) [T, B] with the state after step t (before any reset: at a
         time-limit truncation the final observation is valued with the episode's own state)."""
-        net = self.net
-        obs = torch.as_tensor(samples.observation)
-        reset = torch.as_tensor(sequence_resets(samples.terminated, samples.truncated))
-        start = (torch.as_tensor(samples.agent_info["rnn_h"][0]), torch.as_tensor(samples.agent_info["rnn_c"][0]))
+        net, device = self.net, self.device
+        obs = to_tensor(samples.observation, device)
+        reset = to_tensor(sequence_resets(samples.terminated, samples.truncated), device)
+        start = (to_tensor(samples.agent_info["rnn_h"][0], device), to_tensor(samples.agent_info["rnn_c"][0], device))
         _, v_start = net.split(start)
         h, c = net.v_trunk.states_after_each_step(obs, v_start, reset)
         T, B = samples.T, samples.B
-        next_obs = torch.as_tensor(samples.next_observation).reshape(1, T * B, -1)
+        next_obs = to_tensor(samples.next_observation, device).reshape(1, T * B, -1)
         out, _ = net.v_trunk(next_obs, (h.reshape(T * B, -1), c.reshape(T * B, -1)))
-        return net.value_head(out).reshape(T, B).numpy()
+        return to_numpy(net.value_head(out).reshape(T, B))
 
     def evaluate(
         self, observation: torch.Tensor, action: torch.Tensor
@@ -182,17 +185,14 @@ class R2d1Agent(_StatefulActing, EpsilonGreedy):
 
     @torch.no_grad()
     def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        obs = torch.as_tensor(observation_B_O, dtype=torch.float32)
+        obs = to_tensor(observation_B_O, model_device(self.model), torch.float32)
         state = self._current(self._state, len(obs))
         q, self._state = self.model(obs.unsqueeze(0), state)
-        greedy = q[0].argmax(dim=-1)
-        n = len(obs)
-        explore = torch.rand(n) < self.epsilon
-        action = torch.where(explore, torch.randint(0, self.spaces.n_actions, (n,)), greedy)
-        return action.numpy(), {"rnn_h": state[0].numpy(), "rnn_c": state[1].numpy()}
+        action = self.explore(q[0].argmax(dim=-1))
+        return to_numpy(action), {"rnn_h": to_numpy(state[0]), "rnn_c": to_numpy(state[1])}
 
     @torch.no_grad()
     def eval_step(self, observation_B_O: np.ndarray) -> np.ndarray:
-        obs = torch.as_tensor(observation_B_O, dtype=torch.float32)
+        obs = to_tensor(observation_B_O, model_device(self.model), torch.float32)
         q, self._eval_state = self.model(obs.unsqueeze(0), self._current(self._eval_state, len(obs)))
-        return q[0].argmax(dim=-1).numpy()
+        return to_numpy(q[0].argmax(dim=-1))

@@ -17,6 +17,7 @@ from rlplex.envs import EnvSpaces, describe_observation_space
 from rlplex.errors import ConfigError
 from rlplex.models import unwrap_model
 from rlplex.models.continuous import BoundedActor, SquashedGaussianActor
+from rlplex.models.device import to_numpy
 
 
 def continuous_action_dim(spaces: EnvSpaces, agent: str) -> int:
@@ -33,7 +34,12 @@ def continuous_action_dim(spaces: EnvSpaces, agent: str) -> int:
 
 def uniform_actions(actor: BoundedActor, n: int) -> torch.Tensor:
     """Uniform random actions in the environment's bounds, [n, A]."""
-    return actor.to_env(torch.rand(n, actor.action_dim) * 2.0 - 1.0)
+    return actor.to_env(torch.rand(n, actor.action_dim, device=actor.action_scale.device) * 2.0 - 1.0)
+
+
+def actor_obs(actor: BoundedActor, observation_B_O: np.ndarray) -> torch.Tensor:
+    """Observations as float32 on the actor's device (its critics read flat float vectors)."""
+    return torch.as_tensor(observation_B_O, dtype=torch.float32, device=actor.action_scale.device)
 
 
 class SacAgent:
@@ -58,13 +64,12 @@ class SacAgent:
     @torch.no_grad()
     def step(self, observation_B_O: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         actor = self.actor
-        obs = torch.as_tensor(observation_B_O, dtype=torch.float32)
         if bool(actor.random_actions):
-            return uniform_actions(actor, len(obs)).numpy(), {}
-        action, _ = actor.sample(obs)
-        return actor.to_env(action).numpy(), {}
+            return to_numpy(uniform_actions(actor, len(observation_B_O))), {}
+        action, _ = actor.sample(actor_obs(actor, observation_B_O))
+        return to_numpy(actor.to_env(action)), {}
 
     @torch.no_grad()
     def eval_step(self, observation_B_O: np.ndarray) -> np.ndarray:
         actor = self.actor
-        return actor.to_env(actor.mode(torch.as_tensor(observation_B_O, dtype=torch.float32))).numpy()
+        return to_numpy(actor.to_env(actor.mode(actor_obs(actor, observation_B_O))))

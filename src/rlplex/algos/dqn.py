@@ -39,6 +39,7 @@ from rlplex.algos.optim_state import adam
 from rlplex.config import StrictModel
 from rlplex.errors import ConfigError, RlplexError, SnapshotError
 from rlplex.models import QMlp, unwrap_model
+from rlplex.models.device import model_device, to_numpy
 from rlplex.replays import PrioritizedReplayBuffer, UniformReplayBuffer
 
 
@@ -143,7 +144,9 @@ def categorical_target(
         next_logits_B_A_K = target(batch["next_observation"])
         chooser_logits = online(batch["next_observation"]) if double else next_logits_B_A_K
         next_action_B = _q(online, chooser_logits).argmax(dim=-1)
-        probs_B_K = torch.softmax(next_logits_B_A_K[torch.arange(len(next_action_B)), next_action_B], dim=-1)
+        probs_B_K = torch.softmax(
+            next_logits_B_A_K[torch.arange(len(next_action_B), device=next_action_B.device), next_action_B], dim=-1
+        )
         support = unwrap_model(online).support
         assert isinstance(support, torch.Tensor)
         discount_B = batch["discount"] * (1.0 - batch["terminated"].float())
@@ -172,6 +175,7 @@ class DQN(ReplayAlgo):
         online = unwrap_model(agent.model)
         self._check_network(online)
         self.agent = agent
+        self.device = model_device(online)
         self.n_itr = max(1, n_itr)
         self.target = copy.deepcopy(online)
         self.target.requires_grad_(False)
@@ -233,7 +237,7 @@ class DQN(ReplayAlgo):
             slots = (arrays.pop("index"), arrays.pop("serial"))
         else:
             arrays, slots = self.replay.sample(cfg.batch_size, self._rng, cfg.n_step, cfg.gamma), None
-        return {k: torch.as_tensor(v) for k, v in arrays.items()}, slots
+        return {k: torch.as_tensor(v, device=self.device) for k, v in arrays.items()}, slots
 
     def _update(self) -> tuple[float, float, float]:
         assert self.agent is not None and self.replay is not None and self.optimizer is not None
@@ -244,7 +248,7 @@ class DQN(ReplayAlgo):
         out = model(batch["observation"])
         if cfg.categorical is not None:
             target_B_K = categorical_target(batch, model, self.target, cfg.double)
-            logits_B_K = out[torch.arange(len(action_B)), action_B]
+            logits_B_K = out[torch.arange(len(action_B), device=self.device), action_B]
             per_sample_B = -(target_B_K * torch.log_softmax(logits_B_K, dim=-1)).sum(dim=-1)
             error_B = per_sample_B.detach()
             q_B = _q(model, out.detach()).gather(-1, action_B.unsqueeze(-1)).squeeze(-1)
@@ -262,7 +266,7 @@ class DQN(ReplayAlgo):
         if slots is not None and cfg.prioritized is not None:
             assert isinstance(self.replay, PrioritizedReplayBuffer)
             per = cfg.prioritized
-            self.replay.update_priorities(slots[0], (error_B.double().numpy() + per.eps) ** per.alpha, slots[1])
+            self.replay.update_priorities(slots[0], (to_numpy(error_B.double()) + per.eps) ** per.alpha, slots[1])
         self.update_count += 1
         if self.update_count % cfg.target_update_interval == 0:
             self.target.load_state_dict(unwrap_model(model).state_dict())

@@ -4,6 +4,7 @@ and the soft target-network update."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
@@ -14,6 +15,8 @@ from rlplex.errors import RlplexError
 from rlplex.processes import CONTEXT
 from rlplex.replays import PrioritizedReplayBuffer, UniformReplayBuffer
 from rlplex.samplers.batch import SampleBatch
+
+logger = logging.getLogger(__name__)
 
 
 def transitions_of(samples: SampleBatch) -> dict[str, np.ndarray]:
@@ -28,8 +31,28 @@ def transitions_of(samples: SampleBatch) -> dict[str, np.ndarray]:
     }
 
 
-def sample_tensors(replay: UniformReplayBuffer, batch_size: int, rng: np.random.Generator) -> dict[str, torch.Tensor]:
-    return {k: torch.as_tensor(v) for k, v in replay.sample(batch_size, rng).items()}
+def sample_tensors(
+    replay: UniformReplayBuffer, batch_size: int, rng: np.random.Generator, device: torch.device
+) -> dict[str, torch.Tensor]:
+    return {k: torch.as_tensor(v, device=device) for k, v in replay.sample(batch_size, rng).items()}
+
+
+def update_generator(seed: int, device: torch.device, cpu_generator: torch.Generator) -> torch.Generator:
+    """The generator of an update's noise: on the model's device, since a draw must come from a
+    generator where the tensor is made. On the CPU it is `cpu_generator` itself (which also
+    drew the critics' initial weights), so a CPU run's streams are what they always were."""
+    if device.type == "cpu":
+        return cpu_generator
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def load_generator_state(generator: torch.Generator, state: torch.Tensor, what: str) -> None:
+    """Restore a generator saved by `state_dict`; a snapshot taken on another kind of device
+    (CPU against CUDA) holds another generator's state, so its noise starts afresh instead."""
+    try:
+        generator.set_state(state)
+    except RuntimeError:
+        logger.warning("%s: the snapshot's generator is of another device; its noise stream starts afresh", what)
 
 
 @torch.no_grad()
@@ -48,6 +71,7 @@ class ReplayAlgo:
     config: Any
     agent: Any
     replay: UniformReplayBuffer | None
+    device: torch.device = torch.device("cpu")  # the agent's model's: where batches go (see `initialize`)
 
     @property
     def batch_size(self) -> int:

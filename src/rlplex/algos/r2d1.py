@@ -39,6 +39,7 @@ from rlplex.algos.rl_math import inverse_value_rescale, value_rescale
 from rlplex.config import StrictModel
 from rlplex.errors import ConfigError, RlplexError, SnapshotError
 from rlplex.models import unwrap_model
+from rlplex.models.device import model_device, to_numpy
 from rlplex.models.recurrent import RecurrentQNet
 from rlplex.processes import CONTEXT
 from rlplex.replays.sequence import SequenceReplayBuffer, sequences_of
@@ -147,6 +148,7 @@ class R2D1(ReplayAlgo):
         if online.dueling != self.config.dueling:
             raise ConfigError(f"R2D1: the config asks for dueling={self.config.dueling}, the agent's network has not")
         self.agent = agent
+        self.device = model_device(online)
         self.n_itr = max(1, n_itr)
         self.target = copy.deepcopy(online)
         self.target.requires_grad_(False)
@@ -196,7 +198,7 @@ class R2D1(ReplayAlgo):
         arrays["reset"] = sequence_resets(arrays["done"].T, np.zeros_like(arrays["done"].T)).T
         batch = {}
         for name, value in arrays.items():
-            tensor = torch.as_tensor(value)
+            tensor = torch.as_tensor(value, device=self.device)
             batch[name] = tensor if name in ("rnn_h", "rnn_c", "weight") else tensor.transpose(0, 1)
         return batch, idx, serial
 
@@ -212,7 +214,7 @@ class R2D1(ReplayAlgo):
         per = cfg.prioritized
         if per is not None:
             mixed = per.eta * abs_delta.max(dim=0).values + (1 - per.eta) * abs_delta.mean(dim=0)
-            self.replay.update_priorities(idx, (mixed.double().numpy() + per.eps) ** per.alpha, serial)
+            self.replay.update_priorities(idx, (to_numpy(mixed.double()) + per.eps) ** per.alpha, serial)
         self.update_count += 1
         if self.update_count % cfg.target_update_interval == 0:
             self.target.load_state_dict(unwrap_model(model).state_dict())

@@ -31,11 +31,18 @@ import torch
 from pydantic import Field
 
 from rlplex.agents.sac import SacAgent
-from rlplex.algos.off_policy import ReplayAlgo, polyak_update, sample_tensors
+from rlplex.algos.off_policy import (
+    ReplayAlgo,
+    load_generator_state,
+    polyak_update,
+    sample_tensors,
+    update_generator,
+)
 from rlplex.algos.optim_state import adam
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
 from rlplex.models.continuous import QEnsemble
+from rlplex.models.device import model_device
 from rlplex.replays import UniformReplayBuffer
 
 
@@ -74,8 +81,11 @@ class SAC(ReplayAlgo):
         cfg = self.config
         self.agent = agent
         actor = agent.actor
+        self.device = device = model_device(actor)
         obs_dim, action_dim = int(np.prod(agent.spaces.obs_shape)), actor.action_dim
-        self.critic = QEnsemble(obs_dim, action_dim, cfg.critic_hidden, n=2, generator=self._generator)
+        # Drawn on the CPU, then moved: the same initial critics on every device.
+        self.critic = QEnsemble(obs_dim, action_dim, cfg.critic_hidden, n=2, generator=self._generator).to(device)
+        self._generator = update_generator(self.seed, device, self._generator)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         # fused: one kernel per step instead of a Python loop over parameters (see PPO).
         # Listed once: Module.parameters() walks the module tree on every call.
@@ -86,7 +96,7 @@ class SAC(ReplayAlgo):
         self.critic_optimizer = adam(self._critic_params, lr=cfg.learning_rate)
         auto = cfg.ent_coef == "auto"
         start = cfg.init_ent_coef if auto else float(cfg.ent_coef)
-        self.log_alpha = torch.tensor(math.log(start), requires_grad=auto)
+        self.log_alpha = torch.tensor(math.log(start), requires_grad=auto, device=device)
         self.alpha_optimizer = adam([self.log_alpha], lr=cfg.learning_rate) if auto else None
         self.target_entropy = -float(action_dim) if cfg.target_entropy is None else cfg.target_entropy
         self._make_replay(agent, shared_replay)
@@ -106,7 +116,7 @@ class SAC(ReplayAlgo):
     def _update(self) -> torch.Tensor:
         assert self.agent is not None and self.replay is not None
         cfg, actor = self.config, self.agent.actor
-        batch = sample_tensors(self.replay, cfg.batch_size, self._rng)
+        batch = sample_tensors(self.replay, cfg.batch_size, self._rng, self.device)
         obs, next_obs = batch["observation"], batch["next_observation"]
 
         pi_action, log_prob = actor.sample(obs, self._generator)
@@ -129,7 +139,7 @@ class SAC(ReplayAlgo):
         # gradients only (a full backward would also fill the critics', for nothing).
         actor_loss = (alpha * log_prob - self.critic(obs, pi_action).min(0).values).mean()
         params = self._actor_params
-        alpha_loss = torch.zeros(())
+        alpha_loss = torch.zeros((), device=self.device)
         if self.alpha_optimizer is not None:
             alpha_loss = -(self.log_alpha * (log_prob.detach() + self.target_entropy)).mean()
             params = [*params, self.log_alpha]
@@ -177,5 +187,5 @@ class SAC(ReplayAlgo):
             self.alpha_optimizer.load_state_dict(state["alpha_optimizer"])
         self.update_count = int(state["update_count"])
         self._rng.bit_generator.state = state["rng"]
-        self._generator.set_state(state["generator"])
+        load_generator_state(self._generator, state["generator"], "SAC")
         self.replay.load_state_dict(state["replay"])

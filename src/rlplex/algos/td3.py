@@ -25,11 +25,18 @@ import torch
 from pydantic import Field
 
 from rlplex.agents.ddpg import DdpgAgent
-from rlplex.algos.off_policy import ReplayAlgo, polyak_update, sample_tensors
+from rlplex.algos.off_policy import (
+    ReplayAlgo,
+    load_generator_state,
+    polyak_update,
+    sample_tensors,
+    update_generator,
+)
 from rlplex.algos.optim_state import adam
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
 from rlplex.models.continuous import QEnsemble
+from rlplex.models.device import model_device
 from rlplex.replays import UniformReplayBuffer
 
 
@@ -79,8 +86,12 @@ class TD3(ReplayAlgo):
         self.agent = agent
         actor = agent.actor
         actor.exploration_noise.fill_(cfg.exploration_noise)
+        self.device = device = model_device(actor)
         obs_dim, action_dim = int(np.prod(agent.spaces.obs_shape)), actor.action_dim
-        self.critic = QEnsemble(obs_dim, action_dim, cfg.critic_hidden, n=cfg.n_critics, generator=self._generator)
+        # Drawn on the CPU, then moved: the same initial critics on every device.
+        critic = QEnsemble(obs_dim, action_dim, cfg.critic_hidden, n=cfg.n_critics, generator=self._generator)
+        self.critic = critic.to(device)
+        self._generator = update_generator(self.seed, device, self._generator)
         self.critic_target = copy.deepcopy(self.critic).requires_grad_(False)
         self.actor_target = copy.deepcopy(actor).requires_grad_(False)
         # fused: one kernel per step instead of a Python loop over parameters (see PPO).
@@ -111,14 +122,15 @@ class TD3(ReplayAlgo):
     def _update(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         assert self.agent is not None and self.replay is not None
         cfg, actor = self.config, self.agent.actor
-        batch = sample_tensors(self.replay, cfg.batch_size, self._rng)
+        batch = sample_tensors(self.replay, cfg.batch_size, self._rng, self.device)
         obs, next_obs = batch["observation"], batch["next_observation"]
 
         # 1. critics
         with torch.no_grad():
             next_action = self.actor_target(next_obs)
             if cfg.target_policy_noise > 0:
-                noise = torch.randn(next_action.shape, generator=self._generator) * cfg.target_policy_noise
+                noise = torch.randn(next_action.shape, generator=self._generator, device=self.device)
+                noise = noise * cfg.target_policy_noise
                 next_action = (next_action + noise.clamp(-cfg.target_noise_clip, cfg.target_noise_clip)).clamp(-1, 1)
             next_q = self.critic_target(next_obs, next_action).min(0).values
             target_q = batch["reward"] + cfg.gamma * (1.0 - batch["terminated"].float()) * next_q
@@ -167,5 +179,5 @@ class TD3(ReplayAlgo):
         self.critic_optimizer.load_state_dict(state["critic_optimizer"])
         self.update_count = int(state["update_count"])
         self._rng.bit_generator.state = state["rng"]
-        self._generator.set_state(state["generator"])
+        load_generator_state(self._generator, state["generator"], "TD3")
         self.replay.load_state_dict(state["replay"])

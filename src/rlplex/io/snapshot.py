@@ -180,12 +180,25 @@ def resumed_schedule_itrs(state: dict[str, Any], current: int, given: bool) -> i
     return int(state["schedule_itrs"])
 
 
+def set_cuda_rng_states(states: list[torch.Tensor]) -> None:
+    """Restore the GPUs' generators that a snapshot holds and this machine has (a snapshot
+    taken on more GPUs, or on a GPU and resumed on the CPU, restores what fits)."""
+    if not states or not torch.cuda.is_available():
+        return
+    for index, state in enumerate(states[: torch.cuda.device_count()]):
+        torch.cuda.set_rng_state(state, index)
+
+
 def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_initialized():  # a model on a GPU draws its actions there
+        state["torch_cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
+    set_cuda_rng_states(state.get("torch_cuda", []))
     np.random.set_state(state["numpy"])
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))

@@ -71,7 +71,7 @@ class SquashedGaussianActor(BoundedActor):
         -dim(A) does not depend on the environment's bounds.
         """
         mean, log_std = self(obs_B_O)
-        noise = torch.randn(mean.shape, generator=generator)
+        noise = torch.randn(mean.shape, generator=generator, device=mean.device)
         u = mean + noise * log_std.exp()
         # log(1 - tanh(u)^2) = 2 (log 2 - u - softplus(-2u)), without tanh's saturation at 1.
         log_det = 2.0 * (math.log(2.0) - u - nn.functional.softplus(-2.0 * u))

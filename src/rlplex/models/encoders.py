@@ -43,12 +43,12 @@ def image_layout(spaces: EnvSpaces) -> tuple[int, int, int, bool] | None:
     return shape[0], shape[1], shape[2], False
 
 
-def as_obs_tensor(observation: np.ndarray) -> torch.Tensor:
-    """A batch of observations as the model takes it: uint8 images as they are (the model
-    scales them), anything else as float32."""
+def as_obs_tensor(observation: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
+    """A batch of observations as the model takes it, on `device`: uint8 images as they are
+    (the model scales them, and a quarter of the bytes cross to a GPU), anything else as float32."""
     if observation.dtype == np.uint8:
-        return torch.as_tensor(observation)
-    return torch.as_tensor(observation, dtype=torch.float32)
+        return torch.as_tensor(observation, device=device)
+    return torch.as_tensor(observation, dtype=torch.float32, device=device)
 
 
 class NatureCnn(nn.Module):

@@ -20,26 +20,12 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from rlplex.errors import DeviceError, ModelLoadError
+from rlplex.errors import ModelLoadError
+from rlplex.models.device import resolve_device
 from rlplex.models.spec import ModelSpec
 from rlplex.tasks import Example
 
 Tokenizer = PreTrainedTokenizerBase
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "cpu":
-        return torch.device("cpu")
-    if device not in ("auto", "cuda"):
-        raise DeviceError(f"field 'device': {device!r} is not one of 'auto', 'cpu', 'cuda'")
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if device == "cuda":
-        raise DeviceError(
-            f"field 'device': 'cuda' was asked for, but this torch ({torch.__version__}) sees no CUDA device; "
-            'use device = "cpu" or "auto"'
-        )
-    return torch.device("cpu")
 
 
 def resolve_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from rlplex.models.device import model_device
 from rlplex.models.hf import Tokenizer, decode_completion, encode_answer, encode_prompt, stop_token_ids
 from rlplex.tasks import Environment
 
@@ -60,10 +61,6 @@ def pad_id_of(tokenizer: Tokenizer) -> int:
     return int(pad)
 
 
-def _device_of(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
-
-
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
@@ -78,7 +75,7 @@ def generate(
 
     `generator` must live on the model's device (a CPU generator for a CPU model).
     """
-    device = _device_of(model)
+    device = model_device(model)
     stops = list(stop_ids) if stop_ids is not None else stop_token_ids(tokenizer, model)
     pad_id = pad_id_of(tokenizer)
     tokens, attention = (t.to(device) for t in left_pad(prompts, pad_id))
@@ -157,7 +154,7 @@ def supervised_warmup(
     rng = np.random.default_rng(seed)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     eos = stop_token_ids(tokenizer, model)[0] if tokenizer.eos_token_id is None else int(tokenizer.eos_token_id)
-    device = _device_of(model)
+    device = model_device(model)
     losses = []
     model.train()
     for step in range(steps):
@@ -189,7 +186,7 @@ def mean_reward(
     temperature: float = 1.0,
 ) -> float:
     examples = environment.sample(n, np.random.default_rng(seed))
-    generator = torch.Generator(device=_device_of(model)).manual_seed(seed)
+    generator = torch.Generator(device=model_device(model)).manual_seed(seed)
     prompts = [encode_prompt(tokenizer, e) for e in examples]
     rollouts = generate(model, tokenizer, prompts, environment.max_new_tokens, temperature, generator)
     return float(np.mean(environment.score(examples, rollouts.completions)))

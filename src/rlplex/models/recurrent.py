@@ -39,10 +39,6 @@ class LstmTrunk(nn.Module):
         self.lstm = nn.LSTM(last, lstm_size)
         self.lstm_size = lstm_size
 
-    def initial_state(self, batch: int) -> State:
-        zeros = torch.zeros(batch, self.lstm_size)
-        return zeros, zeros.clone()
-
     def forward(
         self, obs_T_B_O: torch.Tensor, state: State, reset_T_B: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, State]:

@@ -55,6 +55,7 @@ from rlplex.io.snapshot import (
     set_rng_state,
 )
 from rlplex.models import unwrap_model
+from rlplex.models.device import resolve_device
 from rlplex.runners.metrics import episode_metrics, evaluation_metrics
 from rlplex.runners.minibatch import TrainResult
 from rlplex.samplers.async_ import POLL_S, AsyncSampler
@@ -120,10 +121,13 @@ class AsyncRl:
         schedule_steps: int | None = None,
         n_workers: int | None = None,
         envpool: bool = False,
+        device: str = "auto",
     ) -> None:
         """`n_workers`: None samples in one sampler process; a number, in that many worker
         processes behind it (`[sampler] kind = "parallel"`). `envpool`: the sampler process
-        steps its environments with EnvPool (`[sampler] kind = "envpool"`)."""
+        steps its environments with EnvPool (`[sampler] kind = "envpool"`). `device`: where
+        the learner's model and its minibatches live ("auto": CUDA when present); the
+        sampler's processes act on CPU copies."""
         if n_steps <= 0 or replay_ratio <= 0:
             raise ConfigError(
                 f"field 'runner': n_steps and replay_ratio must be positive (got {n_steps}, {replay_ratio})"
@@ -149,6 +153,7 @@ class AsyncRl:
         self.logger: MetricsLogger | None = None
         self._sampler_state: dict[str, Any] | None = None  # streams that go with the logged env steps
         self.final_streams_digest: str | None = None  # the sampler's streams at the end of a completed run
+        self.device = resolve_device(device, "runner.device")
 
     # ----- setup and teardown -------------------------------------------------------------
     def startup(self) -> None:
@@ -157,6 +162,7 @@ class AsyncRl:
         torch.set_num_threads(1)
         self.spaces = probe_spaces(self.env_config)
         self.agent: Agent = self.agent_factory(self.spaces)
+        self.agent.model.to(self.device)
         self.algo.initialize(self.agent, n_itr=self.schedule_itrs, world_size=1, shared_replay=True)
         if self._resume_state is not None:
             self._load_resume_state(self._resume_state)

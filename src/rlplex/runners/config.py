@@ -30,7 +30,9 @@ from rlplex.config import StrictModel, load_config
 from rlplex.envs import EnvConfig, EnvSpaces, describe_action_space, describe_observation_space, probe_spaces
 from rlplex.errors import ConfigError
 from rlplex.io.snapshot import SnapshotMode
+from rlplex.models.device import resolve_device
 from rlplex.models.encoders import NATURE_FEATURES, EncoderKind, choose_encoder, nature_cnn_parameters
+from rlplex.models.spec import Device
 from rlplex.replays.uniform import stacks_frames
 from rlplex.samplers import Evaluator, ParallelSampler, SerialSampler
 from rlplex.samplers.base import Sampler
@@ -121,6 +123,11 @@ class RunnerConfig(StrictModel):
     stop_at_return: float | None = None
     world_size: int = Field(2, ge=1, description="ranks (sync kinds only)")
     backend: Literal["gloo", "nccl"] = "gloo"
+    device: Device = Field(
+        "auto",
+        description="where the model and its training batches live: auto = CUDA when torch sees a GPU, else the "
+        "CPU; cuda without a GPU is an error. Under sync kinds rank r takes GPU r modulo the GPUs there are",
+    )
     global_batch: bool = Field(
         False, description="sync kinds: divide sampler.batch_B and algo.minibatch_size by world_size (else per rank)"
     )
@@ -316,9 +323,20 @@ def build_runner(config: TrainConfig, output_dir: str | Path | None, show_progre
         check_observation_space(config, spaces)
         if r.global_batch:
             config = _global_batch_config(config)
+        check_sync_device(r.device, r.backend)  # here, not as a failure of every rank
         build = partial(build_sync_rank, config, None if output_dir is None else str(output_dir), show_progress)
         return SyncLauncher(build, world_size=r.world_size, backend=r.backend)
     return build_rank_runner(config, output_dir, show_progress)
+
+
+def check_sync_device(device: str, backend: str) -> None:
+    """A GPU asked for where there is none, or nccl (GPU collectives) for a model on the CPU."""
+    resolved = resolve_device(device, "runner.device")
+    if backend == "nccl" and resolved.type != "cuda":
+        raise ConfigError(
+            f"field 'runner.backend': 'nccl' needs the model on a GPU, but runner.device = {device!r} puts it on "
+            f'{resolved}; use backend = "gloo" (or a GPU machine with device = "auto" or "cuda")'
+        )
 
 
 def build_sync_rank(
@@ -379,6 +397,7 @@ def build_rank_runner(
         schedule_steps=r.schedule_steps,
         rank=rank,
         world_size=world_size,
+        device=r.device,
     )
     algo, sampler = build_algo(config), build_sampler(config)
     if r.kind in ("minibatch", "sync"):
@@ -414,6 +433,7 @@ def _build_async_runner(config: TrainConfig, spaces: EnvSpaces, output_dir: str 
         schedule_steps=r.schedule_steps,
         n_workers=config.sampler.n_workers if config.sampler.kind == "parallel" else None,
         envpool=config.sampler.kind == "envpool",
+        device=r.device,
     )
     if r.kind == "async":
         return AsyncRl(**args)

@@ -33,6 +33,7 @@ from rlplex.io.snapshot import (
     set_rng_state,
 )
 from rlplex.models import unwrap_model
+from rlplex.models.device import resolve_device
 from rlplex.runners.metrics import episode_metrics, evaluation_metrics
 from rlplex.samplers.base import Evaluator, Sampler
 from rlplex.samplers.rng import process_rng_state, streams_digest
@@ -56,6 +57,10 @@ class MinibatchRl:
     `n_steps` counts steps over all ranks. Linear schedules (learning rate, clip range) run
     over `schedule_steps`, by default the `n_steps` of the run's first start: a resumed run
     with a larger `n_steps` keeps its schedules where they were (see `resumed_schedule_itrs`).
+
+    `device` ("auto": CUDA when present, else the CPU) is where the agent's model, its
+    training batches and the serial sampler's acting run; `startup` moves the model there.
+    Sampler worker processes act on CPU copies whatever the device.
     """
 
     performance_source = "online"
@@ -76,6 +81,7 @@ class MinibatchRl:
         rank: int = 0,
         world_size: int = 1,
         schedule_steps: int | None = None,
+        device: str = "auto",
     ) -> None:
         if n_steps <= 0:
             raise ConfigError(f"field 'runner.n_steps': must be positive (got {n_steps})")
@@ -99,17 +105,26 @@ class MinibatchRl:
         self._resume_state: dict[str, Any] | None = None
         self._elapsed_before_resume = 0.0
         self.final_streams_digest: str | None = None  # set by a train() that completes
+        self.device_setting = device
+        self.device = resolve_device(device, "runner.device", index=rank if world_size > 1 else None)
 
     # ----- setup and teardown -------------------------------------------------------------
     def startup(self) -> None:
         torch.manual_seed(self.seed + self.rank)
         np.random.seed((self.seed + self.rank) % 2**32)
         torch.set_num_threads(1)
+        self._place_model()
         self.sampler.initialize(self.agent, seed=self.seed, rank=self.rank)
         self.algo.initialize(self.agent, n_itr=self.schedule_itrs, world_size=self.world_size)
         if self._resume_state is not None:
             self._load_resume_state(self._resume_state)
         self.logger = MetricsLogger(self.log_dir) if (self.log_dir is not None and self.rank == 0) else None
+
+    def _place_model(self) -> None:
+        """Before the sampler copies the weights and the algorithm builds its optimizer."""
+        if self.device.index is not None:
+            torch.cuda.set_device(self.device)  # this rank's GPU for every later "cuda" tensor
+        self.agent.model.to(self.device)
 
     def shutdown(self) -> None:
         self.sampler.shutdown()

@@ -98,16 +98,23 @@ class SyncRl(MinibatchRl):
                 f"runner built for rank {self.rank} of {self.world_size}, but the process group says rank "
                 f"{dist.get_rank()} of {dist.get_world_size()}"
             )
+        if dist.get_backend() == "nccl" and self.device.type != "cuda":
+            raise ConfigError(
+                f"field 'runner.device': the nccl backend needs the model on a GPU, but the device is {self.device}; "
+                'use device = "auto" or "cuda", or backend = "gloo"'
+            )
         self.digests["built"] = param_digest(self.agent.model)
-        # Wrapped before `algo.initialize` so the optimizer sees the DDP module and every backward
-        # all-reduces. DDP broadcasts rank 0's parameters at construction: identical replicas.
-        # Buffers are synced at construction only: a sync on every forward is a collective, and
-        # only rank 0 runs the evaluation forwards.
-        model = self.agent.model
-        device_ids = [next(model.parameters()).device] if next(model.parameters()).is_cuda else None
-        self.agent.model = DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
         super().startup()
         self.digests["start"] = param_digest(self.agent.model)
+
+    def _place_model(self) -> None:
+        # On the rank's device, then wrapped before `algo.initialize`, so that the optimizer sees
+        # the DDP module and every backward all-reduces. DDP broadcasts rank 0's parameters at
+        # construction: identical replicas. Buffers are synced at construction only: a sync on
+        # every forward is a collective, and only rank 0 runs the evaluation forwards.
+        super()._place_model()
+        device_ids = [self.device] if self.device.type == "cuda" else None
+        self.agent.model = DistributedDataParallel(self.agent.model, device_ids=device_ids, forward_sync_buffers=False)
 
     def save_itr_snapshot(self, itr: int) -> Path | None:
         # Every rank's streams go into rank 0's snapshot, so each rank continues its own on resume.

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from rlplex.errors import SnapshotError
+from rlplex.io.snapshot import set_cuda_rng_states
 
 JsonState = dict[str, Any]
 
@@ -31,11 +32,14 @@ def process_rng_state() -> JsonState:
     """The calling process's torch, numpy and Python global generator states."""
     name, keys, pos, has_gauss, gauss = np.random.get_state(legacy=True)
     version, internal, py_gauss = random.getstate()
-    return {
+    state: JsonState = {
         "torch": torch.get_rng_state().numpy().tobytes().hex(),
         "numpy": [str(name), np.asarray(keys, dtype=np.uint32).tobytes().hex(), int(pos), int(has_gauss), float(gauss)],
         "python": [version, list(internal), py_gauss],
     }
+    if torch.cuda.is_initialized():  # a model on a GPU draws its actions there
+        state["torch_cuda"] = [s.numpy().tobytes().hex() for s in torch.cuda.get_rng_state_all()]
+    return state
 
 
 def set_process_rng_state(state: JsonState) -> None:
@@ -45,6 +49,8 @@ def set_process_rng_state(state: JsonState) -> None:
         np.random.set_state((name, np.frombuffer(bytes.fromhex(keys), dtype=np.uint32).copy(), pos, has_gauss, gauss))
         version, internal, py_gauss = state["python"]
         random.setstate((version, tuple(internal), py_gauss))
+        cuda = [torch.frombuffer(bytearray(bytes.fromhex(s)), dtype=torch.uint8) for s in state.get("torch_cuda", [])]
+        set_cuda_rng_states(cuda)
     except (KeyError, TypeError, ValueError, RuntimeError) as error:
         raise SnapshotError(f"malformed random generator state in snapshot: {error}") from None
 

@@ -89,9 +89,9 @@ class SharedWeights:
         changed = False
         with torch.no_grad():
             for key, value in state.items():
-                target = self.tensors[key]
-                if not torch.equal(target, value.detach().cpu()):
-                    target.copy_(value.detach())
+                target, host = self.tensors[key], value.detach().cpu()  # one copy from a GPU
+                if not torch.equal(target, host):
+                    target.copy_(host)
                     changed = True
         if changed:
             self._version[0] += 1
