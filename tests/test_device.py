@@ -68,6 +68,12 @@ def test_train_with_device_cuda_on_a_machine_without_a_gpu_exits_2_naming_the_fi
     assert "runner.device" in result.output and "cuda" in result.output
     assert not (tmp_path / "out" / "snapshots").exists()  # refused before anything ran
 
+    example_file = str(ROOT / "examples" / "cartpole_ppo.toml")
+    flag = CliRunner().invoke(app, ["train", example_file, "--device", "cuda", "--output", str(tmp_path / "flag")])
+    assert flag.exit_code == 2 and "runner.device" in flag.output, flag.output
+    typo = CliRunner().invoke(app, ["train", example_file, "--device", "gpu", "--output", str(tmp_path / "typo")])
+    assert typo.exit_code == 2 and "runner.device" in typo.output and "gpu" in typo.output, typo.output
+
 
 def test_nccl_with_the_model_on_the_cpu_is_refused_before_any_rank_starts() -> None:
     config = example("cartpole_ppo.toml", runner={"kind": "sync", "backend": "nccl", "device": "cpu"})

@@ -37,14 +37,9 @@ def _root() -> None:
     """rlplex: reinforcement-learning training jobs, from CartPole to many LLM runs on one trainer."""
 
 
-def _override(config: Any, seed: int | None, n_steps: int | None, schedule_steps: int | None = None) -> Any:
-    runner_updates: dict[str, Any] = {}
-    if seed is not None:
-        runner_updates["seed"] = seed
-    if n_steps is not None:
-        runner_updates["n_steps"] = n_steps
-    if schedule_steps is not None:
-        runner_updates["schedule_steps"] = schedule_steps
+def _override(config: Any, **runner_fields: Any) -> Any:
+    """`config` with the `[runner]` fields given on the command line (None: not given)."""
+    runner_updates = {name: value for name, value in runner_fields.items() if value is not None}
     if not runner_updates:
         return config
     from rlplex.config import validate_config
@@ -68,6 +63,9 @@ def train(
         int | None,
         typer.Option(help="override runner.schedule_steps (a resume keeps the snapshot's schedule horizon otherwise)"),
     ] = None,
+    device: Annotated[
+        str | None, typer.Option(help="override runner.device: auto (CUDA when present), cpu or cuda")
+    ] = None,
     progress: Annotated[bool, typer.Option(help="show a live progress line")] = True,
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
@@ -77,7 +75,17 @@ def train(
             guard(
                 console,
                 debug,
-                lambda: _train(config_file, output, resume, overwrite, seed, n_steps, schedule_steps, progress),
+                lambda: _train(
+                    config_file,
+                    output,
+                    resume,
+                    overwrite,
+                    progress,
+                    seed=seed,
+                    n_steps=n_steps,
+                    schedule_steps=schedule_steps,
+                    device=device,
+                ),
                 "run failed",
             )
         except KeyboardInterrupt:
@@ -119,10 +127,8 @@ def _train(
     output: Path | None,
     resume: bool,
     overwrite: bool,
-    seed: int | None,
-    n_steps: int | None,
-    schedule_steps: int | None,
     progress: bool,
+    **runner_fields: Any,
 ) -> None:
     import shutil
 
@@ -140,7 +146,7 @@ def _train(
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite: choose one")
     check_file_kind(config_file, "train")
-    config = _override(load_train_config(config_file), seed, n_steps, schedule_steps)
+    config = _override(load_train_config(config_file), **runner_fields)
     check_fits_in_memory(config, probe_spaces(config.env), psutil.virtual_memory().total, str(config_file))
     output = output or Path("outputs") / config_file.stem
     earlier = [name for name in TRAIN_OUTPUTS if os.path.lexists(output / name)] if output.is_dir() else []
