@@ -4,6 +4,7 @@ prioritized sequence replay, exact resume, and runs under MinibatchRl and AsyncR
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from rlplex.config import validate_config
 from rlplex.envs import CARTPOLE_NO_VELOCITY, EnvConfig, probe_spaces
 from rlplex.errors import ConfigError
 from rlplex.io.snapshot import read_snapshot, write_snapshot
-from rlplex.replays.sequence import sequences_of
+from rlplex.replays.sequence import SequenceCarry, sequences_of
 from rlplex.runners.config import TrainConfig, build_runner
 from rlplex.samplers import SerialSampler
 from rlplex.samplers.batch import SampleBatch
@@ -64,6 +65,44 @@ def test_sequences_keep_time_order_overlap_and_their_start_state() -> None:
     assert np.abs(seqs["rnn_h"]).sum() > 0
     # Consecutive sequences of one environment overlap by length - period steps.
     np.testing.assert_array_equal(seqs["observation"][0][6:], seqs["observation"][4][:6])
+
+
+def joined(first: SampleBatch, second: SampleBatch) -> SimpleNamespace:
+    """Two consecutive batches as one of 2T steps: each environment's stream unbroken."""
+    both = {
+        name: np.concatenate([getattr(first, name), getattr(second, name)])
+        for name in ("observation", "action", "reward", "terminated", "truncated")
+    }
+    info = {k: np.concatenate([first.agent_info[k], second.agent_info[k]]) for k in ("rnn_h", "rnn_c")}
+    return SimpleNamespace(T=first.T + second.T, agent_info=info, **both)
+
+
+@pytest.mark.parametrize(("T", "length", "period"), [(24, 12, 5), (8, 12, 5), (24, 35, 20)])
+def test_carried_sequences_run_on_across_batches_as_in_one_long_batch(T: int, length: int, period: int) -> None:
+    """Batches cut one after the other with the carry give the sequences of the joined stream:
+    a start every `period` steps, wherever batch boundaries fall, even in batches shorter than
+    one sequence."""
+    agent = R2d1Agent(probe_spaces(NO_VEL), hidden=(16,), lstm_size=8)
+    agent.set_epsilon(0.5)
+    data = batches(agent, 6, T=T)
+    carry, cut = SequenceCarry(length, period), []
+    for batch in data:
+        cut.append(carry.cut(batch))
+    stream = data[0]
+    for batch in data[1:]:
+        stream = joined(stream, batch)  # type: ignore[arg-type]
+    whole = sequences_of(stream, length, period)
+    for name, value in whole.items():
+        np.testing.assert_array_equal(np.concatenate([c[name] for c in cut]), value, err_msg=name)
+    assert len(whole["reward"]) == 4 * ((6 * T - length) // period + 1)
+
+    # What is kept is what the next sequences start in; a reloaded carry cuts the same ones.
+    resumed = SequenceCarry(length, period)
+    resumed.load_state_dict({k: v.copy() for k, v in carry.state_dict().items()})
+    extra = batches(agent, 1, T=T)[0]
+    after, after_resume = carry.cut(extra), resumed.cut(extra)
+    for name, value in after.items():
+        np.testing.assert_array_equal(after_resume[name], value, err_msg=name)
 
 
 def test_burn_in_steps_get_no_gradient_and_the_learned_steps_do() -> None:
@@ -136,11 +175,18 @@ def test_r2d1_trains_under_minibatch_and_async_runners(kind: str, tmp_path: Path
     assert snapshot["algo"]["update_count"] > 0 and snapshot["algo"]["replay"]["counters"][1] > 0
 
 
-def test_a_batch_too_short_for_one_sequence_is_refused_naming_the_fields() -> None:
+def test_under_async_a_batch_too_short_for_one_sequence_is_refused_naming_the_fields() -> None:
     config = validate_config(
         TrainConfig,
-        {"env": {"id": CARTPOLE_NO_VELOCITY}, "sampler": {"batch_T": 11}, "algo": {"name": "r2d1", **SMALL}},
+        {
+            "env": {"id": CARTPOLE_NO_VELOCITY},
+            "sampler": {"batch_T": 11},
+            "algo": {"name": "r2d1", **SMALL},
+            "runner": {"kind": "async"},
+        },
         "test.toml",
     )
-    with pytest.raises(ConfigError, match=r"sampler\.batch_T.*11 steps.*12 steps"):
+    with pytest.raises(ConfigError, match=r"sampler\.batch_T.*11 steps.*12 steps.*async"):
         build_runner(config, None, show_progress=False)
+    minibatch = config.model_copy(update={"runner": config.runner.model_copy(update={"kind": "minibatch"})})
+    build_runner(minibatch, None, show_progress=False).sampler.shutdown()  # sequences span batches there

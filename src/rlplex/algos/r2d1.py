@@ -18,6 +18,11 @@ and beta, then runs `updates_per_itr` updates. One update, in `_update` and `seq
      (eta = 0.9), + eps, to the power alpha;
   6. every `target_update_interval` updates the target network becomes the online one.
 
+Sequences start every `learn_length` steps of each environment's stream. Under MinibatchRl
+and SyncRl they run on across batch boundaries (`SequenceCarry`), so every step after the
+first burn-in is trained and `batch_T` may be shorter than a sequence; under AsyncRl, whose
+copiers append batches out of order, each sequence lies within one batch.
+
 Batch sizes count sequences. For AsyncRl's replay-ratio throttle, `batch_size` is the number
 of steps one update learns from (sequences x learn_length) and `learning_starts` counts
 sequences in the replay.
@@ -42,7 +47,7 @@ from rlplex.models import unwrap_model
 from rlplex.models.device import model_device, to_numpy
 from rlplex.models.recurrent import RecurrentQNet
 from rlplex.processes import CONTEXT
-from rlplex.replays.sequence import SequenceReplayBuffer, sequences_of
+from rlplex.replays.sequence import SequenceCarry, SequenceReplayBuffer, sequences_of
 from rlplex.samplers.batch import SampleBatch
 
 
@@ -135,6 +140,8 @@ class R2D1(ReplayAlgo):
         self.update_count = 0
         self.beta = self.config.prioritized.beta0 if self.config.prioritized else 1.0
         self._rng = np.random.default_rng(seed)
+        # Set by `initialize` where batches come in order; AsyncRl's copiers never initialize.
+        self._carry: SequenceCarry | None = None
 
     @property
     def batch_size(self) -> int:
@@ -164,9 +171,13 @@ class R2D1(ReplayAlgo):
             lock=CONTEXT.Lock() if shared_replay else None,
         )
         agent.set_epsilon(self.epsilon_at(0))
+        # A shared replay is AsyncRl's, filled by copiers that take batches out of order.
+        self._carry = None if shared_replay else SequenceCarry(cfg.sequence_length, cfg.learn_length)
 
     def sampler_to_buffer(self, samples: SampleBatch) -> dict[str, np.ndarray]:
         """Sequences of burn_in + learn_length + n_step steps, one every learn_length steps."""
+        if self._carry is not None:
+            return self._carry.cut(samples)
         return sequences_of(samples, self.config.sequence_length, self.config.learn_length)
 
     def epsilon_at(self, itr: int) -> float:
@@ -235,6 +246,7 @@ class R2D1(ReplayAlgo):
             "rng": self._rng.bit_generator.state,
             "replay": self.replay.state_dict(include_data=self.config.snapshot_replay),
             "variant": self._variant(),
+            "carry": {} if self._carry is None else self._carry.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -251,3 +263,5 @@ class R2D1(ReplayAlgo):
         self.update_count = int(state["update_count"])
         self._rng.bit_generator.state = state["rng"]
         self.replay.load_state_dict(state["replay"])
+        if self._carry is not None:  # a snapshot from before the carry: sequences start afresh
+            self._carry.load_state_dict(state.get("carry", {}))

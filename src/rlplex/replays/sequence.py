@@ -4,9 +4,13 @@ Each slot holds one sequence of `length` consecutive steps of one environment (o
 action, reward, terminated, done) and the recurrent state the sampler's agent had before its
 first step (`rnn_h`, `rnn_c`). `sequences_of` cuts them from a [T, B] sampler batch, starting
 every `period` steps, so that consecutive sequences overlap by `length - period` steps (the
-burn-in and the n-step tail). A sequence never spans two batches: AsyncRl's two copiers append
-whole batches in whatever order they finish, and each sequence is whole in itself.
-Episodes may end inside a sequence (`done`): training resets the state there.
+burn-in and the n-step tail). Where batches arrive in order (MinibatchRl, SyncRl),
+`SequenceCarry` keeps the steps that the next sequences start in, so sequences run on across
+batch boundaries at every `period` steps of each environment's stream and every step after the
+first burn-in is trained. Under AsyncRl a sequence never spans two batches: its two copiers
+append whole batches in whatever order they finish, so each sequence must be whole in its batch
+(the `(T - length) mod period` steps at a batch's end, and the burn-in at its start, are then
+not trained). Episodes may end inside a sequence (`done`): training resets the state there.
 
 A prioritized replay keeps one priority per sequence in `SumTree` (the one of
 `rlplex.replays.prioritized`), in the same array block; R2D2's mix of the sequence's TD
@@ -29,34 +33,76 @@ from rlplex.samplers.shared_arrays import SharedArrays, allocate
 SEQUENCE_FIELDS = ("observation", "action", "reward", "terminated", "done")
 STATE_FIELDS = ("rnn_h", "rnn_c")
 STORED = (*SEQUENCE_FIELDS, *STATE_FIELDS, "serial")
+_FIELDS = (*SEQUENCE_FIELDS, *STATE_FIELDS)
 _CURSOR, _SIZE, _TOTAL = 0, 1, 2
 
 
-def sequences_of(
-    samples: Any, length: int, period: int
-) -> dict[str, np.ndarray]:  # samples: a SampleBatch with agent_info rnn_h, rnn_c
-    """The sequences of a [T, B] batch: every environment's steps [s, s + length) for
-    s = 0, period, ... while they fit; [N, length, ...] fields and [N, H] start states."""
-    T = samples.T
-    if length > T:
-        raise RlplexError(f"a sequence of {length} steps does not fit in a batch of batch_T = {T} steps")
-    starts = np.arange(0, T - length + 1, period)
-    window = starts[:, None] + np.arange(length)  # [S, L]
-    columns = {
+def _columns(samples: Any) -> dict[str, np.ndarray]:  # samples: a SampleBatch with agent_info rnn_h, rnn_c
+    """What a sequence holds of a [T, B] batch, time-major ([T, B, ...]; the states [T, B, H])."""
+    return {
         "observation": samples.observation,
         "action": samples.action,
         "reward": samples.reward,
         "terminated": samples.terminated,
         "done": samples.terminated | samples.truncated,
+        **{name: samples.agent_info[name] for name in STATE_FIELDS},
     }
+
+
+def _cut(columns: dict[str, np.ndarray], length: int, period: int) -> tuple[dict[str, np.ndarray], int]:
+    """Every environment's steps [s, s + length) for s = 0, period, ... while they fit:
+    [N, length, ...] fields and [N, H] start states; and the first start that did not fit."""
+    T = len(columns["reward"])
+    starts = np.arange(0, T - length + 1, period)
+    window = starts[:, None] + np.arange(length)  # [S, L]
     out: dict[str, np.ndarray] = {}
-    for name, array in columns.items():  # [T, B, ...] -> [S, L, B, ...] -> [S, B, L, ...] -> [S * B, L, ...]
-        seq = np.swapaxes(array[window], 1, 2)
-        out[name] = seq.reshape(-1, length, *array.shape[2:])
+    for name in SEQUENCE_FIELDS:  # [T, B, ...] -> [S, L, B, ...] -> [S, B, L, ...] -> [S * B, L, ...]
+        array = columns[name]
+        out[name] = np.swapaxes(array[window], 1, 2).reshape(-1, length, *array.shape[2:])
     for name in STATE_FIELDS:
-        state = samples.agent_info[name][starts]  # [S, B, H]
+        state = columns[name][starts]  # [S, B, H]
         out[name] = state.reshape(-1, state.shape[-1])
-    return out
+    return out, len(starts) * period
+
+
+def sequences_of(samples: Any, length: int, period: int) -> dict[str, np.ndarray]:
+    """The sequences whole in one [T, B] batch (AsyncRl's copiers: see the module)."""
+    if length > samples.T:
+        raise RlplexError(f"a sequence of {length} steps does not fit in a batch of batch_T = {samples.T} steps")
+    return _cut(_columns(samples), length, period)[0]
+
+
+class SequenceCarry:
+    """Cuts the sequences of batches that arrive in order, running on across their boundaries:
+    the steps from the first start that did not fit are kept and put before the next batch.
+    At most `length + period - 1` steps per environment are kept; `state_dict` holds them, so a
+    resumed run cuts the same sequences as one that was never stopped."""
+
+    def __init__(self, length: int, period: int) -> None:
+        self.length, self.period = length, period
+        self.kept: dict[str, np.ndarray] | None = None
+
+    def cut(self, samples: Any) -> dict[str, np.ndarray]:
+        columns = _columns(samples)
+        if self.kept is not None and self.kept["reward"].shape[1:] == columns["reward"].shape[1:]:
+            # (Kept steps of another number of environments, from a snapshot, are dropped: the
+            # next sequences then start afresh, as at the start of a run.)
+            columns = {name: np.concatenate([self.kept[name], array]) for name, array in columns.items()}
+        out, next_start = _cut(columns, self.length, self.period)
+        self.kept = {name: array[next_start:].copy() for name, array in columns.items()}
+        return out
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        return {} if self.kept is None else dict(self.kept)
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        if not state:
+            self.kept = None
+            return
+        missing = sorted(set(_FIELDS) - set(state))
+        if missing:
+            raise SnapshotError(f"the R2D1 sequence carry lacks {missing}")
+        self.kept = {name: np.asarray(state[name]) for name in _FIELDS}
 
 
 class SequenceReplayBuffer(SharedReplay):

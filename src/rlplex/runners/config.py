@@ -106,6 +106,9 @@ RECURRENT = ("ppo", "a2c", "r2d1")  # the algorithms that take `agent.lstm_size`
 ACTOR_CRITIC_REPLAY = ("sac", "td3", "ddpg")
 
 
+ASYNC_KINDS = ("async", "async_eval")
+
+
 class RunnerConfig(StrictModel):
     kind: Literal["minibatch", "minibatch_eval", "sync", "sync_eval", "async", "async_eval"] = "minibatch_eval"
     n_steps: int = Field(100_000, ge=1, description="environment steps over all ranks")
@@ -285,11 +288,11 @@ def build_algo(config: TrainConfig) -> Any:
         return DQN(DQNConfig(**fields), seed=seed)
     if isinstance(section, R2D1Section):
         r2d1 = R2D1Config(**fields)
-        if config.sampler.batch_T < r2d1.sequence_length:
+        if config.runner.kind in ASYNC_KINDS and config.sampler.batch_T < r2d1.sequence_length:
             raise ConfigError(
                 f"field 'sampler.batch_T': {config.sampler.batch_T} steps do not hold one R2D1 sequence of "
-                f"algo.burn_in + algo.learn_length + algo.n_step = {r2d1.sequence_length} steps (sequences never "
-                "span two batches)"
+                f"algo.burn_in + algo.learn_length + algo.n_step = {r2d1.sequence_length} steps (under the async "
+                "runners sequences never span two batches)"
             )
         return R2D1(r2d1, seed=seed)
     if isinstance(section, SACSection):
@@ -378,7 +381,7 @@ def build_rank_runner(
     spaces = probe_spaces(config.env)
     check_action_space(config, spaces)
     check_observation_space(config, spaces)
-    if r.kind in ("async", "async_eval"):
+    if r.kind in ASYNC_KINDS:
         return _build_async_runner(config, spaces, output_dir, show_progress)
     # The initial weights come from torch's global generator, which a process starts with a
     # random seed: without this, two runs of one config and seed started from different weights.
