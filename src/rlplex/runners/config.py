@@ -104,8 +104,6 @@ AlgoSection = Annotated[
 OFF_POLICY = ("dqn", "sac", "td3", "ddpg", "r2d1")
 RECURRENT = ("ppo", "a2c", "r2d1")  # the algorithms that take `agent.lstm_size`
 ACTOR_CRITIC_REPLAY = ("sac", "td3", "ddpg")
-
-
 ASYNC_KINDS = ("async", "async_eval")
 
 

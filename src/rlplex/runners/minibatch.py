@@ -105,7 +105,6 @@ class MinibatchRl:
         self._resume_state: dict[str, Any] | None = None
         self._elapsed_before_resume = 0.0
         self.final_streams_digest: str | None = None  # set by a train() that completes
-        self.device_setting = device
         self.device = resolve_device(device, "runner.device", index=rank if world_size > 1 else None)
 
     # ----- setup and teardown -------------------------------------------------------------
