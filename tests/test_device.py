@@ -18,10 +18,11 @@ from torch import nn
 from typer.testing import CliRunner
 
 from rlplex.cli import app
+from rlplex.envs import probe_spaces
 from rlplex.errors import ConfigError, DeviceError
 from rlplex.io.snapshot import latest_snapshot
 from rlplex.models.device import model_device, resolve_device, to_numpy, to_tensor
-from rlplex.runners.config import TrainConfig, build_rank_runner, build_runner, load_train_config
+from rlplex.runners.config import TrainConfig, build_rank_runner, build_runner, cpu_advice, load_train_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
@@ -87,6 +88,19 @@ def test_the_runner_takes_its_device_from_the_config(tmp_path: Path) -> None:
     assert runner.device == torch.device("cpu")
     runner.train()
     assert model_device(runner.agent.model) == torch.device("cpu")
+
+
+def test_an_mlp_policy_gradient_put_on_a_gpu_by_auto_gets_the_advice_to_use_the_cpu() -> None:
+    cuda = torch.device("cuda")  # only compared, never allocated: no GPU needed
+    ppo = example("cartpole_ppo.toml")
+    spaces = probe_spaces(ppo.env)
+    advice = cpu_advice(ppo, spaces, cuda)
+    assert advice is not None and "--device cpu" in advice
+    assert cpu_advice(ppo, spaces, torch.device("cpu")) is None
+    chosen = example("cartpole_ppo.toml", runner={"device": "cuda"})
+    assert cpu_advice(chosen, spaces, cuda) is None  # asked for: the user knows
+    dqn = example("cartpole_dqn_full.toml")
+    assert cpu_advice(dqn, probe_spaces(dqn.env), cuda) is None  # replay updates of 64 x 128 use a GPU well
 
 
 # ----- on a GPU --------------------------------------------------------------------------------

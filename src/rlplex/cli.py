@@ -141,7 +141,7 @@ def _train(
     from rlplex.io.safe_files import ensure_output_dir
     from rlplex.io.snapshot import latest_snapshot
     from rlplex.models.device import resolve_device
-    from rlplex.runners.config import build_runner, check_fits_in_memory, load_train_config
+    from rlplex.runners.config import build_runner, check_fits_in_memory, cpu_advice, load_train_config
 
     if resume and overwrite:
         raise ConfigError("--resume and --overwrite: choose one")
@@ -166,10 +166,13 @@ def _train(
         snapshot = latest_snapshot(output / "snapshots")
         runner.resume_from(snapshot)
         console.print(f"resuming from {snapshot}")
-    device = resolve_device(config.runner.device, "runner.device").type
+    device = resolve_device(config.runner.device, "runner.device")
     console.print(
-        f"training {config.env.id} with {config.algo.name} ({config.runner.kind}) on {device}; output in {output}"
+        f"training {config.env.id} with {config.algo.name} ({config.runner.kind}) on {device.type}; output in {output}"
     )
+    advice = cpu_advice(config, probe_spaces(config.env), device)
+    if advice is not None:
+        console.print(advice, highlight=False)
     result = runner.train()
 
     rows = read_metrics_csv(output / "progress.csv") if (output / "progress.csv").exists() else []

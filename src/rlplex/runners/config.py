@@ -243,6 +243,19 @@ def check_action_space(config: TrainConfig, spaces: EnvSpaces) -> None:
     )
 
 
+def cpu_advice(config: TrainConfig, spaces: EnvSpaces, device: torch.device) -> str | None:
+    """A hint when "auto" put an on-policy MLP agent on a GPU: acting is one small forward pass
+    per step, so the transfers cost more than the GPU saves (SB3 warns likewise)."""
+    if device.type != "cuda" or config.runner.device != "auto" or config.algo.name not in ("ppo", "a2c"):
+        return None
+    if choose_encoder(spaces, config.agent.encoder, config.algo.name) == "cnn":
+        return None
+    return (
+        f"note: {config.algo.name} with an MLP agent trains on the GPU (runner.device = 'auto' found one); "
+        "on vector observations the CPU is usually faster: --device cpu"
+    )
+
+
 def check_observation_space(config: TrainConfig, spaces: EnvSpaces) -> None:
     """Refuse observations the algorithm's agent cannot read, before anything is built (a
     multi-dimensional Box used to pass here and fail at the first forward pass)."""
