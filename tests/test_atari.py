@@ -18,7 +18,7 @@ from rlplex.agents import CategoricalPgAgent, DqnAgent, GaussianPgAgent
 from rlplex.algos import DQN, PPO, DQNConfig, PPOConfig
 from rlplex.config import validate_config
 from rlplex.envs import AtariConfig, EnvConfig, EnvSpaces, make_env, probe_spaces
-from rlplex.errors import ConfigError
+from rlplex.errors import ConfigError, RlplexError
 from rlplex.io.snapshot import read_snapshot, write_snapshot
 from rlplex.models.encoders import FlattenEncoder, NatureCnn, nature_cnn_parameters
 from rlplex.replays import PrioritizedReplayBuffer, UniformReplayBuffer
@@ -278,47 +278,101 @@ def test_recurrent_agents_refuse_image_observations() -> None:
 
 
 # ----- stacked frames stored once in the replay ---------------------------------------------------
+def pong_stream(batches: int, T: int = 40, B: int = 2) -> list[dict[str, np.ndarray]]:
+    """Replay appends of real Pong batches (cut at 100 steps: episodes end within them)."""
+    sampler = SerialSampler(PONG, batch_T=T, batch_B=B)
+    sampler.initialize(CategoricalPgAgent(IMAGE), seed=0)
+    out = []
+    try:
+        for itr in range(batches):
+            batch = sampler.obtain_samples(itr)
+            samples = {name: getattr(batch, name).copy() for name in ("observation", "action", "reward")}
+            samples["next_observation"] = batch.next_observation.copy()
+            samples |= {"terminated": batch.terminated.copy(), "done": batch.terminated | batch.truncated}
+            out.append(samples)
+    finally:
+        sampler.shutdown()
+    return out
+
+
 @pytest.mark.parametrize("kind", ["uniform", "prioritized"])
-def test_a_replay_of_frame_stacks_keeps_five_frames_a_slot_and_gives_back_the_same_transitions(kind: str) -> None:
+def test_a_replay_of_frame_stacks_keeps_each_frame_once_and_gives_back_the_same_transitions(kind: str) -> None:
+    """Three replays of one stream: whole observations (no stacking known), five frames a slot
+    (AsyncRl's shared layout) and two frames a slot (frames once, in order). Every transition the
+    smaller ones give back, one-step and n-step, is the whole-observation replay's, across episode
+    ends and a wrapped ring."""
     stacked = probe_spaces(PONG)
     assert stacked.frame_stack == 4 and stacked.obs_shape == IMAGE.obs_shape
     assert probe_spaces(CARTPOLE).frame_stack == 1
     cls = PrioritizedReplayBuffer if kind == "prioritized" else UniformReplayBuffer
-    small, full = cls.create(stacked, capacity=150), cls.create(IMAGE, capacity=150)
-    assert small.stacked and not full.stacked
-    frames = 84 * 84 * 150
-    assert small._arrays["observation"].nbytes + small._arrays["next_frame"].nbytes == 5 * frames
-    sampler = SerialSampler(PONG, batch_T=40, batch_B=2)  # Pong cut at 100 steps: episodes end
-    sampler.initialize(CategoricalPgAgent(IMAGE), seed=0)
+    once, five, full = cls.create(stacked, 150), cls.create(stacked, 150, shared=True), cls.create(IMAGE, 150)
     try:
-        ended = 0
-        for itr in range(5):  # 400 steps into 150 slots: the ring wraps
-            batch = sampler.obtain_samples(itr)
-            ended += int(batch.terminated.sum() + batch.truncated.sum())
-            samples = {name: getattr(batch, name) for name in ("observation", "action", "reward", "next_observation")}
-            samples |= {"terminated": batch.terminated, "done": batch.terminated | batch.truncated}
-            assert small.append_samples(samples) == full.append_samples(samples) == 80
+        assert once.frames_once and five.stacked and not five.frames_once and not full.stacked
+        frames = 84 * 84 * 150
+        assert once._arrays["frame"].nbytes + once._arrays["next_frame"].nbytes == 2 * frames
+        assert five._arrays["observation"].nbytes + five._arrays["next_frame"].nbytes == 5 * frames
+        stream = pong_stream(5)  # 400 steps into 150 slots: the ring wraps
+        assert sum(int(s["done"].sum()) for s in stream) >= 2, "the test needs episode ends in the replay"
+        for samples in stream:
+            assert once.append_samples(samples) == five.append_samples(samples) == full.append_samples(samples) == 80
+
+        slots = np.arange(150)
+        usable = once._frames().valid(slots)
+        # Only the oldest slots of each environment, whose earlier frames the ring overwrote, are out.
+        assert 150 - 3 * 2 <= usable.sum() < 150
+        for n_step, gamma in ((1, None), (3, 0.99)):
+            want = full._gather(slots, n_step, gamma)
+            for replay in (once, five):
+                got = replay._gather(slots[usable], n_step, gamma)
+                for name in want:
+                    assert np.array_equal(got[name], want[name][usable]), (n_step, name)
+
+        rng = np.random.default_rng(1)
+        for _ in range(20):  # sampling never gives a slot whose frames are gone
+            drawn = once.sample(64, rng, 3, 0.99)
+            observations = full._gather(slots[usable], 1, None)["observation"].reshape(int(usable.sum()), -1)
+            known = {row.tobytes() for row in observations}
+            assert all(row.tobytes() in known for row in drawn["observation"].reshape(64, -1))
+
+        state = once.state_dict()
+        assert "frame" in state["data"] and "observation" not in state["data"]
+        again = cls.create(stacked, 150)
+        again.load_state_dict(state)
+        a, b = once.sample(32, np.random.default_rng(2)), again.sample(32, np.random.default_rng(2))
+        assert all(np.array_equal(a[name], b[name]) for name in a)
+        # A snapshot of whole stacks (AsyncRl's layout, or an older rlplex) loads into frames once.
+        converted = cls.create(stacked, 150)
+        converted.load_state_dict(five.state_dict())
+        assert np.array_equal(converted._gather(slots[usable], 1, None)["observation"], want["observation"][usable])
     finally:
-        sampler.shutdown()
-    assert ended >= 2, "the test needs episode ends in the replay"
-    for n_step, gamma in ((1, None), (3, 0.99)):
-        a = small.sample(64, np.random.default_rng(1), n_step, gamma)
-        b = full.sample(64, np.random.default_rng(1), n_step, gamma)
-        assert a.keys() == b.keys()
-        for name in a:
-            assert np.array_equal(a[name], b[name]), (n_step, name)
-    state = small.state_dict()
-    assert "next_frame" in state["data"] and "next_observation" not in state["data"]
-    again = cls.create(stacked, capacity=150)
-    again.load_state_dict(state)
-    a, b = small.sample(32, np.random.default_rng(2)), again.sample(32, np.random.default_rng(2))
-    assert all(np.array_equal(a[name], b[name]) for name in a)
+        for replay in (once, five, full):
+            replay.close()
 
 
-def test_the_memory_check_counts_five_frames_a_slot_for_frame_stacks() -> None:
+def test_frames_once_refuses_a_stream_it_cannot_rebuild() -> None:
+    """An episode whose first stack does not repeat its first frame (another padding), or steps
+    out of order, would be rebuilt wrong: the append is refused, not the sample silently wrong."""
+    stacked = probe_spaces(PONG)
+    replay = UniformReplayBuffer.create(stacked, 64)
+    samples = pong_stream(1, T=8, B=2)[0]
+    samples["observation"][0, :, 0] = 0  # zero padding in the first stack
+    with pytest.raises(RlplexError, match=r"does not follow from the frames before it.*padding_type='reset'"):
+        replay.append_samples(samples)
+    replay = UniformReplayBuffer.create(stacked, 64)
+    first, _, third = pong_stream(3, T=8, B=2)
+    replay.append_samples(first)
+    with pytest.raises(RlplexError, match=r"steps must arrive in order"):
+        replay.append_samples(third)  # a batch left out: its stacks need frames never stored
+
+
+def test_the_memory_check_counts_two_frames_a_slot_for_frame_stacks_and_five_under_async() -> None:
     config = validate_config(
         TrainConfig, {"env": {"id": "ALE/Pong-v5", "atari": {}}, "algo": {"name": "dqn", "buffer_size": 1_000_000}}
     )
     stacked = EnvSpaces((4, 84, 84), "discrete", 6, (), obs_dtype="uint8", frame_stack=4)
+    check_fits_in_memory(config, stacked, 16 * 2**30, "pong.toml")  # 13.1 GiB: each frame once, and the next one
+    with pytest.raises(ConfigError, match=r"observations need 13\.1 GiB"):
+        check_fits_in_memory(config, stacked, 8 * 2**30, "pong.toml")
+    asynchronous = config.model_copy(update={"runner": config.runner.model_copy(update={"kind": "async"})})
     with pytest.raises(ConfigError, match=r"observations need 32\.9 GiB"):
-        check_fits_in_memory(config, stacked, 16 * 2**30, "pong.toml")
+        check_fits_in_memory(asynchronous, stacked, 16 * 2**30, "pong.toml")

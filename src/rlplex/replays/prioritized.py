@@ -21,7 +21,7 @@ import numpy as np
 
 from rlplex.envs import EnvSpaces
 from rlplex.errors import RlplexError, SnapshotError
-from rlplex.replays.uniform import _SIZE, UniformReplayBuffer, replay_layout
+from rlplex.replays.uniform import _REDRAWS, _SIZE, UniformReplayBuffer, no_valid_slot, replay_layout
 
 
 def tree_size(capacity: int) -> int:
@@ -92,9 +92,11 @@ class PrioritizedReplayBuffer(UniformReplayBuffer):
         self._max_priority = arrays["max_priority"]  # the largest priority given so far, shared
 
     @classmethod
-    def layout(cls, spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    def layout(
+        cls, spaces: EnvSpaces, capacity: int, frames_once: bool = False
+    ) -> dict[str, tuple[tuple[int, ...], Any]]:
         return {
-            **replay_layout(spaces, capacity),
+            **replay_layout(spaces, capacity, frames_once),
             "tree": ((2 * tree_size(capacity),), np.float64),
             "max_priority": ((1,), np.float64),
         }
@@ -116,6 +118,20 @@ class PrioritizedReplayBuffer(UniformReplayBuffer):
                 raise RlplexError("cannot sample from an empty replay buffer")
             # Float rounding can land a draw past the last filled leaf: keep it on the last one.
             idx = np.minimum(self.tree.sample(batch_size, rng), size - 1)
+            if self.frames_once:
+                frames = self._frames()
+                for _ in range(_REDRAWS):
+                    # A slot whose earlier frames the ring overwrote stays unusable until it is
+                    # itself overwritten (which gives it a priority again): it leaves the tree.
+                    lost = ~frames.valid(idx)
+                    if not lost.any():
+                        break
+                    self.tree.update(np.unique(idx[lost]), np.zeros(len(np.unique(idx[lost]))))
+                    if self.tree.total <= 0:
+                        raise no_valid_slot(size, frames.stride)
+                    idx = np.minimum(self.tree.sample(batch_size, rng), size - 1)
+                else:
+                    raise no_valid_slot(size, frames.stride)
             probability = self.tree.leaves(idx) / self.tree.total
             batch = self._gather(idx, n_step, gamma)
             batch["serial"] = self._arrays["serial"][idx]

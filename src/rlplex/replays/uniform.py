@@ -12,7 +12,15 @@ returns are assembled at sample time (`rlplex.replays.nstep`).
 Stacked frames (`EnvSpaces.frame_stack` > 1, Atari): a step shifts the stack by one frame, so
 a slot stores the next observation's newest frame only (`next_frame`) and the next
 observation is rebuilt from the slot's own observation when sampled: 5 frames a slot
-instead of 8, exact for every step, a terminal one included.
+instead of 8, exact for every step, a terminal one included. Where appends come in order
+(`frames_once`: a replay in the learner's own memory, as under MinibatchRl and SyncRl), a
+slot stores its observation's newest frame only (`frame`), and the observation is rebuilt
+from the frames of the same environment's previous slots (`stride` apart), back to the start
+of its episode, whose stack FrameStackObservation pads with the first frame: 2 frames a slot.
+Every append rebuilds the observations it wrote and refuses a mismatch, so a stream this
+layout cannot hold (another padding, steps out of order) is an error, never a wrong sample.
+A slot whose earlier frames the ring has overwritten is never sampled. AsyncRl's copiers
+append batches in whatever order they finish, so its shared replay keeps whole observations.
 
 The cursor, the size, the total number of transitions ever appended and the number of
 environments of the last append (the stride between one environment's consecutive steps)
@@ -48,12 +56,16 @@ def stacks_frames(spaces: EnvSpaces) -> bool:
     return spaces.frame_stack > 1 and len(spaces.obs_shape) >= 2 and spaces.obs_shape[0] == spaces.frame_stack
 
 
-def replay_layout(spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-    next_name, next_shape = (
-        ("next_frame", spaces.obs_shape[1:]) if stacks_frames(spaces) else ("next_observation", spaces.obs_shape)
-    )
+def replay_layout(
+    spaces: EnvSpaces, capacity: int, frames_once: bool = False
+) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """`frames_once` (stacked frames only): each slot's newest frame instead of its observation."""
+    stacked = stacks_frames(spaces)
+    next_name, next_shape = ("next_frame", spaces.obs_shape[1:]) if stacked else ("next_observation", spaces.obs_shape)
+    once = stacked and frames_once
+    obs_name, obs_shape = ("frame", spaces.obs_shape[1:]) if once else ("observation", spaces.obs_shape)
     return {
-        "observation": ((capacity, *spaces.obs_shape), spaces.obs_dtype),
+        obs_name: ((capacity, *obs_shape), spaces.obs_dtype),
         "action": ((capacity, *spaces.action_shape), spaces.action_dtype),
         "reward": ((capacity,), np.float32),
         next_name: ((capacity, *next_shape), spaces.obs_dtype),
@@ -119,6 +131,7 @@ class SharedReplay:
 
 class UniformReplayBuffer(SharedReplay):
     kind = "uniform"
+    frame_stack = 1  # frames per observation, where `frames_once` rebuilds them (set by `create`)
 
     @property
     def stacked(self) -> bool:
@@ -126,28 +139,44 @@ class UniformReplayBuffer(SharedReplay):
         return "next_frame" in self._arrays
 
     @property
+    def frames_once(self) -> bool:
+        """Slots keep their observation's newest frame only (see the module)."""
+        return "frame" in self._arrays
+
+    @property
     def stored_fields(self) -> tuple[str, ...]:
-        return tuple(name for name in (*STORED, "next_frame") if name in self._arrays)
+        return tuple(name for name in (*STORED, "next_frame", "frame") if name in self._arrays)
 
     def _transitions(self) -> dict[str, Any]:
-        """The stored arrays as transitions: `next_observation` rebuilt where it is not stored."""
+        """The stored arrays as transitions: observations rebuilt where they are not stored."""
         if not self.stacked:
             return self._arrays
+        observation = self._frames() if self.frames_once else self._arrays["observation"]
         return {
             **self._arrays,
-            "next_observation": NextFromFrames(self._arrays["observation"], self._arrays["next_frame"]),
+            "observation": observation,
+            "next_observation": NextFromFrames(observation, self._arrays["next_frame"]),
         }
+
+    def _frames(self) -> ObsFromFrames:
+        return ObsFromFrames(self._arrays, int(self._counters[_STRIDE]), self.frame_stack)
 
     @classmethod
     def create(cls, spaces: EnvSpaces, capacity: int, shared: bool = False, lock: Any = None) -> UniformReplayBuffer:
+        """`shared`: in shared memory for AsyncRl's copiers, which append out of order, so frame
+        stacks are kept whole there; in this process's memory each frame is kept once."""
         if capacity <= 0:
             raise RlplexError(f"replay buffer capacity must be positive (got {capacity})")
-        arrays, block = allocate(cls.layout(spaces, capacity), shared)
-        return cls(arrays, capacity, lock, block)
+        arrays, block = allocate(cls.layout(spaces, capacity, frames_once=not shared), shared)
+        buffer = cls(arrays, capacity, lock, block)
+        buffer.frame_stack = spaces.obs_shape[0] if stacks_frames(spaces) else 1
+        return buffer
 
     @classmethod
-    def layout(cls, spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
-        return replay_layout(spaces, capacity)
+    def layout(
+        cls, spaces: EnvSpaces, capacity: int, frames_once: bool = False
+    ) -> dict[str, tuple[tuple[int, ...], Any]]:
+        return replay_layout(spaces, capacity, frames_once)
 
     def close(self) -> None:
         if self._block is not None:
@@ -171,8 +200,10 @@ class UniformReplayBuffer(SharedReplay):
         stride = int(samples["reward"].shape[1]) if n_dims >= 2 else 1
         columns = {**samples, "done": samples.get("done", samples["terminated"])}
         written = [name for name in self.stored_fields if name != "serial"]
-        if self.stacked:  # the newest frame of each next observation
+        if self.stacked:  # the newest frame of each next observation (and of each observation)
             columns["next_frame"] = np.take(samples["next_observation"], -1, axis=n_dims)
+        if self.frames_once:
+            columns["frame"] = np.take(samples["observation"], -1, axis=n_dims)
         flat = {name: columns[name].reshape(-1, *columns[name].shape[n_dims:]) for name in written}
         n = len(flat["reward"])
         keep = min(n, self.capacity)
@@ -186,8 +217,22 @@ class UniformReplayBuffer(SharedReplay):
             self._counters[_SIZE] = min(self.capacity, int(self._counters[_SIZE]) + n)
             self._counters[_TOTAL] += n
             self._counters[_STRIDE] = stride
+            if self.frames_once:
+                observation = samples["observation"].reshape(-1, *samples["observation"].shape[n_dims:])
+                self._check_frames(idx, observation[n - keep :])
             self._stored(idx)
         return n
+
+    def _check_frames(self, idx: np.ndarray, observation: np.ndarray) -> None:
+        """The observations just written, rebuilt from frames, are the ones given (see the module)."""
+        frames = self._frames()
+        valid = frames.valid(idx)
+        if not np.array_equal(frames[idx[valid]], observation[valid]):
+            raise RlplexError(
+                "replay: a frame-stacked observation does not follow from the frames before it (frames are kept "
+                "once per step, so steps must arrive in order and an episode's first stack must repeat its first "
+                "frame, as FrameStackObservation's padding_type='reset' does)"
+            )
 
     def _stored(self, idx: np.ndarray) -> None:
         """Called under the lock with the slots an append just wrote (a prioritized replay
@@ -206,7 +251,17 @@ class UniformReplayBuffer(SharedReplay):
             size = int(self._counters[_SIZE])
             if size == 0:
                 raise RlplexError("cannot sample from an empty replay buffer")
-            return self._gather(rng.integers(0, size, size=batch_size), n_step, gamma)
+            idx = rng.integers(0, size, size=batch_size)
+            if self.frames_once:
+                frames = self._frames()
+                for _ in range(_REDRAWS):  # slots whose earlier frames were overwritten: a few in a full ring
+                    lost = ~frames.valid(idx)
+                    if not lost.any():
+                        break
+                    idx[lost] = rng.integers(0, size, size=int(lost.sum()))
+                else:
+                    raise no_valid_slot(size, frames.stride)
+            return self._gather(idx, n_step, gamma)
 
     def _gather(self, idx: np.ndarray, n_step: int, gamma: float | None) -> dict[str, np.ndarray]:
         arrays = self._transitions()
@@ -237,6 +292,10 @@ class UniformReplayBuffer(SharedReplay):
                 f"replay buffer capacity is {state['capacity']} in the snapshot but {self.capacity} now (buffer_size)"
             )
         counters = np.asarray(state["counters"], dtype=np.int64)
+        if "data" in state and self.frames_once and "frame" not in state["data"] and "observation" in state["data"]:
+            # A snapshot of whole observations (an older rlplex, or AsyncRl's replay): keep their newest frames.
+            data = {k: v for k, v in state["data"].items() if k != "observation"}
+            state = {**state, "data": {**data, "frame": np.asarray(state["data"]["observation"])[:, -1]}}
         if "data" in state:
             missing = [name for name in self.stored_fields if name not in state["data"]]
             if missing:
@@ -254,11 +313,59 @@ class UniformReplayBuffer(SharedReplay):
                 self._load_extra_state(state, 0)
 
 
+_REDRAWS = 100
+
+
+def no_valid_slot(size: int, stride: int) -> RlplexError:
+    return RlplexError(
+        f"replay: no sampled slot has its frames (size {size}, {stride} environments): the replay is too small to "
+        "hold a frame stack per environment; raise algo.buffer_size"
+    )
+
+
+class ObsFromFrames:
+    """Frame-stacked observations of `frames_once` slots, rebuilt on indexing: slot i's frame
+    and those of the same environment's previous slots (`stride` apart), back to the start of
+    its episode (where a previous slot's `done` is set, or the run began), whose first frame
+    fills the rest of the stack."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], stride: int, stack: int) -> None:
+        self.frame, self.done, self.serial = arrays["frame"], arrays["done"], arrays["serial"]
+        self.stride, self.stack, self.capacity = max(1, stride), stack, len(self.frame)
+
+    def _back(self, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(how many previous slots of the same episode each stack reaches back to, capped at
+        stack - 1; whether each slot's frames are all still in the ring)."""
+        serial = self.serial[idx]
+        back = np.zeros(len(idx), dtype=np.int64)
+        valid = np.ones(len(idx), dtype=bool)
+        walking = np.ones(len(idx), dtype=bool)
+        for k in range(1, self.stack):
+            expected = serial - k * self.stride
+            previous = (idx - k * self.stride) % self.capacity
+            began = expected < 0  # no earlier step: the run started here
+            kept = self.serial[previous] == expected
+            valid &= ~(walking & ~began & ~kept)
+            walking &= ~began & kept & ~self.done[previous]
+            back[walking] = k
+        return back, valid
+
+    def valid(self, idx: np.ndarray) -> np.ndarray:
+        return self._back(idx)[1]
+
+    def __getitem__(self, idx: Any) -> np.ndarray:
+        idx = np.asarray(idx)
+        back, _ = self._back(idx)
+        steps = np.arange(self.stack - 1, -1, -1)  # oldest first: stack - 1 steps back, ..., 0
+        slots = (idx[:, None] - np.minimum(steps[None, :], back[:, None]) * self.stride) % self.capacity
+        return self.frame[slots]
+
+
 class NextFromFrames:
     """`next_observation` of stacked-frame slots, rebuilt on indexing: the slot's observation
     shifted by one frame, ending in the stored newest frame."""
 
-    def __init__(self, observation: np.ndarray, next_frame: np.ndarray) -> None:
+    def __init__(self, observation: np.ndarray | ObsFromFrames, next_frame: np.ndarray) -> None:
         self.observation, self.next_frame = observation, next_frame
 
     def __getitem__(self, idx: Any) -> np.ndarray:

@@ -176,9 +176,11 @@ def check_fits_in_memory(config: TrainConfig, spaces: EnvSpaces, available_bytes
         )
     buffer_size = getattr(config.algo, "buffer_size", 0)
     # Each slot holds an observation and the next one, or of stacked frames the next one's newest
-    # frame only (uint8 frames: 1 byte a pixel).
-    next_shape = spaces.obs_shape[1:] if stacks_frames(spaces) else spaces.obs_shape
-    per_slot = math.prod(spaces.obs_shape) + math.prod(next_shape)
+    # frame only, and outside the async runners its own newest frame only (uint8: a byte a pixel).
+    stacked = stacks_frames(spaces)
+    next_shape = spaces.obs_shape[1:] if stacked else spaces.obs_shape
+    obs_shape = spaces.obs_shape[1:] if stacked and config.runner.kind not in ASYNC_KINDS else spaces.obs_shape
+    per_slot = math.prod(obs_shape) + math.prod(next_shape)
     replay = buffer_size * per_slot * np.dtype(spaces.obs_dtype).itemsize
     if needed + replay > available_bytes:
         raise ConfigError(
