@@ -11,6 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from rlplex.agents import DqnAgent
@@ -129,6 +130,13 @@ def test_async_eval_runs_a_tiny_budget_and_snapshots_the_replay(tmp_path: Path) 
     snap = read_snapshot(latest_snapshot(tmp_path / "snapshots"))
     assert int(snap["algo"]["replay"]["counters"][1]) == len(snap["algo"]["replay"]["data"]["reward"]) > 0
     assert (tmp_path / "progress.csv").exists()
+    # The two copiers take turns: each environment's steps sit in the replay in order, 2 slots
+    # (batch_B) apart, across batch boundaries too (n-step returns and frame stacks rely on it).
+    data = snap["algo"]["replay"]["data"]
+    order = np.argsort(data["serial"])
+    obs, next_obs, done = data["observation"][order], data["next_observation"][order], data["done"][order]
+    follows = ~done[:-2]
+    assert follows.sum() > 1000 and np.array_equal(obs[2:][follows], next_obs[:-2][follows])
 
 
 def test_throttle_reaches_the_set_point_when_the_optimizer_is_fast() -> None:

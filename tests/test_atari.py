@@ -295,26 +295,28 @@ def pong_stream(batches: int, T: int = 40, B: int = 2) -> list[dict[str, np.ndar
     return out
 
 
-@pytest.mark.parametrize("kind", ["uniform", "prioritized"])
-def test_a_replay_of_frame_stacks_keeps_each_frame_once_and_gives_back_the_same_transitions(kind: str) -> None:
-    """Three replays of one stream: whole observations (no stacking known), five frames a slot
-    (AsyncRl's shared layout) and two frames a slot (frames once, in order). Every transition the
-    smaller ones give back, one-step and n-step, is the whole-observation replay's, across episode
-    ends and a wrapped ring."""
+@pytest.mark.parametrize(("kind", "shared"), [("uniform", False), ("prioritized", False), ("uniform", True)])
+def test_a_replay_of_frame_stacks_keeps_each_frame_once_and_gives_back_the_same_transitions(
+    kind: str, shared: bool
+) -> None:
+    """Two replays of one stream: whole observations (no stacking known) and two frames a slot
+    (frame stacks rebuilt). Every transition the smaller one gives back, one-step and n-step,
+    is the whole-observation replay's, across episode ends and a wrapped ring; in shared memory
+    (AsyncRl's) as in the process's own."""
     stacked = probe_spaces(PONG)
     assert stacked.frame_stack == 4 and stacked.obs_shape == IMAGE.obs_shape
     assert probe_spaces(CARTPOLE).frame_stack == 1
     cls = PrioritizedReplayBuffer if kind == "prioritized" else UniformReplayBuffer
-    once, five, full = cls.create(stacked, 150), cls.create(stacked, 150, shared=True), cls.create(IMAGE, 150)
+    made, full = cls.create(stacked, 150, shared=shared), cls.create(IMAGE, 150)
+    once = cls.attach(made.handle) if shared else made  # a copier's view: the stack size comes with the handle
     try:
-        assert once.frames_once and five.stacked and not five.frames_once and not full.stacked
+        assert once.stacked and not full.stacked
         frames = 84 * 84 * 150
         assert once._arrays["frame"].nbytes + once._arrays["next_frame"].nbytes == 2 * frames
-        assert five._arrays["observation"].nbytes + five._arrays["next_frame"].nbytes == 5 * frames
         stream = pong_stream(5)  # 400 steps into 150 slots: the ring wraps
         assert sum(int(s["done"].sum()) for s in stream) >= 2, "the test needs episode ends in the replay"
         for samples in stream:
-            assert once.append_samples(samples) == five.append_samples(samples) == full.append_samples(samples) == 80
+            assert once.append_samples(samples) == full.append_samples(samples) == 80
 
         slots = np.arange(150)
         usable = once._frames().valid(slots)
@@ -322,10 +324,9 @@ def test_a_replay_of_frame_stacks_keeps_each_frame_once_and_gives_back_the_same_
         assert 150 - 3 * 2 <= usable.sum() < 150
         for n_step, gamma in ((1, None), (3, 0.99)):
             want = full._gather(slots, n_step, gamma)
-            for replay in (once, five):
-                got = replay._gather(slots[usable], n_step, gamma)
-                for name in want:
-                    assert np.array_equal(got[name], want[name][usable]), (n_step, name)
+            got = once._gather(slots[usable], n_step, gamma)
+            for name in want:
+                assert np.array_equal(got[name], want[name][usable]), (n_step, name)
 
         rng = np.random.default_rng(1)
         for _ in range(20):  # sampling never gives a slot whose frames are gone
@@ -340,12 +341,14 @@ def test_a_replay_of_frame_stacks_keeps_each_frame_once_and_gives_back_the_same_
         again.load_state_dict(state)
         a, b = once.sample(32, np.random.default_rng(2)), again.sample(32, np.random.default_rng(2))
         assert all(np.array_equal(a[name], b[name]) for name in a)
-        # A snapshot of whole stacks (AsyncRl's layout, or an older rlplex) loads into frames once.
+        # A snapshot of an older rlplex, which kept whole stacks, loads.
+        older = {**state, "data": {k: v for k, v in state["data"].items() if k != "frame"}}
+        older["data"]["observation"] = full.state_dict()["data"]["observation"]
         converted = cls.create(stacked, 150)
-        converted.load_state_dict(five.state_dict())
+        converted.load_state_dict(older)
         assert np.array_equal(converted._gather(slots[usable], 1, None)["observation"], want["observation"][usable])
     finally:
-        for replay in (once, five, full):
+        for replay in (once, made, full):
             replay.close()
 
 
@@ -365,14 +368,11 @@ def test_frames_once_refuses_a_stream_it_cannot_rebuild() -> None:
         replay.append_samples(third)  # a batch left out: its stacks need frames never stored
 
 
-def test_the_memory_check_counts_two_frames_a_slot_for_frame_stacks_and_five_under_async() -> None:
+def test_the_memory_check_counts_two_frames_a_slot_for_frame_stacks() -> None:
     config = validate_config(
         TrainConfig, {"env": {"id": "ALE/Pong-v5", "atari": {}}, "algo": {"name": "dqn", "buffer_size": 1_000_000}}
     )
     stacked = EnvSpaces((4, 84, 84), "discrete", 6, (), obs_dtype="uint8", frame_stack=4)
-    check_fits_in_memory(config, stacked, 16 * 2**30, "pong.toml")  # 13.1 GiB: each frame once, and the next one
+    check_fits_in_memory(config, stacked, 16 * 2**30, "pong.toml")  # 13.1 GiB: each step's frame and the next one's
     with pytest.raises(ConfigError, match=r"observations need 13\.1 GiB"):
         check_fits_in_memory(config, stacked, 8 * 2**30, "pong.toml")
-    asynchronous = config.model_copy(update={"runner": config.runner.model_copy(update={"kind": "async"})})
-    with pytest.raises(ConfigError, match=r"observations need 32\.9 GiB"):
-        check_fits_in_memory(asynchronous, stacked, 16 * 2**30, "pong.toml")

@@ -21,7 +21,7 @@ and beta, then runs `updates_per_itr` updates. One update, in `_update` and `seq
 Sequences start every `learn_length` steps of each environment's stream. Under MinibatchRl
 and SyncRl they run on across batch boundaries (`SequenceCarry`), so every step after the
 first burn-in is trained and `batch_T` may be shorter than a sequence; under AsyncRl, whose
-copiers append batches out of order, each sequence lies within one batch.
+two copier processes cut alternate batches, each sequence lies within one batch.
 
 Batch sizes count sequences. For AsyncRl's replay-ratio throttle, `batch_size` is the number
 of steps one update learns from (sequences x learn_length) and `learning_starts` counts
@@ -171,7 +171,8 @@ class R2D1(ReplayAlgo):
             lock=CONTEXT.Lock() if shared_replay else None,
         )
         agent.set_epsilon(self.epsilon_at(0))
-        # A shared replay is AsyncRl's, filled by copiers that take batches out of order.
+        # A shared replay is AsyncRl's, filled by two copier processes that cut alternate batches:
+        # neither has the end of the batch before its own.
         self._carry = None if shared_replay else SequenceCarry(cfg.sequence_length, cfg.learn_length)
 
     def sampler_to_buffer(self, samples: SampleBatch) -> dict[str, np.ndarray]:

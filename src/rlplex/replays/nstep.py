@@ -7,8 +7,8 @@ apart (a time-major [T, B] append puts them B apart). It stops early, at k < n s
   termination nothing is bootstrapped, after a truncation the bootstrap uses the final
   observation the slot kept;
 - the next slot is not the next step: its `serial` is not k * stride past slot i's (not yet
-  written, or overwritten by the ring), or its observation is not the one the previous step
-  led to (AsyncRl's two copiers may append their batches out of order).
+  written, or overwritten by the ring). Every runner appends each environment's steps in order
+  (AsyncRl's copiers take turns), so a slot k * stride later is the same environment's.
 
 So every result is an exact k-step transition: `reward` = sum_{j<k} gamma^j r_{i+j},
 `next_observation` and `terminated` are those of step k-1 and `discount` = gamma^k.
@@ -37,8 +37,6 @@ def nstep_transitions(
         alive &= ~arrays["done"][last] & (arrays["serial"][j] == serial0 + k * stride)
         if not alive.any():
             break
-        same = (obs[j] == next_obs[last]).reshape(len(idx), -1).all(axis=1)
-        alive &= same
         reward += np.where(alive, gamma**k * arrays["reward"][j], 0.0)
         discount[alive] = gamma ** (k + 1)
         last = np.where(alive, j, last)

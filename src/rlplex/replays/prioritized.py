@@ -92,11 +92,9 @@ class PrioritizedReplayBuffer(UniformReplayBuffer):
         self._max_priority = arrays["max_priority"]  # the largest priority given so far, shared
 
     @classmethod
-    def layout(
-        cls, spaces: EnvSpaces, capacity: int, frames_once: bool = False
-    ) -> dict[str, tuple[tuple[int, ...], Any]]:
+    def layout(cls, spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
         return {
-            **replay_layout(spaces, capacity, frames_once),
+            **replay_layout(spaces, capacity),
             "tree": ((2 * tree_size(capacity),), np.float64),
             "max_priority": ((1,), np.float64),
         }
@@ -118,7 +116,7 @@ class PrioritizedReplayBuffer(UniformReplayBuffer):
                 raise RlplexError("cannot sample from an empty replay buffer")
             # Float rounding can land a draw past the last filled leaf: keep it on the last one.
             idx = np.minimum(self.tree.sample(batch_size, rng), size - 1)
-            if self.frames_once:
+            if self.stacked:
                 frames = self._frames()
                 for _ in range(_REDRAWS):
                     # A slot whose earlier frames the ring overwrote stays unusable until it is

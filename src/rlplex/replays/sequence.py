@@ -8,7 +8,7 @@ burn-in and the n-step tail). Where batches arrive in order (MinibatchRl, SyncRl
 `SequenceCarry` keeps the steps that the next sequences start in, so sequences run on across
 batch boundaries at every `period` steps of each environment's stream and every step after the
 first burn-in is trained. Under AsyncRl a sequence never spans two batches: its two copiers
-append whole batches in whatever order they finish, so each sequence must be whole in its batch
+are separate processes that cut alternate batches, so each sequence must be whole in its batch
 (the `(T - length) mod period` steps at a batch's end, and the burn-in at its start, are then
 not trained). Episodes may end inside a sequence (`done`): training resets the state there.
 

@@ -10,17 +10,16 @@ Each slot also keeps `done` (terminated or truncated: the episode ended there) a
 returns are assembled at sample time (`rlplex.replays.nstep`).
 
 Stacked frames (`EnvSpaces.frame_stack` > 1, Atari): a step shifts the stack by one frame, so
-a slot stores the next observation's newest frame only (`next_frame`) and the next
-observation is rebuilt from the slot's own observation when sampled: 5 frames a slot
-instead of 8, exact for every step, a terminal one included. Where appends come in order
-(`frames_once`: a replay in the learner's own memory, as under MinibatchRl and SyncRl), a
-slot stores its observation's newest frame only (`frame`), and the observation is rebuilt
+a slot stores two frames, its observation's newest (`frame`) and the next observation's
+(`next_frame`), instead of two stacks (8 frames). On sampling, the observation is rebuilt
 from the frames of the same environment's previous slots (`stride` apart), back to the start
-of its episode, whose stack FrameStackObservation pads with the first frame: 2 frames a slot.
-Every append rebuilds the observations it wrote and refuses a mismatch, so a stream this
-layout cannot hold (another padding, steps out of order) is an error, never a wrong sample.
-A slot whose earlier frames the ring has overwritten is never sampled. AsyncRl's copiers
-append batches in whatever order they finish, so its shared replay keeps whole observations.
+of its episode, whose stack FrameStackObservation pads with the first frame; the next
+observation is that shifted by one frame, ending in `next_frame` (exact at a terminal step
+too). This needs every environment's steps appended in order, which every runner does
+(AsyncRl's copiers take turns). Every append rebuilds the observations it wrote and refuses a
+mismatch, so a stream this layout cannot hold (another padding, steps out of order) is an
+error, never a wrong sample. A slot whose earlier frames the ring has overwritten is never
+sampled.
 
 The cursor, the size, the total number of transitions ever appended and the number of
 environments of the last append (the stride between one environment's consecutive steps)
@@ -56,19 +55,15 @@ def stacks_frames(spaces: EnvSpaces) -> bool:
     return spaces.frame_stack > 1 and len(spaces.obs_shape) >= 2 and spaces.obs_shape[0] == spaces.frame_stack
 
 
-def replay_layout(
-    spaces: EnvSpaces, capacity: int, frames_once: bool = False
-) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """`frames_once` (stacked frames only): each slot's newest frame instead of its observation."""
-    stacked = stacks_frames(spaces)
-    next_name, next_shape = ("next_frame", spaces.obs_shape[1:]) if stacked else ("next_observation", spaces.obs_shape)
-    once = stacked and frames_once
-    obs_name, obs_shape = ("frame", spaces.obs_shape[1:]) if once else ("observation", spaces.obs_shape)
+def replay_layout(spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+    stacked, shape = stacks_frames(spaces), spaces.obs_shape
+    obs_name, next_name = ("frame", "next_frame") if stacked else ("observation", "next_observation")
+    stored_shape = shape[1:] if stacked else shape
     return {
-        obs_name: ((capacity, *obs_shape), spaces.obs_dtype),
+        obs_name: ((capacity, *stored_shape), spaces.obs_dtype),
         "action": ((capacity, *spaces.action_shape), spaces.action_dtype),
         "reward": ((capacity,), np.float32),
-        next_name: ((capacity, *next_shape), spaces.obs_dtype),
+        next_name: ((capacity, *stored_shape), spaces.obs_dtype),
         "terminated": ((capacity,), np.bool_),
         "done": ((capacity,), np.bool_),
         "serial": ((capacity,), np.int64),
@@ -84,6 +79,7 @@ class ReplayHandle:
     capacity: int
     lock: Any
     kind: str = "uniform"  # which class `rlplex.replays.attach_replay` attaches
+    frame_stack: int = 1  # frames per observation, which a stacked replay rebuilds from its frames
 
 
 class SharedReplay:
@@ -91,6 +87,7 @@ class SharedReplay:
     shared=True), the write lock, and the handle a child process attaches with."""
 
     kind = "uniform"
+    frame_stack = 1  # frames per observation, where a stacked replay rebuilds them (set by `create`)
 
     def __init__(self, arrays: dict[str, np.ndarray], capacity: int, lock: Any = None, block: Any = None) -> None:
         self.capacity = capacity
@@ -106,12 +103,14 @@ class SharedReplay:
     def handle(self) -> ReplayHandle:
         if self._block is None:
             raise RlplexError("this replay buffer is not in shared memory; create it with shared=True")
-        return ReplayHandle(self._block.handle, self.capacity, self._lock, self.kind)
+        return ReplayHandle(self._block.handle, self.capacity, self._lock, self.kind, self.frame_stack)
 
     @classmethod
     def attach(cls, handle: ReplayHandle) -> Self:
         block = SharedArrays.attach(handle.arrays)
-        return cls(block.arrays, handle.capacity, handle.lock, block)
+        replay = cls(block.arrays, handle.capacity, handle.lock, block)
+        replay.frame_stack = handle.frame_stack
+        return replay
 
     def _locked(self) -> AbstractContextManager[Any]:
         return locked(self._lock, self.wait_check)
@@ -131,16 +130,10 @@ class SharedReplay:
 
 class UniformReplayBuffer(SharedReplay):
     kind = "uniform"
-    frame_stack = 1  # frames per observation, where `frames_once` rebuilds them (set by `create`)
 
     @property
     def stacked(self) -> bool:
-        """Observations are frame stacks: slots keep a next observation's newest frame only."""
-        return "next_frame" in self._arrays
-
-    @property
-    def frames_once(self) -> bool:
-        """Slots keep their observation's newest frame only (see the module)."""
+        """Observations are frame stacks: slots keep two frames, not two stacks (see the module)."""
         return "frame" in self._arrays
 
     @property
@@ -151,7 +144,7 @@ class UniformReplayBuffer(SharedReplay):
         """The stored arrays as transitions: observations rebuilt where they are not stored."""
         if not self.stacked:
             return self._arrays
-        observation = self._frames() if self.frames_once else self._arrays["observation"]
+        observation = self._frames()
         return {
             **self._arrays,
             "observation": observation,
@@ -163,20 +156,16 @@ class UniformReplayBuffer(SharedReplay):
 
     @classmethod
     def create(cls, spaces: EnvSpaces, capacity: int, shared: bool = False, lock: Any = None) -> UniformReplayBuffer:
-        """`shared`: in shared memory for AsyncRl's copiers, which append out of order, so frame
-        stacks are kept whole there; in this process's memory each frame is kept once."""
         if capacity <= 0:
             raise RlplexError(f"replay buffer capacity must be positive (got {capacity})")
-        arrays, block = allocate(cls.layout(spaces, capacity, frames_once=not shared), shared)
+        arrays, block = allocate(cls.layout(spaces, capacity), shared)
         buffer = cls(arrays, capacity, lock, block)
         buffer.frame_stack = spaces.obs_shape[0] if stacks_frames(spaces) else 1
         return buffer
 
     @classmethod
-    def layout(
-        cls, spaces: EnvSpaces, capacity: int, frames_once: bool = False
-    ) -> dict[str, tuple[tuple[int, ...], Any]]:
-        return replay_layout(spaces, capacity, frames_once)
+    def layout(cls, spaces: EnvSpaces, capacity: int) -> dict[str, tuple[tuple[int, ...], Any]]:
+        return replay_layout(spaces, capacity)
 
     def close(self) -> None:
         if self._block is not None:
@@ -200,10 +189,9 @@ class UniformReplayBuffer(SharedReplay):
         stride = int(samples["reward"].shape[1]) if n_dims >= 2 else 1
         columns = {**samples, "done": samples.get("done", samples["terminated"])}
         written = [name for name in self.stored_fields if name != "serial"]
-        if self.stacked:  # the newest frame of each next observation (and of each observation)
-            columns["next_frame"] = np.take(samples["next_observation"], -1, axis=n_dims)
-        if self.frames_once:
+        if self.stacked:  # the newest frame of each observation and of each next one
             columns["frame"] = np.take(samples["observation"], -1, axis=n_dims)
+            columns["next_frame"] = np.take(samples["next_observation"], -1, axis=n_dims)
         flat = {name: columns[name].reshape(-1, *columns[name].shape[n_dims:]) for name in written}
         n = len(flat["reward"])
         keep = min(n, self.capacity)
@@ -217,7 +205,7 @@ class UniformReplayBuffer(SharedReplay):
             self._counters[_SIZE] = min(self.capacity, int(self._counters[_SIZE]) + n)
             self._counters[_TOTAL] += n
             self._counters[_STRIDE] = stride
-            if self.frames_once:
+            if self.stacked:
                 observation = samples["observation"].reshape(-1, *samples["observation"].shape[n_dims:])
                 self._check_frames(idx, observation[n - keep :])
             self._stored(idx)
@@ -252,7 +240,7 @@ class UniformReplayBuffer(SharedReplay):
             if size == 0:
                 raise RlplexError("cannot sample from an empty replay buffer")
             idx = rng.integers(0, size, size=batch_size)
-            if self.frames_once:
+            if self.stacked:
                 frames = self._frames()
                 for _ in range(_REDRAWS):  # slots whose earlier frames were overwritten: a few in a full ring
                     lost = ~frames.valid(idx)
@@ -292,8 +280,8 @@ class UniformReplayBuffer(SharedReplay):
                 f"replay buffer capacity is {state['capacity']} in the snapshot but {self.capacity} now (buffer_size)"
             )
         counters = np.asarray(state["counters"], dtype=np.int64)
-        if "data" in state and self.frames_once and "frame" not in state["data"] and "observation" in state["data"]:
-            # A snapshot of whole observations (an older rlplex, or AsyncRl's replay): keep their newest frames.
+        if "data" in state and self.stacked and "frame" not in state["data"] and "observation" in state["data"]:
+            # A snapshot of an older rlplex, which kept whole observations: keep their newest frames.
             data = {k: v for k, v in state["data"].items() if k != "observation"}
             state = {**state, "data": {**data, "frame": np.asarray(state["data"]["observation"])[:, -1]}}
         if "data" in state:
@@ -324,7 +312,7 @@ def no_valid_slot(size: int, stride: int) -> RlplexError:
 
 
 class ObsFromFrames:
-    """Frame-stacked observations of `frames_once` slots, rebuilt on indexing: slot i's frame
+    """Frame-stacked observations of stacked slots, rebuilt on indexing: slot i's frame
     and those of the same environment's previous slots (`stride` apart), back to the start of
     its episode (where a previous slot's `done` is set, or the run began), whose first frame
     fills the rest of the stack."""
@@ -365,7 +353,7 @@ class NextFromFrames:
     """`next_observation` of stacked-frame slots, rebuilt on indexing: the slot's observation
     shifted by one frame, ending in the stored newest frame."""
 
-    def __init__(self, observation: np.ndarray | ObsFromFrames, next_frame: np.ndarray) -> None:
+    def __init__(self, observation: ObsFromFrames, next_frame: np.ndarray) -> None:
         self.observation, self.next_frame = observation, next_frame
 
     def __getitem__(self, idx: Any) -> np.ndarray:

@@ -175,12 +175,10 @@ def check_fits_in_memory(config: TrainConfig, spaces: EnvSpaces, available_bytes
             f"for the networks' parameters and optimizer state; this machine has {available_bytes / 2**30:,.1f} GiB"
         )
     buffer_size = getattr(config.algo, "buffer_size", 0)
-    # Each slot holds an observation and the next one, or of stacked frames the next one's newest
-    # frame only, and outside the async runners its own newest frame only (uint8: a byte a pixel).
-    stacked = stacks_frames(spaces)
-    next_shape = spaces.obs_shape[1:] if stacked else spaces.obs_shape
-    obs_shape = spaces.obs_shape[1:] if stacked and config.runner.kind not in ASYNC_KINDS else spaces.obs_shape
-    per_slot = math.prod(obs_shape) + math.prod(next_shape)
+    # Each slot holds an observation and the next one, or of stacked frames the newest frame of
+    # each (uint8 frames: a byte a pixel).
+    stored_shape = spaces.obs_shape[1:] if stacks_frames(spaces) else spaces.obs_shape
+    per_slot = 2 * math.prod(stored_shape)
     replay = buffer_size * per_slot * np.dtype(spaces.obs_dtype).itemsize
     if needed + replay > available_bytes:
         raise ConfigError(

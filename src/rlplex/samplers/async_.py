@@ -5,7 +5,7 @@
    wait copied[h] -> pull weights if version changed         publishes weights + version
    -> obtain_samples -> write half h -> release ready[h]        ^
  copier h (one per half)                                         |  waits on `progress` (Condition)
-   wait ready[h] -> algo.sampler_to_buffer(half h)               |
+   wait ready[h] -> wait for its turn -> sampler_to_buffer(h)    |
    -> replay.append_samples (replay lock) -> env_steps += T*B ---+ notify_all
    -> release copied[h]
 ```
@@ -22,8 +22,14 @@ to the "copied" slot in the same critical section that counts the batch, so the 
 the env-step count and the states that belong together (`progress_state`). A resumed sampler
 starts from them: it continues the streams rather than repeating the run's seeds.
 
+Order: batch k is written to half k % 2, and its copier appends it only once batch k - 1 has
+been appended (its turn: the copied-batch count has its parity), so the replay receives each
+environment's steps in order, as in a single process: frame stacks can be kept one frame a
+step and n-step returns run across batches.
+
 Backpressure: the sampler blocks only when both halves wait to be copied (copying is
-fast); the copiers block only on the replay lock. The optimizer never slows the sampler;
+fast); the copiers block only on the replay lock and on their turn, which comes as soon as
+the other copier has appended the batch sampled before. The optimizer never slows the sampler;
 it slows itself (the replay-ratio throttle in `rlplex.runners.async_`).
 
 The copiers build their own algorithm object from a picklable factory and call only its

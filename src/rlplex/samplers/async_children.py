@@ -66,6 +66,23 @@ def _acquire_or_stop(primitive: Any, stop: Any) -> bool:
     return True
 
 
+def _wait_for_turn(progress: Any, count: np.ndarray, half: int, stop: Any) -> bool:
+    """Wait until every batch sampled before this half's has been appended: batch k is in half
+    k % 2, so it is this half's turn when the batches copied so far are of its parity. The
+    replay then gets one environment's steps in order (frames kept once, n-step chains across
+    batches). False if told to stop or orphaned meanwhile."""
+    if not _acquire_or_stop(progress, stop):
+        return False
+    try:
+        while int(count[BATCHES]) % 2 != half:
+            progress.wait(timeout=POLL_S)
+            if stop.is_set() or not _parent_alive():
+                return False
+        return True
+    finally:
+        progress.release()
+
+
 def _exit_if_stopping(stop: Any) -> None:
     if stop.is_set() or not _parent_alive():
         raise SystemExit(0)
@@ -209,6 +226,8 @@ def copier_main(
     block = SharedArrays.attach(counters)
     count, ep_return, ep_length = block.arrays["counters"], block.arrays["ep_return"], block.arrays["ep_length"]
     while _acquire_or_stop(sync.ready[half], sync.stop):
+        if not _wait_for_turn(sync.progress, count, half, sync.stop):
+            return
         samples = shared.batch
         buffer.append_samples(algo.sampler_to_buffer(samples))
         returns, lengths = samples.episode_stats()
