@@ -352,6 +352,24 @@ def test_a_replay_of_frame_stacks_keeps_each_frame_once_and_gives_back_the_same_
             replay.close()
 
 
+def test_a_resumed_stream_of_new_episodes_is_stored_as_such() -> None:
+    """A resumed run's environments start new episodes: the replay cuts the stored episodes
+    (their last steps become done) and the new stacks are episode starts, not a mismatch."""
+    stacked = probe_spaces(PONG)
+    replay, full = UniformReplayBuffer.create(stacked, 64), UniformReplayBuffer.create(IMAGE, 64)
+    before, restarted = pong_stream(1, T=8, B=2)[0], pong_stream(1, T=8, B=2)[0]  # a fresh sampler: reset stacks
+    for samples in (before, restarted):
+        replay.append_samples(samples)
+        full.append_samples(samples)
+    assert replay._arrays["done"][14:16].all() and not replay._arrays["terminated"][14:16].any()
+    slots = np.arange(32)
+    assert replay._frames().valid(slots).all()
+    for n_step, gamma in ((1, None), (3, 0.99)):
+        got, want = replay._gather(slots, n_step, gamma), full._gather(slots, n_step, gamma)
+        for name in want:
+            assert np.array_equal(got[name], want[name]), (n_step, name)
+
+
 def test_frames_once_refuses_a_stream_it_cannot_rebuild() -> None:
     """An episode whose first stack does not repeat its first frame (another padding), or steps
     out of order, would be rebuilt wrong: the append is refused, not the sample silently wrong."""

@@ -189,6 +189,23 @@ def test_n_step_chain_stops_where_the_next_slot_is_not_the_next_step() -> None:
     np.testing.assert_allclose(out["reward"], [4 + 0.5 * 5 + 0.25 * 6, 6])  # through the wrap; overwritten
 
 
+def test_a_batch_that_does_not_continue_the_stored_steps_cuts_their_episodes() -> None:
+    """A resumed run starts new episodes: the last stored step of each environment whose next
+    observation is not the new batch's first is marked done, so no n-step chain runs on."""
+    first, second = episode_batches()
+    buffer = UniformReplayBuffer.create(SPACES, capacity=12)
+    buffer.append_samples(first)
+    restarted = {k: v.copy() for k, v in second.items()}
+    restarted["observation"][0, 0] = restarted["next_observation"][0, 0] = 500  # env 0 was reset
+    buffer.append_samples(restarted)
+    data = stored(buffer)
+    assert data["done"][4] and not data["done"][5] and not data["terminated"][4]  # env 0 cut; env 1 continues
+    out = nstep_transitions(data, np.array([4, 5]), n_step=3, gamma=0.5, stride=2)
+    np.testing.assert_allclose(out["reward"], [3, 30 + 0.5 * 40 + 0.25 * 50])  # env 0 stops at its cut
+    np.testing.assert_allclose(out["discount"], [0.5, 0.125])
+    assert out["next_observation"][0, 0] == 101  # the cut step bootstraps from its own next observation
+
+
 def test_replay_sample_returns_n_step_transitions_with_the_append_stride() -> None:
     buffer = PrioritizedReplayBuffer.create(SPACES, capacity=12)
     for batch in episode_batches():

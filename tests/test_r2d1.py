@@ -105,6 +105,24 @@ def test_carried_sequences_run_on_across_batches_as_in_one_long_batch(T: int, le
         np.testing.assert_array_equal(after_resume[name], value, err_msg=name)
 
 
+def test_a_carry_cut_by_a_restart_resets_the_state_where_the_old_steps_end() -> None:
+    """A resumed run starts new episodes: the kept steps' last one becomes done, so a sequence
+    across the restart resets the recurrent state there and cuts its returns."""
+    agent = R2d1Agent(probe_spaces(NO_VEL), hidden=(16,), lstm_size=8)
+    carry = SequenceCarry(12, 5)
+    carry.cut(batches(agent, 1, T=24)[0])
+    resumed = SequenceCarry(12, 5)
+    resumed.load_state_dict(carry.state_dict())
+    restarted = batches(agent, 1, T=24)[0]  # a fresh sampler: every environment reset
+    restarted.observation[0] += 1.0  # (and not where the kept steps left off)
+    assert carry.kept is not None and not carry.kept["done"][-1].all()
+    cut = resumed.cut(restarted)
+    # Starts 0, 5, 10 fitted in the first 24 steps; steps 15..23 were kept, so the first
+    # sequences after the restart (one per environment) hold them at positions 0..8.
+    assert cut["done"][: restarted.B, 8].all()
+    assert np.array_equal(cut["done"][: restarted.B, :8], carry.kept["done"][:8].T)
+
+
 def test_burn_in_steps_get_no_gradient_and_the_learned_steps_do() -> None:
     algo = make_r2d1(0)
     assert algo.agent is not None and algo.target is not None

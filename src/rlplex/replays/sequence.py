@@ -76,33 +76,45 @@ class SequenceCarry:
     """Cuts the sequences of batches that arrive in order, running on across their boundaries:
     the steps from the first start that did not fit are kept and put before the next batch.
     At most `length + period - 1` steps per environment are kept; `state_dict` holds them, so a
-    resumed run cuts the same sequences as one that was never stopped."""
+    resumed run cuts the same sequences as one that was never stopped. An environment whose
+    next batch does not continue its kept steps (a resumed run starts new episodes) has its
+    last kept step marked `done`: training resets the recurrent state there and cuts returns."""
 
     def __init__(self, length: int, period: int) -> None:
         self.length, self.period = length, period
         self.kept: dict[str, np.ndarray] | None = None
+        self.next_observation: np.ndarray | None = None  # what each environment's next step should see
 
     def cut(self, samples: Any) -> dict[str, np.ndarray]:
         columns = _columns(samples)
-        if self.kept is not None and self.kept["reward"].shape[1:] == columns["reward"].shape[1:]:
+        kept = self.kept
+        if kept is not None and kept["reward"].shape[1:] == columns["reward"].shape[1:]:
             # (Kept steps of another number of environments, from a snapshot, are dropped: the
             # next sequences then start afresh, as at the start of a run.)
-            columns = {name: np.concatenate([self.kept[name], array]) for name, array in columns.items()}
+            if len(kept["reward"]) and self.next_observation is not None:
+                n_envs = samples.observation.shape[1]
+                same = (self.next_observation == samples.observation[0]).reshape(n_envs, -1).all(axis=1)
+                kept["done"][-1] |= ~same
+            columns = {name: np.concatenate([kept[name], array]) for name, array in columns.items()}
         out, next_start = _cut(columns, self.length, self.period)
         self.kept = {name: array[next_start:].copy() for name, array in columns.items()}
+        self.next_observation = samples.next_observation[-1].copy()
         return out
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        return {} if self.kept is None else dict(self.kept)
+        if self.kept is None or self.next_observation is None:
+            return {}
+        return {**self.kept, "next_observation": self.next_observation}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         if not state:
-            self.kept = None
+            self.kept = self.next_observation = None
             return
-        missing = sorted(set(_FIELDS) - set(state))
+        missing = sorted({*_FIELDS, "next_observation"} - set(state))
         if missing:
             raise SnapshotError(f"the R2D1 sequence carry lacks {missing}")
-        self.kept = {name: np.asarray(state[name]) for name in _FIELDS}
+        self.kept = {name: np.array(state[name]) for name in _FIELDS}
+        self.next_observation = np.array(state["next_observation"])
 
 
 class SequenceReplayBuffer(SharedReplay):

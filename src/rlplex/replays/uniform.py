@@ -184,6 +184,10 @@ class UniformReplayBuffer(SharedReplay):
         `done` (the episode ended: terminated or truncated) defaults to `terminated`.
         Past `capacity` the oldest transitions are overwritten (a ring buffer). If one call
         brings more than `capacity`, only its last `capacity` transitions are kept.
+
+        An environment whose first step here does not continue its last stored one (a resumed
+        run starts new episodes) gets that stored step marked `done`: its episode was cut
+        there, so n-step returns and frame stacks stop at it.
         """
         n_dims = samples["reward"].ndim
         stride = int(samples["reward"].shape[1]) if n_dims >= 2 else 1
@@ -197,6 +201,8 @@ class UniformReplayBuffer(SharedReplay):
         keep = min(n, self.capacity)
         with self._locked():
             cursor, total = int(self._counters[_CURSOR]), int(self._counters[_TOTAL])
+            if n_dims >= 2:
+                self._mark_breaks(samples["observation"][0], stride)
             idx = (cursor + np.arange(n - keep, n)) % self.capacity
             for name in written:
                 self._arrays[name][idx] = flat[name][n - keep :]
@@ -210,6 +216,20 @@ class UniformReplayBuffer(SharedReplay):
                 self._check_frames(idx, observation[n - keep :])
             self._stored(idx)
         return n
+
+    def _mark_breaks(self, first_observation: np.ndarray, stride: int) -> None:
+        """Under the lock, before an append of [T, B = stride] steps: mark `done` the last stored
+        step of each environment whose next observation is not its first observation here."""
+        cursor, total = int(self._counters[_CURSOR]), int(self._counters[_TOTAL])
+        if int(self._counters[_STRIDE]) != stride or int(self._counters[_SIZE]) < stride:
+            return
+        last = (cursor - stride + np.arange(stride)) % self.capacity
+        live = (self._arrays["serial"][last] == total - stride + np.arange(stride)) & ~self._arrays["done"][last]
+        if not live.any():
+            return
+        expected = self._transitions()["next_observation"][last[live]]
+        cut = ~(expected == first_observation[live]).reshape(int(live.sum()), -1).all(axis=1)
+        self._arrays["done"][last[live][cut]] = True
 
     def _check_frames(self, idx: np.ndarray, observation: np.ndarray) -> None:
         """The observations just written, rebuilt from frames, are the ones given (see the module)."""
