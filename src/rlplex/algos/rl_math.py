@@ -153,8 +153,8 @@ def group_advantages(rewards: torch.Tensor, groups: int | torch.Tensor, eps: flo
         raise RlplexError(f"group_advantages: {tuple(groups.shape)} group ids for {tuple(rewards.shape)} rewards")
     _, index = torch.unique(groups, return_inverse=True)
     n_groups = int(index.max()) + 1 if index.numel() else 0
-    count = torch.zeros(n_groups).index_add_(0, index, torch.ones_like(rewards))
-    mean = torch.zeros(n_groups).index_add_(0, index, rewards) / count
+    count = torch.zeros(n_groups, device=rewards.device).index_add_(0, index, torch.ones_like(rewards))
+    mean = torch.zeros(n_groups, device=rewards.device).index_add_(0, index, rewards) / count
     centred = rewards - mean[index]
-    std = (torch.zeros(n_groups).index_add_(0, index, centred * centred) / count).sqrt()
+    std = (torch.zeros(n_groups, device=rewards.device).index_add_(0, index, centred * centred) / count).sqrt()
     return centred / (std[index] + eps)
