@@ -31,7 +31,7 @@ LOSSES = ("losses/td", "losses/q_mean", "losses/policy", "losses/value", "losses
 
 def settings(algo: str, n_steps: int) -> Any:
     config = load_train_config(EXAMPLES / f"pong_{algo}.toml")
-    log = max(1, n_steps // 2)  # each DQN snapshot holds the replay (56 KB a transition)
+    log = max(1, n_steps // 2)  # each DQN snapshot holds the replay (14 KB a transition: two frames)
     if algo == "dqn":
         config = override(config, "algo", learning_starts=min(2_500, n_steps // 2))
     else:
