@@ -18,7 +18,7 @@ from rlplex.agents import DqnAgent
 from rlplex.algos import DQN, DQNConfig
 from rlplex.config import validate_config
 from rlplex.envs import EnvConfig
-from rlplex.errors import WorkerDiedError
+from rlplex.errors import ConfigError, WorkerDiedError
 from rlplex.io.snapshot import latest_snapshot, read_snapshot
 from rlplex.runners.async_ import AsyncRl, AsyncRlEval
 from rlplex.runners.config import TrainConfig, build_runner
@@ -161,6 +161,24 @@ def test_a_slow_optimizer_gets_a_lower_ratio_and_both_sides_keep_running() -> No
     assert final["charts/updates"] > 0
     assert final["charts/replay_ratio_cumulative"] < 0.5 * 64.0
     assert final["charts/optimizer_busy_fraction"] > 0.8
+
+
+def test_a_floor_makes_the_sampler_wait_for_a_slow_optimizer() -> None:
+    """`min_replay_ratio` bounds the run from the other side (Sample Factory's policy lag): with
+    the same slow optimizer, the sampler waits, and the achieved ratio stays at the floor (less
+    the two batches the double buffer holds) in every interval, not only on average."""
+    floor, batch_size, batch_steps = 4.0, 512, 64 * 2
+    run = runner(replay_ratio=64.0, n_steps=4096, hidden=(512, 512), batch_size=batch_size, log_interval_steps=1024,
+                 min_replay_ratio=floor)  # fmt: skip
+    result = run.train()
+    assert_cleaned_up(run)
+    assert result.env_steps == 4096
+    for row in result.history:
+        steps = row["charts/env_steps"]
+        lower = floor * (steps - 2 * batch_steps) / steps
+        assert row["charts/replay_ratio_cumulative"] >= lower, (row, lower)
+    with pytest.raises(ConfigError, match=r"field 'runner.min_replay_ratio': must be positive and at most"):
+        runner(replay_ratio=2.0, n_steps=64, min_replay_ratio=4.0)
 
 
 @pytest.mark.parametrize("victim", [0, 1])  # the sampler process, then a copier

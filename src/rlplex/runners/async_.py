@@ -13,7 +13,12 @@
 | --- | --- |
 | the replay-ratio throttle (here) | updates never exceed `replay_ratio` x env steps / batch size |
 | the double buffer's "copied" semaphores | the sampler is at most two batches ahead of the copiers |
+| `min_replay_ratio` (off by default) | the sampler waits while updates fall below the floor |
 | nothing else | a slow optimizer does not slow the sampler: the achieved ratio drops, and is logged |
+
+`min_replay_ratio` is Sample Factory's bound from the other side, on how far sampling may run
+ahead of a slow optimizer: the sampler starts no batch while updates x batch size are below
+`min_replay_ratio` x the env steps copied.
 
 `replay_ratio` is a ceiling, not a target (the seed's example: with a sampler at 1,000
 steps/s, batch size 100 and ratio 1 the optimizer does at most 10 updates/s; if it manages
@@ -122,12 +127,14 @@ class AsyncRl:
         n_workers: int | None = None,
         envpool: bool = False,
         device: str = "auto",
+        min_replay_ratio: float | None = None,
     ) -> None:
         """`n_workers`: None samples in one sampler process; a number, in that many worker
         processes behind it (`[sampler] kind = "parallel"`). `envpool`: the sampler process
         steps its environments with EnvPool (`[sampler] kind = "envpool"`). `device`: where
         the learner's model and its minibatches live ("auto": CUDA when present); the
-        sampler's processes act on CPU copies."""
+        sampler's processes act on CPU copies. `min_replay_ratio`: a floor under the replay
+        ratio, held by making the sampler wait (see the module); at most `replay_ratio`."""
         if n_steps <= 0 or replay_ratio <= 0:
             raise ConfigError(
                 f"field 'runner': n_steps and replay_ratio must be positive (got {n_steps}, {replay_ratio})"
@@ -139,6 +146,12 @@ class AsyncRl:
         self.schedule_itrs = schedule_itrs(schedule_steps, n_steps, self.itr_batch_size)
         self._schedule_given = schedule_steps is not None
         self.replay_ratio = replay_ratio
+        if min_replay_ratio is not None and not 0 < min_replay_ratio <= replay_ratio:
+            raise ConfigError(
+                f"field 'runner.min_replay_ratio': must be positive and at most runner.replay_ratio = {replay_ratio} "
+                f"(got {min_replay_ratio})"
+            )
+        self.min_replay_ratio = min_replay_ratio
         self.seed = seed
         self.log_interval_steps = max(1, log_interval_steps)
         self.log_dir = Path(log_dir) if log_dir is not None else None
@@ -254,6 +267,19 @@ class AsyncRl:
         ceiling = int(self.replay_ratio * env_steps / self.algo.batch_size)
         return ceiling - self.algo.update_count
 
+    def _limit_sampling(self) -> None:
+        """With a floor: the env steps the sampler may have copied before its next batch, as
+        many as the updates done so far cover. The floor holds once updates can run (the replay
+        holds `learning_starts`); it can always be met, since the throttle allows updates up to
+        `replay_ratio` x the steps copied and the floor is at most that."""
+        if self.min_replay_ratio is None:
+            return
+        if self.algo.replay.size < max(1, self.algo.learning_starts):
+            self.sampler.limit_sampling(-1)
+            return
+        covered = self.algo.update_count * self.algo.batch_size / self.min_replay_ratio
+        self.sampler.limit_sampling(int(covered))
+
     def _wait_first_batch(self, timeout_s: float = 120.0) -> None:
         # Process start-up (spawn, imports) is not sampling: rates are measured from here.
         deadline = time.monotonic() + timeout_s
@@ -276,6 +302,7 @@ class AsyncRl:
         try:
             while True:
                 sampler.check_alive()
+                self._limit_sampling()  # before a chunk of updates too: it can take a while
                 env_steps = sampler.env_steps
                 finished = env_steps >= total
                 allowed = self._allowed_updates(env_steps)

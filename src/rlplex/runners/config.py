@@ -135,6 +135,12 @@ class RunnerConfig(StrictModel):
     replay_ratio: float = Field(
         8.0, gt=0, description="async only: ceiling on (updates x batch_size) / env steps sampled"
     )
+    min_replay_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="async only: floor on the same ratio, held by making the sampler wait for a slow optimizer "
+        "(at most replay_ratio); none: the sampler never waits",
+    )
 
 
 class TrainConfig(StrictModel):
@@ -448,6 +454,7 @@ def _build_async_runner(config: TrainConfig, spaces: EnvSpaces, output_dir: str 
         n_workers=config.sampler.n_workers if config.sampler.kind == "parallel" else None,
         envpool=config.sampler.kind == "envpool",
         device=r.device,
+        min_replay_ratio=r.min_replay_ratio,
     )
     if r.kind == "async":
         return AsyncRl(**args)

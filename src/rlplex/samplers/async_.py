@@ -64,6 +64,7 @@ from rlplex.samplers.async_children import (
     EPISODE_RING,
     EPISODES,
     ERROR_BYTES,
+    LIMIT,
     POLL_S,
     VERSION,
     AlgoFactory,
@@ -158,7 +159,7 @@ class AsyncSampler:
         rng_bytes = RNG_SLOT_BYTES * n_processes + RNG_SLOT_BYTES_PER_ENV * self.batch_B
         self._stats = SharedArrays.create(
             {
-                "counters": ((4,), np.int64),
+                "counters": ((5,), np.int64),
                 "ep_return": ((EPISODE_RING,), np.float64),
                 "ep_length": ((EPISODE_RING,), np.int64),
                 "rng_length": ((3,), np.int64),
@@ -169,6 +170,7 @@ class AsyncSampler:
         self._owned.append(self._stats)
         self._count = self._stats.arrays["counters"]
         self._count[ENV_STEPS] = start_env_steps
+        self._count[LIMIT] = -1
         self.sync = SyncObjects(
             ready=(CONTEXT.Semaphore(0), CONTEXT.Semaphore(0)),
             copied=(CONTEXT.Semaphore(1), CONTEXT.Semaphore(1)),
@@ -285,6 +287,17 @@ class AsyncSampler:
             self._count[VERSION] += 1
         finally:
             self.sync.weight_lock.release()
+
+    def limit_sampling(self, env_steps: int) -> None:
+        """The sampler starts no batch while more than `env_steps` are copied (-1: no limit)."""
+        if int(self._count[LIMIT]) == env_steps:
+            return
+        self._acquire(self.sync.progress, "progress condition")
+        try:
+            self._count[LIMIT] = env_steps
+            self.sync.progress.notify_all()
+        finally:
+            self.sync.progress.release()
 
     def shutdown(self) -> None:
         if hasattr(self, "sync"):

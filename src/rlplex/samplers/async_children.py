@@ -34,8 +34,9 @@ if TYPE_CHECKING:  # agents import samplers.batch; a run-time import here would 
 
 POLL_S = 0.2  # how often a blocked wait re-checks the stop event and the other processes
 EPISODE_RING = 4096
-# counters: env steps copied, batches copied, episodes completed, weight version
-ENV_STEPS, BATCHES, EPISODES, VERSION = range(4)
+# counters: env steps copied, batches copied, episodes completed, weight version, and the env
+# steps copied past which the sampler waits before its next batch (-1: never; AsyncRl's floor)
+ENV_STEPS, BATCHES, EPISODES, VERSION, LIMIT = range(5)
 COPIED = 2  # slot of the generator states that go with the copied env steps (0 and 1: the halves)
 ERROR_BYTES = 4096
 
@@ -75,6 +76,23 @@ def _wait_for_turn(progress: Any, count: np.ndarray, half: int, stop: Any) -> bo
         return False
     try:
         while int(count[BATCHES]) % 2 != half:
+            progress.wait(timeout=POLL_S)
+            if stop.is_set() or not _parent_alive():
+                return False
+        return True
+    finally:
+        progress.release()
+
+
+def _wait_for_allowance(progress: Any, count: np.ndarray, stop: Any) -> bool:
+    """Wait while the env steps copied exceed what the optimizer allows (`LIMIT`, which the
+    master raises as it updates and notifies on `progress`); False if told to stop meanwhile."""
+    if int(count[LIMIT]) < 0 or int(count[ENV_STEPS]) <= int(count[LIMIT]):
+        return True
+    if not _acquire_or_stop(progress, stop):
+        return False
+    try:
+        while 0 <= int(count[LIMIT]) < int(count[ENV_STEPS]):
             progress.wait(timeout=POLL_S)
             if stop.is_set() or not _parent_alive():
                 return False
@@ -170,6 +188,9 @@ def _sample(spec: SamplerSpec, counter_block: SharedArrays) -> None:
             # do: without this check an orphan (no parent-death signal off Linux) would sample on.
             _exit_if_stopping(sync.stop)
             if not _acquire_or_stop(sync.copied[half], sync.stop):
+                return
+            # After the half is free (its batch k - 2 copied): at most batch k - 1 is in flight.
+            if not _wait_for_allowance(sync.progress, count, sync.stop):
                 return
             if int(count[VERSION]) != version:
                 if not _acquire_or_stop(sync.weight_lock, sync.stop):
