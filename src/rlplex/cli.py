@@ -147,7 +147,8 @@ def _train(
         raise ConfigError("--resume and --overwrite: choose one")
     check_file_kind(config_file, "train")
     config = _override(load_train_config(config_file), **runner_fields)
-    check_fits_in_memory(config, probe_spaces(config.env), psutil.virtual_memory().total, str(config_file))
+    spaces = probe_spaces(config.env)
+    check_fits_in_memory(config, spaces, psutil.virtual_memory().total, str(config_file))
     output = output or Path("outputs") / config_file.stem
     earlier = [name for name in TRAIN_OUTPUTS if os.path.lexists(output / name)] if output.is_dir() else []
     if earlier and not resume and not overwrite:
@@ -170,7 +171,7 @@ def _train(
     console.print(
         f"training {config.env.id} with {config.algo.name} ({config.runner.kind}) on {device.type}; output in {output}"
     )
-    advice = cpu_advice(config, probe_spaces(config.env), device)
+    advice = cpu_advice(config, spaces, device)
     if advice is not None:
         console.print(advice, highlight=False)
     result = runner.train()

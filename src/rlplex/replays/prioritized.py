@@ -124,7 +124,8 @@ class PrioritizedReplayBuffer(UniformReplayBuffer):
                     lost = ~frames.valid(idx)
                     if not lost.any():
                         break
-                    self.tree.update(np.unique(idx[lost]), np.zeros(len(np.unique(idx[lost]))))
+                    gone = np.unique(idx[lost])
+                    self.tree.update(gone, np.zeros(len(gone)))
                     if self.tree.total <= 0:
                         raise no_valid_slot(size, frames.stride)
                     idx = np.minimum(self.tree.sample(batch_size, rng), size - 1)

@@ -27,7 +27,7 @@ import numpy as np
 from rlplex.envs import EnvSpaces
 from rlplex.errors import RlplexError, SnapshotError
 from rlplex.replays.prioritized import SumTree, tree_size
-from rlplex.replays.uniform import SharedReplay
+from rlplex.replays.uniform import SharedReplay, continues
 from rlplex.samplers.shared_arrays import SharedArrays, allocate
 
 SEQUENCE_FIELDS = ("observation", "action", "reward", "terminated", "done")
@@ -92,9 +92,7 @@ class SequenceCarry:
             # (Kept steps of another number of environments, from a snapshot, are dropped: the
             # next sequences then start afresh, as at the start of a run.)
             if len(kept["reward"]) and self.next_observation is not None:
-                n_envs = samples.observation.shape[1]
-                same = (self.next_observation == samples.observation[0]).reshape(n_envs, -1).all(axis=1)
-                kept["done"][-1] |= ~same
+                kept["done"][-1] |= ~continues(self.next_observation, samples.observation[0])
             columns = {name: np.concatenate([kept[name], array]) for name, array in columns.items()}
         out, next_start = _cut(columns, self.length, self.period)
         self.kept = {name: array[next_start:].copy() for name, array in columns.items()}

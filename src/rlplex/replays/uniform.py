@@ -228,8 +228,7 @@ class UniformReplayBuffer(SharedReplay):
         if not live.any():
             return
         expected = self._transitions()["next_observation"][last[live]]
-        cut = ~(expected == first_observation[live]).reshape(int(live.sum()), -1).all(axis=1)
-        self._arrays["done"][last[live][cut]] = True
+        self._arrays["done"][last[live][~continues(expected, first_observation[live])]] = True
 
     def _check_frames(self, idx: np.ndarray, observation: np.ndarray) -> None:
         """The observations just written, rebuilt from frames, are the ones given (see the module)."""
@@ -322,6 +321,12 @@ class UniformReplayBuffer(SharedReplay):
 
 
 _REDRAWS = 100
+
+
+def continues(next_observation: np.ndarray, first_observation: np.ndarray) -> np.ndarray:
+    """Per environment ([B, *obs]): whether a batch's first observation is the one the last
+    stored step led to; where not, the stream broke there (a resumed run's new episodes)."""
+    return (next_observation == first_observation).reshape(len(first_observation), -1).all(axis=1)
 
 
 def no_valid_slot(size: int, stride: int) -> RlplexError:

@@ -261,8 +261,11 @@ class AsyncRl:
         finally:
             self.shutdown()
 
+    def _learning_started(self) -> bool:
+        return self.algo.replay.size >= max(1, self.algo.learning_starts)
+
     def _allowed_updates(self, env_steps: int) -> int:
-        if self.algo.replay.size < max(1, self.algo.learning_starts):
+        if not self._learning_started():
             return 0
         ceiling = int(self.replay_ratio * env_steps / self.algo.batch_size)
         return ceiling - self.algo.update_count
@@ -274,7 +277,7 @@ class AsyncRl:
         `replay_ratio` x the steps copied and the floor is at most that."""
         if self.min_replay_ratio is None:
             return
-        if self.algo.replay.size < max(1, self.algo.learning_starts):
+        if not self._learning_started():
             self.sampler.limit_sampling(-1)
             return
         covered = self.algo.update_count * self.algo.batch_size / self.min_replay_ratio

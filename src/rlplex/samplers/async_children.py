@@ -67,15 +67,15 @@ def _acquire_or_stop(primitive: Any, stop: Any) -> bool:
     return True
 
 
-def _wait_for_turn(progress: Any, count: np.ndarray, half: int, stop: Any) -> bool:
-    """Wait until every batch sampled before this half's has been appended: batch k is in half
-    k % 2, so it is this half's turn when the batches copied so far are of its parity. The
-    replay then gets one environment's steps in order (frames kept once, n-step chains across
-    batches). False if told to stop or orphaned meanwhile."""
+def _wait_until(ready: Callable[[], bool], progress: Any, stop: Any) -> bool:
+    """Wait on the `progress` condition (notified when a batch is copied or the optimizer's
+    allowance moves) until `ready()`; False if told to stop or orphaned meanwhile."""
+    if ready():
+        return True
     if not _acquire_or_stop(progress, stop):
         return False
     try:
-        while int(count[BATCHES]) % 2 != half:
+        while not ready():
             progress.wait(timeout=POLL_S)
             if stop.is_set() or not _parent_alive():
                 return False
@@ -84,21 +84,16 @@ def _wait_for_turn(progress: Any, count: np.ndarray, half: int, stop: Any) -> bo
         progress.release()
 
 
-def _wait_for_allowance(progress: Any, count: np.ndarray, stop: Any) -> bool:
-    """Wait while the env steps copied exceed what the optimizer allows (`LIMIT`, which the
-    master raises as it updates and notifies on `progress`); False if told to stop meanwhile."""
-    if int(count[LIMIT]) < 0 or int(count[ENV_STEPS]) <= int(count[LIMIT]):
-        return True
-    if not _acquire_or_stop(progress, stop):
-        return False
-    try:
-        while 0 <= int(count[LIMIT]) < int(count[ENV_STEPS]):
-            progress.wait(timeout=POLL_S)
-            if stop.is_set() or not _parent_alive():
-                return False
-        return True
-    finally:
-        progress.release()
+def _my_turn(count: np.ndarray, half: int) -> bool:
+    """Batch k is in half k % 2: it is this half's turn to append once the batches copied so far
+    are of its parity, so the replay gets every environment's steps in order (frames kept once,
+    n-step chains across batches)."""
+    return int(count[BATCHES]) % 2 == half
+
+
+def _allowed(count: np.ndarray) -> bool:
+    """The env steps copied are within what the optimizer allows (`LIMIT`; -1: no limit)."""
+    return int(count[LIMIT]) < 0 or int(count[ENV_STEPS]) <= int(count[LIMIT])
 
 
 def _exit_if_stopping(stop: Any) -> None:
@@ -190,7 +185,7 @@ def _sample(spec: SamplerSpec, counter_block: SharedArrays) -> None:
             if not _acquire_or_stop(sync.copied[half], sync.stop):
                 return
             # After the half is free (its batch k - 2 copied): at most batch k - 1 is in flight.
-            if not _wait_for_allowance(sync.progress, count, sync.stop):
+            if not _wait_until(partial(_allowed, count), sync.progress, sync.stop):
                 return
             if int(count[VERSION]) != version:
                 if not _acquire_or_stop(sync.weight_lock, sync.stop):
@@ -247,7 +242,7 @@ def copier_main(
     block = SharedArrays.attach(counters)
     count, ep_return, ep_length = block.arrays["counters"], block.arrays["ep_return"], block.arrays["ep_length"]
     while _acquire_or_stop(sync.ready[half], sync.stop):
-        if not _wait_for_turn(sync.progress, count, half, sync.stop):
+        if not _wait_until(partial(_my_turn, count, half), sync.progress, sync.stop):
             return
         samples = shared.batch
         buffer.append_samples(algo.sampler_to_buffer(samples))
