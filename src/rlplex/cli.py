@@ -11,9 +11,6 @@ import faulthandler
 import os
 import signal
 import sys
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from rlplex.cli_mainjob import check_file_kind, guard
+from rlplex.processes import stop_signals_as_interrupt
 
 app = typer.Typer(
     rich_markup_mode=None,
@@ -70,7 +68,7 @@ def train(
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
     """Train a classic RL agent with the runners (MinibatchRl, SyncRl, AsyncRl, ...)."""
-    with _stop_signals_as_interrupt() as received:
+    with stop_signals_as_interrupt() as received:
         try:
             guard(
                 console,
@@ -92,30 +90,6 @@ def train(
             signum = received[-1] if received else signal.SIGINT
             console.print(f"stopped by {signal.Signals(signum).name}; continue with --resume", highlight=False)
             raise typer.Exit(128 + signum) from None
-
-
-@contextmanager
-def _stop_signals_as_interrupt() -> Iterator[list[int]]:
-    """SIGTERM stops a long command (`rlplex train`, `rlplex job run/resume`) like Ctrl-C: its
-    cleanup runs (ranks, sampler processes or the job's nodes stopped) instead of the process
-    vanishing. SIGINT is handled here too, not left to Python's default: a process that starts
-    with SIGINT ignored (a script's `cmd &`, a test runner's worker) would otherwise ignore a
-    Ctrl-C or `kill -INT` for good. Yields the signals received."""
-    received: list[int] = []
-
-    def handle(signum: int, frame: object) -> None:
-        received.append(signum)
-        raise KeyboardInterrupt
-
-    if threading.current_thread() is not threading.main_thread():  # signal.signal works there only
-        yield received
-        return
-    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield received
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
 
 
 # What a finished or interrupted `rlplex train` leaves in its output folder.
@@ -209,7 +183,7 @@ app.add_typer(job_app, name="job")
 
 
 def _run_job_command(body: Any, debug: bool) -> None:
-    with _stop_signals_as_interrupt() as received:
+    with stop_signals_as_interrupt() as received:
         try:
             guard(console, debug, body, "job failed")
         except KeyboardInterrupt:  # the master has stopped the job on its way out (`_drive`)
@@ -217,19 +191,9 @@ def _run_job_command(body: Any, debug: bool) -> None:
 
 
 def _drive(master: Any) -> None:
-    from rlplex.control.job.states import JobState
+    from rlplex.control.job.master import drive
 
-    try:
-        if master.state in (JobState.INIT, JobState.READY) and not master.manager.failover_pending:
-            master.start()
-        console.print(
-            f"job {master.job_id}: {master.state.value}; status: rlplex job status {master.manager.spec.output_dir}"
-        )
-        state = master.wait()
-        console.print(f"job {master.job_id}: {state.value}")
-    finally:
-        master.stop("master exiting")
-        master.close()
+    drive(master, console.print)
 
 
 def _drive_on_ray(job_file: Path, backend: str | None, ray_address: str | None) -> None:

@@ -25,7 +25,9 @@ import multiprocessing as mp
 import os
 import signal
 import sys
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from multiprocessing.context import SpawnProcess
 from typing import Any
 
@@ -80,3 +82,38 @@ def stop_processes(processes: Sequence[SpawnProcess], grace_s: float = 3.0) -> N
         if process.is_alive():
             process.kill()
             process.join(timeout=grace_s)
+
+
+@contextmanager
+def handle_stop_signals(on_signal: Callable[[int], None]) -> Iterator[list[int]]:
+    """SIGTERM and SIGINT call `on_signal(signum)` while the block runs (the main thread only:
+    `signal.signal` works there alone), then the previous handlers are back. SIGINT is handled
+    here too, not left to Python's default: a process that starts with SIGINT ignored (a
+    script's `cmd &`, a test runner's worker) would otherwise ignore a Ctrl-C or `kill -INT` for
+    good. Yields the signals received."""
+    received: list[int] = []
+
+    def handle(signum: int, frame: object) -> None:
+        received.append(signum)
+        on_signal(signum)
+
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+    previous = {signum: signal.signal(signum, handle) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _interrupt(signum: int) -> None:
+    raise KeyboardInterrupt
+
+
+def stop_signals_as_interrupt() -> AbstractContextManager[list[int]]:
+    """SIGTERM stops a long command (`rlplex train`, `rlplex job run/resume`) like Ctrl-C: its
+    cleanup runs (ranks, sampler processes or the job's nodes stopped) instead of the process
+    vanishing."""
+    return handle_stop_signals(_interrupt)

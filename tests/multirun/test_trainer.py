@@ -203,7 +203,7 @@ def test_a_run_naming_another_model_is_rejected_with_the_reason(tmp_path: Path) 
     assert "field 'model.name'" in reason and "random-llama" in reason and "is not this trainer's model" in reason
 
 
-def test_cli_takes_the_model_and_stops_after_steps(tmp_path: Path) -> None:
+def test_cli_runs_a_job_that_takes_the_model_and_stops_after_steps(tmp_path: Path) -> None:
     import json
     import signal
 
@@ -220,6 +220,8 @@ def test_cli_takes_the_model_and_stops_after_steps(tmp_path: Path) -> None:
         signal.signal(signal.SIGINT, handlers[1])
     assert [r["step"] for r in read_progress_csv(RunDir(tmp_path, "run_c"))] == [1, 2]
     assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) == RunDir(tmp_path, "run_c").checkpoint_step(2)
+    # Not under torchrun, the command ran the trainer as a control-plane job of its own.
+    assert (tmp_path / "trainer_job" / "job.sqlite").is_file()
 
 
 def _new_finishing_run(output_dir: Path, run_id: str = "run_b0", steps: int = 2) -> RunDir:

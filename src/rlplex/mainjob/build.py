@@ -16,6 +16,7 @@ from rlplex.control.job.spec import JobSpec, parse_job
 from rlplex.mainjob.config import MainJobConfig
 from rlplex.mainjob.registry import rollout_slots
 from rlplex.multirun.trainer.config import TrainerConfig
+from rlplex.multirun.trainer.job import job_timing, trainer_roles
 
 ROLLOUT_ROLE = "rollout"  # the role `rollout_node.RolloutNode` serves
 
@@ -46,43 +47,9 @@ def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec
         "backend": config.backend,
         "ray_address": config.ray_address,
         "max_restarts": 4 * (trainer.max_restarts + len(config.runs) + len(config.later_runs)) + rollout_restarts,
-        # Small shares: on a 2-core laptop the processes take turns; placement still refuses
-        # a trainer wider than the machine.
-        "capacity": {"cpu": max(2.0, 0.5 * world + 1.0)},
-        "heartbeat_interval_s": 0.5,
-        # Every node imports torch before it reports ready: minutes on a busy 2-core machine.
-        "start_timeout_s": 180.0,
-        "rpc_timeout_s": 120.0,
+        **job_timing(world),
         "roles": {
-            "trainer": {
-                "entrypoint": "rlplex.control.elastic:ElasticWorker",
-                "count": world,
-                "resources": {"cpu": 0.5},
-                "restart": {"scope": "worker", "max_restarts": trainer.max_restarts},
-                "heartbeat_timeout_s": 10.0,
-                "config": {
-                    "entrypoint": "rlplex.multirun.trainer:run_trainer",
-                    "config": trainer_config(config).model_dump(mode="json"),
-                    # A trainer told to stop checkpoints every run ahead of its last checkpoint.
-                    "stop_grace_s": 15.0,
-                },
-            },
-            "elastic": {
-                "kind": "submaster",
-                "entrypoint": "rlplex.control.elastic:ElasticMaster",
-                "resources": {"cpu": 0.05},
-                "restart": {"scope": "worker", "max_restarts": trainer.max_restarts},
-                # A trainer node that dies is seen at once; silence means a hang. 30 s, not the
-                # default 10: its agent thread can starve while the node imports torch and loads
-                # the model on a busy machine (a node check failed at prepare that way).
-                "config": {
-                    "workers": "trainer",
-                    "min_nodes": world,
-                    "max_nodes": world,
-                    "join_timeout_s": 60.0,
-                    "member_timeout_s": 30.0,
-                },
-            },
+            **trainer_roles(trainer_config(config), world, trainer.max_restarts),
             "orchestrator": {
                 "entrypoint": "rlplex.mainjob.orchestrator_node:OrchestratorNode",
                 "count": len(config.runs),

@@ -17,18 +17,18 @@ from rlplex.config import StrictModel
 from rlplex.control.job.states import NodeState
 from rlplex.control.job.store import JobStore, NodeRecord
 from rlplex.control.node.worker import WorkerContext
-from rlplex.errors import RlplexError, WaitTimeoutError
+from rlplex.errors import WaitTimeoutError
 from rlplex.mainjob.config import Event, MainJobConfig
 from rlplex.mainjob.registry import submit_add
 from rlplex.mainjob.view import RunView, collect
 from rlplex.multirun.rundir import RunDir, write_eviction
+from rlplex.multirun.trainer.job import ASK_AGAIN_S, ELASTIC_ROLE, TRAINER_ROLE, ask_trainer_to_stop
 
 log = logging.getLogger(__name__)
 
 TERMINAL_RUN_STATES = ("finished", "evicted", "rejected")
 POLL_S = 0.25  # the file system has no change notification we can rely on everywhere
 STOP_TIMEOUT_S = 120.0
-ASK_AGAIN_S = 20.0
 
 
 def evict(runs_dir: Path, run_id: str, reason: str) -> None:
@@ -96,15 +96,15 @@ def _stop_trainer(context: WorkerContext) -> None:
     deadline = time.monotonic() + STOP_TIMEOUT_S
     with JobStore.open_readonly(context.output_dir, context.job_id) as job:
         while not context.should_stop():
-            _ask_trainer_to_stop(context)
+            ask_trainer_to_stop(context.output_dir, context.job_id, context.token, timeout_s=POLL_S)
             ask_again = min(deadline, time.monotonic() + ASK_AGAIN_S)
             try:
-                for role in ("trainer", "elastic"):
+                for role in (TRAINER_ROLE, ELASTIC_ROLE):
                     job.wait_nodes(role, _ended, ask_again - time.monotonic(), POLL_S, context.should_stop, False)
                 return
             except WaitTimeoutError:
                 if time.monotonic() >= deadline:
-                    states = {n.node_id: n.state for n in job.nodes("trainer") + job.nodes("elastic")}
+                    states = {n.node_id: n.state for n in job.nodes(TRAINER_ROLE) + job.nodes(ELASTIC_ROLE)}
                     raise WaitTimeoutError(
                         f"trainer nodes still {states} {STOP_TIMEOUT_S:g} s after the stop request"
                     ) from None
@@ -112,18 +112,3 @@ def _stop_trainer(context: WorkerContext) -> None:
 
 def _ended(node: NodeRecord) -> bool:
     return node.state in (NodeState.FINISHED, NodeState.STOPPED)
-
-
-def _ask_trainer_to_stop(context: WorkerContext) -> None:
-    try:
-        group = context.role_group("trainer", timeout_s=POLL_S)
-    except WaitTimeoutError:
-        return  # a rank restarting (it is told at its start) or every rank done
-    try:
-        for future in group.call("request_stop"):
-            try:
-                future.result(timeout=30.0)
-            except RlplexError as error:  # a rank that ended meanwhile
-                log.info("trainer stop request not delivered: %s", error)
-    finally:
-        group.close()

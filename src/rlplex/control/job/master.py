@@ -24,6 +24,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -220,20 +221,32 @@ class PrimeMaster:
         if self.state == JobState.READY and not self.manager.failover_pending:
             self.manager.start()
 
-    def wait(self, timeout: float | None = None, raise_on_failure: bool = True) -> JobState:
-        """Run the control loop until the job ends; FAILED raises `JobFailedError` with the cause."""
+    def wait(
+        self, timeout: float | None = None, raise_on_failure: bool = True, on_tick: Callable[[], None] | None = None
+    ) -> JobState:
+        """Run the control loop until the job ends; FAILED raises `JobFailedError` with the cause.
+        `on_tick` runs after each pass of the loop (a caller's progress line or log tail)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         interval = self.manager.spec.monitor_interval_s
         while self.manager.monitor() not in TERMINAL_JOB_STATES:
+            if on_tick is not None:
+                on_tick()
             if deadline is not None and time.monotonic() > deadline:
                 raise WaitTimeoutError(f"job {self.job_id} still {self.state.value} after {timeout} s")
             time.sleep(interval)
+        if on_tick is not None:
+            on_tick()
         if self.state == JobState.FAILED and raise_on_failure:
             raise JobFailedError(f"job {self.job_id} failed: {self.store.job(self.job_id).cause}")
         return self.state
 
     def monitor(self) -> JobState:
         return self.manager.monitor()
+
+    @property
+    def cause(self) -> str:
+        """Why the job is in its state: the cause of its last transition."""
+        return next((r.cause for r in reversed(self.store.transitions(self.job_id)) if r.entity == "job"), "")
 
     def stop(self, cause: str = "stopped by the user") -> None:
         self.manager.stop(cause)
@@ -260,3 +273,20 @@ class PrimeMaster:
             self.stop("master closed" if error is None else f"master closed after {error!r}")
         finally:
             self.close()
+
+
+def drive(master: PrimeMaster, say: Callable[[str], None], on_tick: Callable[[], None] | None = None) -> JobState:
+    """What a command that owns a master does: start the job (unless a resumed master is mid-way
+    through failover), say where to watch it, run the control loop to the end and say how it
+    ended. The job is stopped and the master closed on the way out, whatever ends the wait (a
+    failure, Ctrl-C); FAILED raises `JobFailedError`."""
+    try:
+        if master.state in (JobState.INIT, JobState.READY) and not master.manager.failover_pending:
+            master.start()
+        say(f"job {master.job_id}: {master.state.value}; status: rlplex job status {master.manager.spec.output_dir}")
+        state = master.wait(on_tick=on_tick)
+        say(f"job {master.job_id}: {state.value} ({master.cause})")
+        return state
+    finally:
+        master.stop("master exiting")
+        master.close()

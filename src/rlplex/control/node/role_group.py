@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlplex.control.job.states import NodeState
@@ -31,9 +32,14 @@ class RoleGroup:
     @classmethod
     def connect(cls, context: WorkerContext, role: str, timeout_s: float = 10.0) -> RoleGroup:
         """Wait until every node of `role` runs, then connect to each (in rank order)."""
-        with JobStore.open_readonly(context.output_dir, context.job_id) as job:
+        return cls.of_job(context.output_dir, context.job_id, context.token, role, timeout_s)
+
+    @classmethod
+    def of_job(cls, output_dir: Path, job_id: str, token: bytes, role: str, timeout_s: float = 10.0) -> RoleGroup:
+        """`connect` for a caller outside the job's nodes that holds its token (the master's process)."""
+        with JobStore.open_readonly(output_dir, job_id) as job:
             nodes = job.wait_nodes(role, lambda n: n.state == NodeState.RUNNING and bool(n.address), timeout_s)
-        return cls(role, [RpcClient(parse_address(n.address), context.token, n.node_id) for n in nodes])
+        return cls(role, [RpcClient(parse_address(n.address), token, n.node_id) for n in nodes])
 
     @property
     def size(self) -> int:

@@ -1,9 +1,10 @@
 """The multi-run trainer (seed 000): `MultiRunTrainer` (`loop`), its `MultiRunManager` of runs in
 LoRA slots (`manager`, `adapters`, `hooks`, `sync`, `discovery`: scan and ledger), the packer,
 per-run optimisers, its config and its outputs (`outputs`, written through `log`'s writer).
-`python -m rlplex.multirun.trainer` runs it standalone.
+`python -m rlplex.multirun.trainer` runs it standalone, as a control-plane job of its own
+(`job`: the trainer's roles, shared with the main job).
 
-`rlplex.multirun.trainer:run_trainer` is the entry point of the main job's trainer role. Names
+`rlplex.multirun.trainer:run_trainer` is the entry point of every trainer rank. Names
 resolve on first use: the job file's check reads `run_trainer`'s config model without torch.
 """
 
