@@ -15,7 +15,6 @@ from rlplex.algos.r2d1 import R2D1, R2D1Config, sequence_loss
 from rlplex.algos.rl_math import inverse_value_rescale, value_rescale
 from rlplex.config import validate_config
 from rlplex.envs import CARTPOLE_NO_VELOCITY, EnvConfig, probe_spaces
-from rlplex.errors import ConfigError
 from rlplex.io.snapshot import read_snapshot, write_snapshot
 from rlplex.replays.sequence import SequenceCarry, sequences_of
 from rlplex.runners.config import TrainConfig, build_runner
@@ -115,12 +114,39 @@ def test_a_carry_cut_by_a_restart_resets_the_state_where_the_old_steps_end() -> 
     resumed.load_state_dict(carry.state_dict())
     restarted = batches(agent, 1, T=24)[0]  # a fresh sampler: every environment reset
     restarted.observation[0] += 1.0  # (and not where the kept steps left off)
-    assert carry.kept is not None and not carry.kept["done"][-1].all()
+    kept = carry.state_dict()
+    assert not kept["done"][-1].all()
     cut = resumed.cut(restarted)
     # Starts 0, 5, 10 fitted in the first 24 steps; steps 15..23 were kept, so the first
     # sequences after the restart (one per environment) hold them at positions 0..8.
     assert cut["done"][: restarted.B, 8].all()
-    assert np.array_equal(cut["done"][: restarted.B, :8], carry.kept["done"][:8].T)
+    assert np.array_equal(cut["done"][: restarted.B, :8], kept["done"][:8].T)
+
+
+def test_a_shared_carry_cut_in_turn_through_two_attachments_equals_one_carry() -> None:
+    """AsyncRl's two copiers cut alternate batches through one carry in shared memory: the
+    sequences, and what the learner snapshots, are those of a carry that saw every batch."""
+    agent = R2d1Agent(probe_spaces(NO_VEL), hidden=(16,), lstm_size=8)
+    agent.set_epsilon(0.5)
+    data = batches(agent, 6, T=8)  # shorter than a sequence: starts fall in every other batch
+    local = SequenceCarry(12, 5)
+    shared = SequenceCarry.create_shared(12, 5, agent.spaces, 4, agent.state_size)
+    try:
+        copiers = [SequenceCarry.attach(shared.handle) for _ in range(2)]
+        for i, batch in enumerate(data):
+            want, got = local.cut(batch), copiers[i % 2].cut(batch)
+            for name, value in want.items():
+                np.testing.assert_array_equal(got[name], value, err_msg=f"batch {i}: {name}")
+        for name, value in local.state_dict().items():
+            np.testing.assert_array_equal(shared.state_dict()[name], value, err_msg=name)
+        # A snapshot of another number of environments does not fit: the carry starts afresh.
+        shared.load_state_dict({k: v[:, :2] if v.ndim > 1 and k != "next_observation" else v[:2]
+                                for k, v in local.state_dict().items()})  # fmt: skip
+        assert shared.state_dict() == {}
+        for copier in copiers:
+            copier.close()
+    finally:
+        shared.close()
 
 
 def test_burn_in_steps_get_no_gradient_and_the_learned_steps_do() -> None:
@@ -193,18 +219,30 @@ def test_r2d1_trains_under_minibatch_and_async_runners(kind: str, tmp_path: Path
     assert snapshot["algo"]["update_count"] > 0 and snapshot["algo"]["replay"]["counters"][1] > 0
 
 
-def test_under_async_a_batch_too_short_for_one_sequence_is_refused_naming_the_fields() -> None:
+def test_under_async_sequences_run_on_across_batches_shorter_than_one() -> None:
+    """Batches of 8 steps, sequences of 12 (a start every 6): the copiers cut through the shared
+    carry in turn, so the replay gets every sequence of each environment's whole stream."""
     config = validate_config(
         TrainConfig,
         {
             "env": {"id": CARTPOLE_NO_VELOCITY},
-            "sampler": {"batch_T": 11},
+            "sampler": {"batch_T": 8, "batch_B": 2},
+            "agent": {"hidden": [16], "lstm_size": 8},
             "algo": {"name": "r2d1", **SMALL},
-            "runner": {"kind": "async"},
+            "runner": {"kind": "async", "n_steps": 480, "log_interval_steps": 480, "replay_ratio": 1.0},
         },
         "test.toml",
     )
-    with pytest.raises(ConfigError, match=r"sampler\.batch_T.*11 steps.*12 steps.*async"):
-        build_runner(config, None, show_progress=False)
-    minibatch = config.model_copy(update={"runner": config.runner.model_copy(update={"kind": "minibatch"})})
-    build_runner(minibatch, None, show_progress=False).sampler.shutdown()  # sequences span batches there
+    runner = build_runner(config, None, show_progress=False)
+    appended: list[int] = []
+    close = runner.algo.shutdown
+
+    def count_then_close() -> None:  # the replay's count, read before the runner frees it
+        appended.append(runner.algo.replay.total_appended)
+        close()
+
+    runner.algo.shutdown = count_then_close
+    result = runner.train()
+    assert result.env_steps == 480  # every batch copied: 240 steps of each environment
+    length, period = 12, 6  # burn_in + learn_length + n_step, learn_length
+    assert appended == [2 * ((240 - length) // period + 1)]

@@ -5,7 +5,8 @@ and the soft target-network update."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any, ClassVar
 
 import numpy as np
@@ -91,6 +92,14 @@ class ReplayAlgo:
     def shutdown(self) -> None:
         if self.replay is not None:
             self.replay.close()
+
+    def copier_factory(self, batch_B: int) -> Callable[[], Any]:
+        """What builds this algorithm in AsyncRl's copier processes (picklable; called once the
+        algorithm is initialized, before a resumed run loads its state): there only
+        `sampler_to_buffer` runs, so the same config is all a copier needs unless cutting a
+        batch keeps state between batches (R2D1)."""
+        algo_class: Any = type(self)  # each algorithm's __init__ takes its config
+        return partial(algo_class, self.config)
 
     def sampler_to_buffer(self, samples: SampleBatch) -> dict[str, np.ndarray]:
         """What the replay keeps of a sampler batch. Runs in AsyncRl's copier processes too."""

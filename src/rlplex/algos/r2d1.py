@@ -18,10 +18,10 @@ and beta, then runs `updates_per_itr` updates. One update, in `_update` and `seq
      (eta = 0.9), + eps, to the power alpha;
   6. every `target_update_interval` updates the target network becomes the online one.
 
-Sequences start every `learn_length` steps of each environment's stream. Under MinibatchRl
-and SyncRl they run on across batch boundaries (`SequenceCarry`), so every step after the
-first burn-in is trained and `batch_T` may be shorter than a sequence; under AsyncRl, whose
-two copier processes cut alternate batches, each sequence lies within one batch.
+Sequences start every `learn_length` steps of each environment's stream. They run on across
+batch boundaries (`SequenceCarry`), so every step after the first burn-in is trained and
+`batch_T` may be shorter than a sequence. Under AsyncRl, whose two copier processes cut
+alternate batches in turn, the carry is in shared memory (`copier_factory`).
 
 Batch sizes count sequences. For AsyncRl's replay-ratio throttle, `batch_size` is the number
 of steps one update learns from (sequences x learn_length) and `learning_starts` counts
@@ -31,6 +31,8 @@ sequences in the replay.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -47,7 +49,7 @@ from rlplex.models import unwrap_model
 from rlplex.models.device import model_device, to_numpy
 from rlplex.models.recurrent import RecurrentQNet
 from rlplex.processes import CONTEXT
-from rlplex.replays.sequence import SequenceCarry, SequenceReplayBuffer, sequences_of
+from rlplex.replays.sequence import CarryHandle, SequenceCarry, SequenceReplayBuffer, sequences_of
 from rlplex.samplers.batch import SampleBatch
 
 
@@ -140,7 +142,8 @@ class R2D1(ReplayAlgo):
         self.update_count = 0
         self.beta = self.config.prioritized.beta0 if self.config.prioritized else 1.0
         self._rng = np.random.default_rng(seed)
-        # Set by `initialize` where batches come in order; AsyncRl's copiers never initialize.
+        # Made by `initialize`, or in shared memory by `copier_factory` (AsyncRl's copiers cut
+        # through it in turn, and never initialize).
         self._carry: SequenceCarry | None = None
 
     @property
@@ -171,15 +174,32 @@ class R2D1(ReplayAlgo):
             lock=CONTEXT.Lock() if shared_replay else None,
         )
         agent.set_epsilon(self.epsilon_at(0))
-        # A shared replay is AsyncRl's, filled by two copier processes that cut alternate batches:
-        # neither has the end of the batch before its own.
+        # A shared replay is AsyncRl's: its carry is made for the sampler's batch_B by `copier_factory`.
         self._carry = None if shared_replay else SequenceCarry(cfg.sequence_length, cfg.learn_length)
+
+    def copier_factory(self, batch_B: int) -> Callable[[], R2D1]:
+        """What builds this algorithm in AsyncRl's copier processes: one attached to a sequence
+        carry in shared memory, which the copiers cut their batches through in turn (so
+        sequences run on across batches there too) and this learner snapshots."""
+        if self.agent is None or self.replay is None:
+            raise RlplexError("R2D1.copier_factory called before initialize()")
+        if self._carry is None:
+            cfg, agent = self.config, self.agent
+            self._carry = SequenceCarry.create_shared(
+                cfg.sequence_length, cfg.learn_length, agent.spaces, batch_B, agent.state_size
+            )
+        return partial(_copier_r2d1, self.config, self._carry.handle)
 
     def sampler_to_buffer(self, samples: SampleBatch) -> dict[str, np.ndarray]:
         """Sequences of burn_in + learn_length + n_step steps, one every learn_length steps."""
         if self._carry is not None:
             return self._carry.cut(samples)
         return sequences_of(samples, self.config.sequence_length, self.config.learn_length)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._carry is not None:
+            self._carry.close()
 
     def epsilon_at(self, itr: int) -> float:
         cfg = self.config
@@ -247,7 +267,7 @@ class R2D1(ReplayAlgo):
             "rng": self._rng.bit_generator.state,
             "replay": self.replay.state_dict(include_data=self.config.snapshot_replay),
             "variant": self._variant(),
-            "carry": {} if self._carry is None else self._carry.state_dict(),
+            "carry": {} if self._carry is None else self._carry.state_dict(self.replay.wait_check),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -266,3 +286,10 @@ class R2D1(ReplayAlgo):
         self.replay.load_state_dict(state["replay"])
         if self._carry is not None:  # a snapshot from before the carry: sequences start afresh
             self._carry.load_state_dict(state.get("carry", {}))
+
+
+def _copier_r2d1(config: R2D1Config, carry: CarryHandle) -> R2D1:
+    """An AsyncRl copier's R2D1 (module-level: the factory is sent to a spawned process)."""
+    algo = R2D1(config)
+    algo._carry = SequenceCarry.attach(carry)
+    return algo

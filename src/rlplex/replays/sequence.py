@@ -4,13 +4,12 @@ Each slot holds one sequence of `length` consecutive steps of one environment (o
 action, reward, terminated, done) and the recurrent state the sampler's agent had before its
 first step (`rnn_h`, `rnn_c`). `sequences_of` cuts them from a [T, B] sampler batch, starting
 every `period` steps, so that consecutive sequences overlap by `length - period` steps (the
-burn-in and the n-step tail). Where batches arrive in order (MinibatchRl, SyncRl),
-`SequenceCarry` keeps the steps that the next sequences start in, so sequences run on across
-batch boundaries at every `period` steps of each environment's stream and every step after the
-first burn-in is trained. Under AsyncRl a sequence never spans two batches: its two copiers
-are separate processes that cut alternate batches, so each sequence must be whole in its batch
-(the `(T - length) mod period` steps at a batch's end, and the burn-in at its start, are then
-not trained). Episodes may end inside a sequence (`done`): training resets the state there.
+burn-in and the n-step tail). `SequenceCarry` keeps the steps that the next sequences start
+in, so sequences run on across batch boundaries at every `period` steps of each environment's
+stream and every step after the first burn-in is trained. Batches must arrive in order: under
+MinibatchRl and SyncRl they do; under AsyncRl the carry is in shared memory and its two copier
+processes cut their batches through it in turn. `sequences_of` cuts the sequences whole in one
+batch, without a carry. Episodes may end inside a sequence (`done`): training resets the state there.
 
 A prioritized replay keeps one priority per sequence in `SumTree` (the one of
 `rlplex.replays.prioritized`), in the same array block; R2D2's mix of the sequence's TD
@@ -20,6 +19,8 @@ errors, eta * max + (1 - eta) * mean, is the algorithm's to compute. Appends and
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -27,8 +28,8 @@ import numpy as np
 from rlplex.envs import EnvSpaces
 from rlplex.errors import RlplexError, SnapshotError
 from rlplex.replays.prioritized import SumTree, tree_size
-from rlplex.replays.uniform import SharedReplay, continues
-from rlplex.samplers.shared_arrays import SharedArrays, allocate
+from rlplex.replays.uniform import SharedReplay, continues, locked
+from rlplex.samplers.shared_arrays import Layout, SharedArrays, SharedArraysHandle, allocate
 
 SEQUENCE_FIELDS = ("observation", "action", "reward", "terminated", "done")
 STATE_FIELDS = ("rnn_h", "rnn_c")
@@ -72,47 +73,143 @@ def sequences_of(samples: Any, length: int, period: int) -> dict[str, np.ndarray
     return _cut(_columns(samples), length, period)[0]
 
 
+@dataclass(frozen=True)
+class CarryHandle:
+    """What a process needs to attach to a shared `SequenceCarry` (picklable)."""
+
+    arrays: SharedArraysHandle
+    length: int
+    period: int
+    lock: Any
+
+
 class SequenceCarry:
     """Cuts the sequences of batches that arrive in order, running on across their boundaries:
     the steps from the first start that did not fit are kept and put before the next batch.
-    At most `length + period - 1` steps per environment are kept; `state_dict` holds them, so a
-    resumed run cuts the same sequences as one that was never stopped. An environment whose
-    next batch does not continue its kept steps (a resumed run starts new episodes) has its
-    last kept step marked `done`: training resets the recurrent state there and cuts returns."""
+    At most `length - 1` steps per environment are kept; `state_dict` holds them, so a resumed
+    run cuts the same sequences as one that was never stopped. An environment whose next batch
+    does not continue its kept steps (a resumed run starts new episodes) has its last kept step
+    marked `done`: training resets the recurrent state there and cuts returns.
 
-    def __init__(self, length: int, period: int) -> None:
+    The kept steps live in fixed arrays ([length - 1, B, ...] and a count): plain ones made at
+    the first batch, or in shared memory (`create_shared`), where AsyncRl's copier processes cut
+    their batches in turn through the same carry (`attach`) and the learner snapshots it."""
+
+    def __init__(
+        self,
+        length: int,
+        period: int,
+        arrays: dict[str, np.ndarray] | None = None,
+        lock: Any = None,
+        block: SharedArrays | None = None,
+    ) -> None:
         self.length, self.period = length, period
-        self.kept: dict[str, np.ndarray] | None = None
-        self.next_observation: np.ndarray | None = None  # what each environment's next step should see
+        self._arrays, self._lock, self._block = arrays, lock, block
 
-    def cut(self, samples: Any) -> dict[str, np.ndarray]:
+    @staticmethod
+    def layout(length: int, spaces: EnvSpaces, batch_B: int, state_size: int) -> Layout:
+        kept = (max(1, length - 1), batch_B)
+        obs = np.uint8 if spaces.obs_dtype == "uint8" else np.float32
+        return {
+            "observation": ((*kept, *spaces.obs_shape), obs),
+            "action": ((*kept, *spaces.action_shape), spaces.action_dtype),
+            "reward": (kept, np.float32),
+            "terminated": (kept, np.bool_),
+            "done": (kept, np.bool_),
+            "rnn_h": ((*kept, state_size), np.float32),
+            "rnn_c": ((*kept, state_size), np.float32),
+            "next_observation": ((batch_B, *spaces.obs_shape), obs),
+            "counts": ((2,), np.int64),  # steps kept; 1 once something is kept
+        }
+
+    @classmethod
+    def create_shared(cls, length: int, period: int, spaces: EnvSpaces, batch_B: int, state_size: int) -> SequenceCarry:
+        from rlplex.processes import CONTEXT
+
+        arrays, block = allocate(cls.layout(length, spaces, batch_B, state_size), shared=True)
+        return cls(length, period, arrays, CONTEXT.Lock(), block)
+
+    @property
+    def handle(self) -> CarryHandle:
+        if self._block is None:
+            raise RlplexError("this sequence carry is not in shared memory; make it with create_shared")
+        return CarryHandle(self._block.handle, self.length, self.period, self._lock)
+
+    @classmethod
+    def attach(cls, handle: CarryHandle) -> SequenceCarry:
+        block = SharedArrays.attach(handle.arrays)
+        return cls(handle.length, handle.period, block.arrays, handle.lock, block)
+
+    def close(self) -> None:
+        if self._block is not None:
+            self._block.close()
+            self._block, self._arrays = None, None
+
+    # ----- the kept steps, whatever holds them ---------------------------------------------------
+    def _kept(self) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
+        """Copies of the kept steps [n, B, ...] and each environment's next observation."""
+        arrays = self._arrays
+        if arrays is None or not arrays["counts"][1]:
+            return None
+        n = int(arrays["counts"][0])
+        return {name: arrays[name][:n].copy() for name in _FIELDS}, arrays["next_observation"].copy()
+
+    def _keep(self, kept: dict[str, np.ndarray] | None, next_observation: np.ndarray | None) -> None:
+        if kept is None or next_observation is None:
+            if self._arrays is not None:
+                self._arrays["counts"][:] = 0
+            return
+        n, arrays = len(kept["reward"]), self._arrays
+        fits = arrays is not None and n <= len(arrays["reward"])
+        fits = fits and all(arrays[name].shape[1:] == kept[name].shape[1:] for name in _FIELDS)  # type: ignore[index]
+        if not fits and self._block is not None:
+            # Shared arrays keep their shape: a snapshot's steps of another number of
+            # environments are dropped, and the next sequences start afresh.
+            self._arrays["counts"][:] = 0  # type: ignore[index]
+            return
+        if not fits or arrays is None:  # plain arrays, shaped by the first batch (again if B changes)
+            rows = max(1, self.length - 1, n)
+            arrays = {name: np.zeros((rows, *kept[name].shape[1:]), kept[name].dtype) for name in _FIELDS}
+            arrays["next_observation"] = np.zeros_like(next_observation)
+            arrays["counts"] = np.zeros(2, np.int64)
+            self._arrays = arrays
+        for name in _FIELDS:
+            arrays[name][:n] = kept[name]
+        arrays["next_observation"][:] = next_observation
+        arrays["counts"][:] = (n, 1)
+
+    def cut(self, samples: Any, wait_check: Callable[[], None] | None = None) -> dict[str, np.ndarray]:
         columns = _columns(samples)
-        kept = self.kept
-        if kept is not None and kept["reward"].shape[1:] == columns["reward"].shape[1:]:
-            # (Kept steps of another number of environments, from a snapshot, are dropped: the
-            # next sequences then start afresh, as at the start of a run.)
-            if len(kept["reward"]) and self.next_observation is not None:
-                kept["done"][-1] |= ~continues(self.next_observation, samples.observation[0])
-            columns = {name: np.concatenate([kept[name], array]) for name, array in columns.items()}
-        out, next_start = _cut(columns, self.length, self.period)
-        self.kept = {name: array[next_start:].copy() for name, array in columns.items()}
-        self.next_observation = samples.next_observation[-1].copy()
+        with locked(self._lock, wait_check):
+            previous = self._kept()
+            if previous is not None and previous[0]["reward"].shape[1:] == columns["reward"].shape[1:]:
+                # (Kept steps of another number of environments, from a snapshot, are dropped: the
+                # next sequences then start afresh, as at the start of a run.)
+                kept, next_observation = previous
+                if len(kept["reward"]):
+                    kept["done"][-1] |= ~continues(next_observation, samples.observation[0])
+                columns = {name: np.concatenate([kept[name], array]) for name, array in columns.items()}
+            out, next_start = _cut(columns, self.length, self.period)
+            self._keep({name: array[next_start:] for name, array in columns.items()}, samples.next_observation[-1])
         return out
 
-    def state_dict(self) -> dict[str, np.ndarray]:
-        if self.kept is None or self.next_observation is None:
+    def state_dict(self, wait_check: Callable[[], None] | None = None) -> dict[str, np.ndarray]:
+        with locked(self._lock, wait_check):
+            previous = self._kept()
+        if previous is None:
             return {}
-        return {**self.kept, "next_observation": self.next_observation}
+        return {**previous[0], "next_observation": previous[1]}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         if not state:
-            self.kept = self.next_observation = None
+            with locked(self._lock, None):
+                self._keep(None, None)
             return
         missing = sorted({*_FIELDS, "next_observation"} - set(state))
         if missing:
             raise SnapshotError(f"the R2D1 sequence carry lacks {missing}")
-        self.kept = {name: np.array(state[name]) for name in _FIELDS}
-        self.next_observation = np.array(state["next_observation"])
+        with locked(self._lock, None):
+            self._keep({name: np.array(state[name]) for name in _FIELDS}, np.array(state["next_observation"]))
 
 
 class SequenceReplayBuffer(SharedReplay):

@@ -35,8 +35,8 @@ be bit-exact, because the interleaving of the processes is not.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -83,6 +83,8 @@ class ReplayAlgo(Protocol):
     def learning_starts(self) -> int: ...
 
     def initialize(self, agent: Any, n_itr: int, world_size: int = 1, shared_replay: bool = False) -> None: ...
+
+    def copier_factory(self, batch_B: int) -> Callable[[], Any]: ...
 
     def sampler_to_buffer(self, samples: Any) -> dict[str, np.ndarray]: ...
 
@@ -177,11 +179,10 @@ class AsyncRl:
         self.agent: Agent = self.agent_factory(self.spaces)
         self.agent.model.to(self.device)
         self.algo.initialize(self.agent, n_itr=self.schedule_itrs, world_size=1, shared_replay=True)
+        algo_factory = self.algo.copier_factory(self.batch_B)  # before a resume loads into what it shares
         if self._resume_state is not None:
             self._load_resume_state(self._resume_state)
         self.sampler = AsyncSampler(self.env_config, self.batch_T, self.batch_B, self.n_workers, self.envpool)
-        algo_class: Any = type(self.algo)
-        algo_factory = partial(algo_class, self.algo.config)
         start_batches = self.start_env_steps // self.itr_batch_size
         restore = None if self._resume_state is None else self._resume_state.get("sampler")
         self.sampler.start(

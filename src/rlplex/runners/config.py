@@ -304,14 +304,7 @@ def build_algo(config: TrainConfig) -> Any:
     if isinstance(section, DQNSection):
         return DQN(DQNConfig(**fields), seed=seed)
     if isinstance(section, R2D1Section):
-        r2d1 = R2D1Config(**fields)
-        if config.runner.kind in ASYNC_KINDS and config.sampler.batch_T < r2d1.sequence_length:
-            raise ConfigError(
-                f"field 'sampler.batch_T': {config.sampler.batch_T} steps do not hold one R2D1 sequence of "
-                f"algo.burn_in + algo.learn_length + algo.n_step = {r2d1.sequence_length} steps (under the async "
-                "runners sequences never span two batches)"
-            )
-        return R2D1(r2d1, seed=seed)
+        return R2D1(R2D1Config(**fields), seed=seed)
     if isinstance(section, SACSection):
         return SAC(SACConfig(**fields), seed=seed)
     if isinstance(section, DDPGSection):
