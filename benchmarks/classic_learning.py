@@ -11,7 +11,8 @@ On the partially observed rlplex/CartPoleNoVel-v1 (no velocities), R2D1 and recu
 (`ppo_lstm`) should reach >= 400 in at least 3 of 5 seeds; the feed-forward PPO of
 cartpole_ppo.toml on the same task (`ppo_ff_novel`, 100k steps, no goal) is run with the same
 seeds beside each of them, for comparison. `a2c_lstm` (no goal) is A2C's settings with an LSTM
-agent (64 units) on the same task, 500k steps.
+agent (64 units) on the same task, 500k steps. `r2d1_async` (no goal) is R2D1's settings under
+AsyncRl, in 20-step batches (its sequences span batches there through the copiers' shared carry).
 
     python -m benchmarks.classic_learning --algo sac --seeds 5
     python -m benchmarks.classic_learning --algo r2d1 --seeds 3   # + the feed-forward baseline
@@ -46,12 +47,22 @@ SETTINGS: dict[str, tuple[str, float, int]] = {  # algo: (example file, target r
     "ppo_lstm": ("cartpole_novel_ppo_lstm.toml", 400.0, 3),
     "ppo_ff_novel": ("cartpole_ppo.toml", 400.0, 0),
     "a2c_lstm": ("cartpole_a2c.toml", 400.0, 0),
+    "r2d1_async": ("cartpole_novel_r2d1.toml", 400.0, 0),
 }
-# Runs of another file's settings: algo -> (env id, budget in env steps, [agent] changes).
-VARIANTS: dict[str, tuple[str, int, dict[str, Any]]] = {
+RATIOS = ("replay_ratio", "min_replay_ratio")  # a floor too: the sampler waits for the optimizer
+# Runs of another file's settings: algo -> (env id, budget in env steps, {section: changes}).
+VARIANTS: dict[str, tuple[str, int, dict[str, dict[str, Any]]]] = {
     "ppo_ff_novel": (NO_VEL, 100_000, {}),
     # A2C's rl-zoo settings with an LSTM agent (no goal: rl-zoo has no recurrent A2C setting).
-    "a2c_lstm": (NO_VEL, 500_000, {"hidden": (64,), "lstm_size": 64}),
+    "a2c_lstm": (NO_VEL, 500_000, {"agent": {"hidden": (64,), "lstm_size": 64}}),
+    # R2D1's settings under AsyncRl, in batches of 20 steps (shorter than its 35-step sequences,
+    # which run on across batches through the copiers' shared carry), at the replay ratio of
+    # the example's 8 updates of 32 x 20 learned steps per 300-step batch.
+    "r2d1_async": (
+        NO_VEL,
+        150_000,
+        {"sampler": {"batch_T": 20}, "runner": {"kind": "async_eval", **dict.fromkeys(RATIOS, 8 * 32 * 20 / 300)}},
+    ),
 }
 BASELINES = {"r2d1": "ppo_ff_novel", "ppo_lstm": "ppo_ff_novel", "a2c_lstm": "ppo_ff_novel"}  # same seeds
 
@@ -61,10 +72,13 @@ def run_seed(algo: str, seed: int, n_steps: int | None, stop: bool) -> dict[str,
     config = load_train_config(EXAMPLES / example)
     runner_updates: dict[str, Any] = {"seed": seed, "snapshot_mode": "none", "stop_at_return": target if stop else None}
     if algo in VARIANTS:
-        env_id, runner_updates["n_steps"], agent = VARIANTS[algo]
+        env_id, runner_updates["n_steps"], changes = VARIANTS[algo]
         config = override(config, "env", id=env_id)
-        if agent:
-            config = override(config, "agent", **agent)
+        for section, fields in changes.items():
+            if section == "runner":
+                runner_updates.update(fields)
+            else:
+                config = override(config, section, **fields)
     if n_steps is not None:
         runner_updates["n_steps"] = n_steps
     config = override(config, "runner", **runner_updates)

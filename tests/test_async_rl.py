@@ -181,6 +181,27 @@ def test_a_floor_makes_the_sampler_wait_for_a_slow_optimizer() -> None:
         runner(replay_ratio=2.0, n_steps=64, min_replay_ratio=4.0)
 
 
+def test_a_floor_equal_to_the_ceiling_never_stalls() -> None:
+    """With min_replay_ratio = replay_ratio the bounds meet: the optimizer may do no update before
+    new steps are copied, and the sampler may start no batch before more updates. An update of 24
+    steps at ratio 2 covers 12 env steps, which do not divide a 128-step batch: the floor must
+    leave the sampler the rest of an update's worth, or both wait for ever."""
+    run = runner(replay_ratio=2.0, n_steps=2048, batch_size=24, log_interval_steps=512, min_replay_ratio=2.0)
+    outcome: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: outcome.update(result=run.train()), daemon=True)
+    thread.start()
+    thread.join(timeout=120)
+    if thread.is_alive():
+        run.sampler.sync.stop.set()
+        thread.join(timeout=30)
+        raise AssertionError("AsyncRl stalled with min_replay_ratio = replay_ratio")
+    result = outcome["result"]
+    assert result.env_steps == 2048
+    for row in result.history:
+        steps = row["charts/env_steps"]
+        assert row["charts/replay_ratio_cumulative"] >= 2.0 * (steps - 2 * 128) / steps, row
+
+
 @pytest.mark.parametrize("victim", [0, 1])  # the sampler process, then a copier
 def test_sigkill_of_a_child_raises_worker_died_promptly(victim: int) -> None:
     run = runner(replay_ratio=1.0, n_steps=10_000_000, log_interval_steps=512)

@@ -273,15 +273,18 @@ class AsyncRl:
 
     def _limit_sampling(self) -> None:
         """With a floor: the env steps the sampler may have copied before its next batch, as
-        many as the updates done so far cover. The floor holds once updates can run (the replay
-        holds `learning_starts`); it can always be met, since the throttle allows updates up to
-        `replay_ratio` x the steps copied and the floor is at most that."""
+        many as the updates done so far cover, and one update more. The floor holds once updates
+        can run (the replay holds `learning_starts`); it can always be met, since the throttle
+        allows updates up to `replay_ratio` x the steps copied and the floor is at most that. The
+        one update more is what makes it so: the throttle rounds the updates it allows down, so
+        with the floor at the ceiling the updates done cover a little less than the steps copied,
+        and without it the optimizer would wait for steps and the sampler for updates for ever."""
         if self.min_replay_ratio is None:
             return
         if not self._learning_started():
             self.sampler.limit_sampling(-1)
             return
-        covered = self.algo.update_count * self.algo.batch_size / self.min_replay_ratio
+        covered = (self.algo.update_count + 1) * self.algo.batch_size / self.min_replay_ratio
         self.sampler.limit_sampling(int(covered))
 
     def _wait_first_batch(self, timeout_s: float = 120.0) -> None:
