@@ -96,6 +96,35 @@ def test_killed_master_is_resumed_without_restarting_live_nodes(job_dir: Path, c
             master.wait()
 
 
+def test_nodes_that_finished_without_a_master_give_the_resumed_master_their_final_progress(
+    job_dir: Path, child_env: dict[str, str]
+) -> None:
+    """Nodes that end while no master runs wait to deliver their final message (state, progress,
+    error). The resumed master must take their verdict from it, not from the status call it
+    re-attaches with, or the job is judged done before it arrives and keeps the stale progress."""
+    master, store, job_id = start_master(job_dir, child_env)
+    try:
+        os.kill(master.pid, signal.SIGKILL)
+        master.wait(timeout=10)
+        (job_dir / RELEASE).touch()
+
+        def all_items_written() -> bool:
+            return sum(len(f.read_text().split()) for f in (job_dir / "items").glob("*.txt")) == 90
+
+        wait_for(all_items_written, 60, "every node to finish its items with no master")
+        resumed = subprocess.run(rlplex("resume", str(job_dir), env=child_env), env=child_env,
+                                 capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        nodes = store.nodes(job_id)
+        assert {n.node_id: (n.state, n.progress.get("items")) for n in nodes} == {
+            f"counter-{rank}": ("FINISHED", 30) for rank in range(3)
+        }
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
+
+
 def test_master_failover_during_a_worker_failure(job_dir: Path, child_env: dict[str, str]) -> None:
     """The master and a worker die together: the resumed master restarts only the lost worker."""
     master, store, job_id = start_master(job_dir, child_env)

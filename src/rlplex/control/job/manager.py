@@ -469,7 +469,12 @@ class PrimeManager:
             if self.scheduler.is_alive(slot.handle) and record.address:
                 try:
                     slot.client = self.scheduler.client(slot.handle, record.address)
-                    slot.reported = str(slot.client.call("status", timeout_s=2.0))
+                    reported = str(slot.client.call("status", timeout_s=2.0))
+                    # A node that ended while no master ran is still delivering its final
+                    # message (its last progress, its error): that is its verdict. Judged ended
+                    # from this call, the job could stop before the message is read.
+                    if reported not in (NodeState.FINISHED, NodeState.FAILED):
+                        slot.reported = reported
                     slot.address = record.address
                 except RlplexError as error:
                     self.log(f"re-attach to {slot.node_id} failed: {error}")
