@@ -186,14 +186,8 @@ def _run_job_command(body: Any, debug: bool) -> None:
     with stop_signals_as_interrupt() as received:
         try:
             guard(console, debug, body, "job failed")
-        except KeyboardInterrupt:  # the master has stopped the job on its way out (`_drive`)
+        except KeyboardInterrupt:  # the master has stopped the job on its way out (`drive`)
             raise typer.Exit(128 + (received[-1] if received else signal.SIGINT)) from None
-
-
-def _drive(master: Any) -> None:
-    from rlplex.control.job.master import drive
-
-    drive(master, console.print)
 
 
 def _drive_on_ray(job_file: Path, backend: str | None, ray_address: str | None) -> None:
@@ -230,7 +224,7 @@ def job_run(
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
     """Run a job until its drivers (or, without drivers, all its workers) finish."""
-    from rlplex.control.job.master import PrimeMaster, backend_overrides
+    from rlplex.control.job.master import PrimeMaster, backend_overrides, drive
     from rlplex.control.job.spec import load_job
 
     def body() -> None:
@@ -239,7 +233,7 @@ def job_run(
         if chosen == "ray":
             _drive_on_ray(job_file, backend, ray_address)
         else:
-            _drive(PrimeMaster.create(job_file, backend=backend, ray_address=ray_address))
+            drive(PrimeMaster.create(job_file, backend=backend, ray_address=ray_address), console.print)
 
     _run_job_command(body, debug)
 
@@ -256,7 +250,7 @@ def job_resume(
     """Master failover: re-attach to the job's live nodes, restart lost ones, and go on.
 
     A Ray job's new master is a restartable Ray actor, as under `rlplex job run`."""
-    from rlplex.control.job.master import PrimeMaster, backend_overrides, resumable_spec
+    from rlplex.control.job.master import PrimeMaster, backend_overrides, drive, resumable_spec
 
     def body() -> None:
         if resumable_spec(output_dir).backend == "ray":
@@ -265,7 +259,7 @@ def job_resume(
             address = backend_overrides(None, ray_address).get("ray_address")
             _watch_on_ray(RayMasterHandle.resume(output_dir, address), "resumed")
         else:
-            _drive(PrimeMaster.resume(output_dir))
+            drive(PrimeMaster.resume(output_dir), console.print)
 
     _run_job_command(body, debug)
 

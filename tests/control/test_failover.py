@@ -6,6 +6,8 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -38,11 +40,12 @@ def rlplex(*args: str, env: dict[str, str]) -> list[str]:
     return [sys.executable, "-m", "rlplex.cli", "job", *args]
 
 
-def start_master(
+@contextmanager
+def started_master(
     job_dir: Path, env: dict[str, str], argv: list[str] | None = None
-) -> tuple[subprocess.Popen[bytes], SqliteStateStore, str]:
-    """`rlplex job run` (or `argv` + the job file) in a subprocess, returned once every node is RUNNING
-    and has made progress."""
+) -> Iterator[tuple[subprocess.Popen[bytes], SqliteStateStore, str]]:
+    """`rlplex job run` (or `argv` + the job file) in a subprocess, given once every node is RUNNING
+    and has made progress; killed on the way out if it still runs."""
     job_file = job_dir.parent / "job.toml"
     job_file.write_text(JOB.format(out=job_dir, hold=RELEASE))
     command = rlplex("run", str(job_file), env=env) if argv is None else [*argv, str(job_file)]
@@ -59,21 +62,31 @@ def start_master(
     wait_for(progressed, 30, "every node RUNNING with progress")
     job_id = store.latest_job_id()
     assert job_id is not None
-    return master, store, job_id
+    try:
+        yield master, store, job_id
+    finally:
+        if master.poll() is None:
+            master.kill()
+            master.wait()
+
+
+def resume(job_dir: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """`rlplex job resume`, which must end the job cleanly."""
+    resumed = subprocess.run(rlplex("resume", str(job_dir), env=env), env=env, capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    return resumed
 
 
 def test_killed_master_is_resumed_without_restarting_live_nodes(job_dir: Path, child_env: dict[str, str]) -> None:
-    master, store, job_id = start_master(job_dir, child_env)
-    try:
+    with started_master(job_dir, child_env) as (master, store, job_id):
         before = {n.node_id: n.pid for n in store.nodes(job_id)}
         os.kill(master.pid, signal.SIGKILL)
         master.wait(timeout=10)
         assert all(p.is_running() for p in node_processes(job_dir)) and len(node_processes(job_dir)) == 3
         (job_dir / RELEASE).touch()
 
-        resumed = subprocess.run(rlplex("resume", str(job_dir), env=child_env), env=child_env,
-                                 capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        resumed = resume(job_dir, child_env)
         assert "STOPPED" in resumed.stdout
         job = store.job(job_id)
         assert job.state == "STOPPED" and job.restarts == 0
@@ -88,12 +101,9 @@ def test_killed_master_is_resumed_without_restarting_live_nodes(job_dir: Path, c
         status = subprocess.run(rlplex("status", str(job_dir), env=child_env), env={**child_env, "COLUMNS": "200"},
                                 capture_output=True, text=True, timeout=30)  # fmt: skip
         assert status.returncode == 0
-        # The whole table on failure: under heavy load this once lacked "items=30" (not reproduced since).
+        # The final progress: nodes that ended before the resume deliver it in their final message
+        # (see the next test); the whole table is shown on failure.
         assert "STOPPED" in status.stdout and "counter" in status.stdout and "items=30" in status.stdout, status.stdout
-    finally:
-        if master.poll() is None:
-            master.kill()
-            master.wait()
 
 
 def test_nodes_that_finished_without_a_master_give_the_resumed_master_their_final_progress(
@@ -102,8 +112,7 @@ def test_nodes_that_finished_without_a_master_give_the_resumed_master_their_fina
     """Nodes that end while no master runs wait to deliver their final message (state, progress,
     error). The resumed master must take their verdict from it, not from the status call it
     re-attaches with, or the job is judged done before it arrives and keeps the stale progress."""
-    master, store, job_id = start_master(job_dir, child_env)
-    try:
+    with started_master(job_dir, child_env) as (master, store, job_id):
         os.kill(master.pid, signal.SIGKILL)
         master.wait(timeout=10)
         (job_dir / RELEASE).touch()
@@ -112,31 +121,22 @@ def test_nodes_that_finished_without_a_master_give_the_resumed_master_their_fina
             return sum(len(f.read_text().split()) for f in (job_dir / "items").glob("*.txt")) == 90
 
         wait_for(all_items_written, 60, "every node to finish its items with no master")
-        resumed = subprocess.run(rlplex("resume", str(job_dir), env=child_env), env=child_env,
-                                 capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        resume(job_dir, child_env)
         nodes = store.nodes(job_id)
         assert {n.node_id: (n.state, n.progress.get("items")) for n in nodes} == {
             f"counter-{rank}": ("FINISHED", 30) for rank in range(3)
         }
-    finally:
-        if master.poll() is None:
-            master.kill()
-            master.wait()
 
 
 def test_master_failover_during_a_worker_failure(job_dir: Path, child_env: dict[str, str]) -> None:
     """The master and a worker die together: the resumed master restarts only the lost worker."""
-    master, store, job_id = start_master(job_dir, child_env)
-    try:
+    with started_master(job_dir, child_env) as (master, store, job_id):
         before = {n.node_id: n.pid for n in store.nodes(job_id)}
         os.kill(master.pid, signal.SIGKILL)
         os.kill(before["counter-0"], signal.SIGKILL)
         master.wait(timeout=10)
         (job_dir / RELEASE).touch()
-        resumed = subprocess.run(rlplex("resume", str(job_dir), env=child_env), env=child_env,
-                                 capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        resume(job_dir, child_env)
         nodes = {n.node_id: n for n in store.nodes(job_id)}
         assert nodes["counter-0"].restarts == 1 and nodes["counter-0"].pid != before["counter-0"]
         assert {k: (n.pid, n.restarts) for k, n in nodes.items() if k != "counter-0"} == {
@@ -147,17 +147,12 @@ def test_master_failover_during_a_worker_failure(job_dir: Path, child_env: dict[
         assert (action, target) == ("RESTART_WORKER", "counter-0") and "process exited" in cause
         done = {int(x) for f in (job_dir / "items").glob("*.txt") for x in f.read_text().split()}
         assert done == set(range(90))
-    finally:
-        if master.poll() is None:
-            master.kill()
-            master.wait()
 
 
 def test_a_second_master_for_a_live_job_is_refused(job_dir: Path, child_env: dict[str, str]) -> None:
     """`rlplex job resume` or `run` while the job's master lives: exit 2, one line naming the live master;
     the live job's token, store and nodes are untouched and it finishes alone."""
-    master, store, job_id = start_master(job_dir, child_env)
-    try:
+    with started_master(job_dir, child_env) as (master, store, job_id):
         token = (job_dir / "job.token").read_text()
         before = {n.node_id: (n.pid, n.incarnation) for n in store.nodes(job_id)}
         for args in (("resume", str(job_dir)), ("run", str(job_dir.parent / "job.toml"))):
@@ -174,10 +169,6 @@ def test_a_second_master_for_a_live_job_is_refused(job_dir: Path, child_env: dic
         assert store.job(job_id).state == "STOPPED"
         assert {n.node_id: (n.pid, n.incarnation) for n in store.nodes(job_id)} == before
         assert store.decisions(job_id) == []
-    finally:
-        if master.poll() is None:
-            master.kill()
-            master.wait()
 
 
 @pytest.mark.parametrize("point", ["in-decision", "before-launch"])
@@ -187,8 +178,7 @@ def test_a_master_killed_halfway_through_a_restart_is_resumed_and_the_job_finish
     """A restart decision is one transaction (killed inside it: nothing of it is stored, the resumed
     master decides again); a decided restart whose launch was not recorded is re-done on resume."""
     argv = [sys.executable, str(HERE / "dying_master.py"), point]
-    master, store, job_id = start_master(job_dir, child_env, argv=argv)
-    try:
+    with started_master(job_dir, child_env, argv=argv) as (master, store, job_id):
         victim = next(n for n in store.nodes(job_id) if n.node_id == "counter-1")
         os.kill(victim.pid, signal.SIGKILL)
         assert master.wait(timeout=30) == -signal.SIGKILL  # it died at `point`
@@ -210,10 +200,6 @@ def test_a_master_killed_halfway_through_a_restart_is_resumed_and_the_job_finish
             assert nodes["counter-1"].incarnation == 1
         else:  # decided and stored; the resumed master launched it under a fresh incarnation
             assert ("PENDING", "PENDING") in steps and nodes["counter-1"].incarnation == 2
-    finally:
-        if master.poll() is None:
-            master.kill()
-            master.wait()
 
 
 def test_a_finished_node_keeps_its_result_until_a_master_has_stored_it(
@@ -221,8 +207,7 @@ def test_a_finished_node_keeps_its_result_until_a_master_has_stored_it(
 ) -> None:
     """The nodes finish while their master is frozen (SIGSTOP), then the master is killed: they wait
     for an acknowledgement, tell the resumed master, and nothing runs again."""
-    master, store, job_id = start_master(job_dir, child_env)
-    try:
+    with started_master(job_dir, child_env) as (master, store, job_id):
         before = {n.node_id: n.pid for n in store.nodes(job_id)}
         os.kill(master.pid, signal.SIGSTOP)
         (job_dir / RELEASE).touch()
@@ -236,18 +221,12 @@ def test_a_finished_node_keeps_its_result_until_a_master_has_stored_it(
         assert len(alive) == 3, "a node exited without an acknowledgement of its final message"
         os.kill(master.pid, signal.SIGKILL)
         master.wait(timeout=10)
-        resumed = subprocess.run(rlplex("resume", str(job_dir), env=child_env), env=child_env,
-                                 capture_output=True, text=True, timeout=60)  # fmt: skip
-        assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+        resume(job_dir, child_env)
         assert store.job(job_id).state == "STOPPED" and store.decisions(job_id) == []
         after = store.nodes(job_id)
         assert {n.node_id: n.pid for n in after} == before
         assert all(n.state == "FINISHED" and n.restarts == 0 for n in after)
         assert node_processes(job_dir) == []
-    finally:
-        if master.poll() is None:
-            master.kill()
-            master.wait()
 
 
 def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path: Path, child_env: dict[str, str]) -> None:

@@ -91,7 +91,7 @@ class SequenceCarry:
     does not continue its kept steps (a resumed run starts new episodes) has its last kept step
     marked `done`: training resets the recurrent state there and cuts returns.
 
-    The kept steps live in fixed arrays ([length - 1, B, ...] and a count): plain ones made at
+    The kept steps live in fixed arrays ([length - 1, B, ...] and their count): plain ones made at
     the first batch, or in shared memory (`create_shared`), where AsyncRl's copier processes cut
     their batches in turn through the same carry (`attach`) and the learner snapshots it."""
 
@@ -119,7 +119,7 @@ class SequenceCarry:
             "rnn_h": ((*kept, state_size), np.float32),
             "rnn_c": ((*kept, state_size), np.float32),
             "next_observation": ((batch_B, *spaces.obs_shape), obs),
-            "counts": ((2,), np.int64),  # steps kept; 1 once something is kept
+            "n_kept": ((1,), np.int64),
         }
 
     @classmethod
@@ -149,34 +149,36 @@ class SequenceCarry:
     def _kept(self) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
         """Copies of the kept steps [n, B, ...] and each environment's next observation."""
         arrays = self._arrays
-        if arrays is None or not arrays["counts"][1]:
+        n = 0 if arrays is None else int(arrays["n_kept"][0])
+        if arrays is None or not n:
             return None
-        n = int(arrays["counts"][0])
         return {name: arrays[name][:n].copy() for name in _FIELDS}, arrays["next_observation"].copy()
 
-    def _keep(self, kept: dict[str, np.ndarray] | None, next_observation: np.ndarray | None) -> None:
-        if kept is None or next_observation is None:
-            if self._arrays is not None:
-                self._arrays["counts"][:] = 0
-            return
+    def _forget(self) -> None:
+        if self._arrays is not None:
+            self._arrays["n_kept"][0] = 0
+
+    def _keep(self, kept: dict[str, np.ndarray], next_observation: np.ndarray) -> None:
         n, arrays = len(kept["reward"]), self._arrays
-        fits = arrays is not None and n <= len(arrays["reward"])
-        fits = fits and all(arrays[name].shape[1:] == kept[name].shape[1:] for name in _FIELDS)  # type: ignore[index]
-        if not fits and self._block is not None:
-            # Shared arrays keep their shape: a snapshot's steps of another number of
-            # environments are dropped, and the next sequences start afresh.
-            self._arrays["counts"][:] = 0  # type: ignore[index]
+        if not n:
+            self._forget()
             return
-        if not fits or arrays is None:  # plain arrays, shaped by the first batch (again if B changes)
+        if arrays is None or not _holds(arrays, kept):
+            if arrays is not None and self._block is not None:
+                # Shared arrays keep their shape: a snapshot's steps of another number of
+                # environments are dropped, and the next sequences start afresh.
+                self._forget()
+                return
+            # Plain arrays, shaped by the first batch (again when the number of environments changes).
             rows = max(1, self.length - 1, n)
             arrays = {name: np.zeros((rows, *kept[name].shape[1:]), kept[name].dtype) for name in _FIELDS}
             arrays["next_observation"] = np.zeros_like(next_observation)
-            arrays["counts"] = np.zeros(2, np.int64)
+            arrays["n_kept"] = np.zeros(1, np.int64)
             self._arrays = arrays
         for name in _FIELDS:
             arrays[name][:n] = kept[name]
         arrays["next_observation"][:] = next_observation
-        arrays["counts"][:] = (n, 1)
+        arrays["n_kept"][0] = n
 
     def cut(self, samples: Any, wait_check: Callable[[], None] | None = None) -> dict[str, np.ndarray]:
         columns = _columns(samples)
@@ -186,8 +188,7 @@ class SequenceCarry:
                 # (Kept steps of another number of environments, from a snapshot, are dropped: the
                 # next sequences then start afresh, as at the start of a run.)
                 kept, next_observation = previous
-                if len(kept["reward"]):
-                    kept["done"][-1] |= ~continues(next_observation, samples.observation[0])
+                kept["done"][-1] |= ~continues(next_observation, samples.observation[0])
                 columns = {name: np.concatenate([kept[name], array]) for name, array in columns.items()}
             out, next_start = _cut(columns, self.length, self.period)
             self._keep({name: array[next_start:] for name, array in columns.items()}, samples.next_observation[-1])
@@ -203,13 +204,19 @@ class SequenceCarry:
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         if not state:
             with locked(self._lock, None):
-                self._keep(None, None)
+                self._forget()
             return
         missing = sorted({*_FIELDS, "next_observation"} - set(state))
         if missing:
             raise SnapshotError(f"the R2D1 sequence carry lacks {missing}")
         with locked(self._lock, None):
             self._keep({name: np.array(state[name]) for name in _FIELDS}, np.array(state["next_observation"]))
+
+
+def _holds(arrays: dict[str, np.ndarray], kept: dict[str, np.ndarray]) -> bool:
+    """Whether `arrays` have room for `kept`'s steps, of the same number of environments."""
+    rows = len(arrays["reward"]) >= len(kept["reward"])
+    return rows and all(arrays[name].shape[1:] == kept[name].shape[1:] for name in _FIELDS)
 
 
 class SequenceReplayBuffer(SharedReplay):

@@ -470,9 +470,8 @@ class PrimeManager:
                 try:
                     slot.client = self.scheduler.client(slot.handle, record.address)
                     reported = str(slot.client.call("status", timeout_s=2.0))
-                    # A node that ended while no master ran is still delivering its final
-                    # message (its last progress, its error): that is its verdict. Judged ended
-                    # from this call, the job could stop before the message is read.
+                    # A node that ended with no master is still delivering its final message (last
+                    # progress, error): its verdict comes from there, else the job may stop first.
                     if reported not in (NodeState.FINISHED, NodeState.FAILED):
                         slot.reported = reported
                     slot.address = record.address

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TextIO
 
 from rlplex.control.job.spec import JobSpec, parse_job
 from rlplex.control.job.store import STORE_FILE
@@ -155,49 +155,64 @@ class _GracefulStop:
 
 
 class LogTail:
-    """Copies what a node's log gains from now on to `out` (the standalone trainer shows rank 0's log)."""
+    """Copies what a node's log gains from now on to `out` (the standalone trainer shows rank 0's
+    log). The log is opened once it exists and read on from where it was: a restarted node
+    appends to the same file."""
 
     def __init__(self, path: Path, out: TextIO) -> None:
         self.path, self.out = path, out
+        self._handle: BinaryIO | None = None
         # A resumed job's log holds what the last command showed already.
-        self._offset = path.stat().st_size if path.exists() else 0
+        self._skip = path.stat().st_size if path.exists() else 0
 
     def pump(self) -> None:
-        try:
-            with self.path.open("rb") as handle:
-                handle.seek(self._offset)
-                data = handle.read()
-        except OSError:
-            return  # not created yet
+        if self._handle is None:
+            try:
+                self._handle = self.path.open("rb")
+            except OSError:
+                return  # not created yet
+            self._handle.seek(self._skip)
+        data = self._handle.read()
         if data:
-            self._offset += len(data)
             self.out.write(data.decode(errors="replace"))
             self.out.flush()
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
 
 
 def open_master(spec: JobSpec, say: Callable[[str], None] = log.info) -> PrimeMaster:
     """A master for the trainer's job: a new job, or the unfinished one already in its folder when
     that one has the same spec (the last trainer command was killed: its ranks may still run,
     and resuming re-attaches to them instead of starting a second trainer on the same runs)."""
-    from rlplex.control.job.master import PrimeMaster, resumable_spec
+    from rlplex.control.job.master import PrimeMaster
 
-    if (spec.output_dir / STORE_FILE).exists():
-        try:
-            previous = resumable_spec(spec.output_dir)
-        except JobSpecError:
-            raise
-        except ConfigError:  # no job there, or it has ended
-            previous = None
-        if previous is not None:
-            if previous.model_dump(mode="json") != spec.model_dump(mode="json"):
-                raise ConfigError(
-                    f"{spec.output_dir}: an unfinished trainer job with other settings is in this folder (its ranks "
-                    f"may still run); resume it as it was with 'rlplex job resume {spec.output_dir}' (Ctrl-C there "
-                    "stops it), then start this one"
-                )
-            say(f"resuming the unfinished trainer job in {spec.output_dir}")
-            return PrimeMaster.resume(spec.output_dir)
-    return PrimeMaster.create(spec)
+    previous = _unfinished_spec(spec.output_dir)
+    if previous is None:
+        return PrimeMaster.create(spec)
+    if previous.model_dump(mode="json") != spec.model_dump(mode="json"):
+        raise ConfigError(
+            f"{spec.output_dir}: an unfinished trainer job with other settings is in this folder (its ranks "
+            f"may still run); resume it as it was with 'rlplex job resume {spec.output_dir}' (Ctrl-C there "
+            "stops it), then start this one"
+        )
+    say(f"resuming the unfinished trainer job in {spec.output_dir}")
+    return PrimeMaster.resume(spec.output_dir)
+
+
+def _unfinished_spec(output_dir: Path) -> JobSpec | None:
+    """The spec of the job in `output_dir` if one is there and has not ended."""
+    from rlplex.control.job.master import resumable_spec
+
+    if not (output_dir / STORE_FILE).exists():
+        return None
+    try:
+        return resumable_spec(output_dir)
+    except JobSpecError:
+        raise  # a stored spec that no longer loads is an error to show, not "no job"
+    except ConfigError:  # no job there, or it has ended
+        return None
 
 
 def run_trainer_job(config: TrainerConfig, world_size: int = 1, max_restarts: int = 3, out: TextIO = sys.stdout) -> int:
@@ -222,11 +237,12 @@ def run_trainer_job(config: TrainerConfig, world_size: int = 1, max_restarts: in
 
     with handle_stop_signals(stop.on_signal) as received:
         try:
-            drive(master, say, on_tick=tick)
+            drive(master, say, on_tick=tick)  # its last tick shows the log's end
         except JobFailedError as error:
-            tail.pump()
             print(f"error: {error}", file=sys.stderr)
             return 1
         except KeyboardInterrupt:
             return 128 + (received[-1] if received else signal.SIGINT)
+        finally:
+            tail.close()
     return 0  # every node finished: the job stopped itself
