@@ -25,6 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from benchmarks.common import report, tiny_checkpoint
@@ -37,6 +38,7 @@ from rlplex.multirun.rundir.peft_export import is_stable_adapter
 from rlplex.multirun.rundir.rollouts import RolloutBatch, write_rollouts
 
 NAME = "multirun_throughput"
+TRAINER_LOG = "trainer_command.log"
 SRC = Path(__file__).resolve().parents[1] / "src"
 
 
@@ -47,7 +49,7 @@ def untrained_model() -> ModelSpec:
 
 def make_batches(runs: int, steps: int, n: int, width: int) -> list[list[RolloutBatch]]:
     spec = untrained_model()
-    model = load_causal_lm(spec)
+    model = load_causal_lm(spec, torch.device("cpu"))  # the rows are made here; the trainers take the GPU
     vocab = len(load_tokenizer(spec))
     gen = torch.Generator().manual_seed(0)
     out = []
@@ -114,11 +116,24 @@ def peak_rss_mb(pid: int) -> float:
     return float("nan")
 
 
-def wait_all(paths: list[Path], procs: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+def rank_peak_rss_mb(pid: int) -> float:
+    """Peak RSS of the trainer rank under the command `pid`: the largest process of its tree.
+
+    The command runs a control-plane job (master, nodes, rank); the rank, which holds the model
+    and the runs, is what one trainer costs, as when the command was the rank itself.
+    """
+    tree = [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
+    return max(peak_rss_mb(p) for p in tree)
+
+
+def wait_all(paths: list[Path], procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout_s: float) -> None:
+    """Until every adapter in `paths` is written; a trainer that exits first fails with its log's tail."""
     deadline = time.monotonic() + timeout_s
     while not all(is_stable_adapter(p) for p in paths):
-        if any(p.poll() is not None for p in procs):
-            raise RuntimeError("a trainer process exited early")
+        ended = [(p, log) for p, log in zip(procs, logs, strict=True) if p.poll() is not None]
+        if ended:
+            (proc, log), *_ = ended
+            raise RuntimeError(f"a trainer exited early (code {proc.returncode}); {log}:\n{log.read_text()[-3000:]}")
         if time.monotonic() > deadline:
             raise RuntimeError(f"timed out waiting for {paths}")
         time.sleep(0.005)
@@ -138,19 +153,20 @@ def trainer_command(output_dir: Path, max_runs: int, threads: int, *extra: str) 
 def measure(groups: list[tuple[Path, list[RunDir]]], threads: int, steps: int, micro_tokens: int) -> dict[str, float]:
     """Start one trainer per group at once; seconds from all step_0 to all step_<steps>, and peak RSS."""
     env = process_env(threads)
-    procs = []
+    procs, logs = [], [output_dir / TRAINER_LOG for output_dir, _ in groups]
     for output_dir, runs in groups:
         command = trainer_command(output_dir, len(runs), threads, "--micro-tokens", str(micro_tokens))
         command += ["--checkpoint-every", str(10 * steps), "--model", untrained_model().name]
-        procs.append(subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        with (output_dir / TRAINER_LOG).open("wb") as log:
+            procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
     all_runs = [run for _, runs in groups for run in runs]
     try:
-        wait_all([run.broadcast_step(0) for run in all_runs], procs, 300)
+        wait_all([run.broadcast_step(0) for run in all_runs], procs, logs, 300)
         t0 = time.perf_counter()
         release(all_runs)
-        wait_all([run.broadcast_step(steps) for run in all_runs], procs, 600)
+        wait_all([run.broadcast_step(steps) for run in all_runs], procs, logs, 600)
         seconds = time.perf_counter() - t0
-        rss = [peak_rss_mb(p.pid) for p in procs]
+        rss = [rank_peak_rss_mb(p.pid) for p in procs]
         for p in procs:
             p.send_signal(signal.SIGTERM)  # the trainer's graceful stop
         for p in procs:

@@ -8,6 +8,7 @@ nccl and AsyncRl with a CUDA learner.
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -167,3 +168,32 @@ def test_async_rl_learns_on_cuda_while_its_sampler_acts_on_the_cpu(tmp_path: Pat
     result = runner.train()
     assert result.env_steps >= 600 and model_device(runner.agent.model).type == "cuda"
     assert model_device(runner.algo.critic).type == "cuda"
+
+
+@needs_cuda
+def test_multilora_on_cuda_takes_the_grouped_path_and_agrees_with_the_loop_and_the_cpu() -> None:
+    from rlplex.multirun import MultiLoRALinear
+
+    torch.manual_seed(0)
+    cpu = MultiLoRALinear(nn.Linear(64, 48), rank=16, n_adapters=4, alpha=16.0)
+    with torch.no_grad():
+        for adapter in (*cpu.lora_A, *cpu.lora_B):
+            adapter.normal_(0, 0.2)
+    gpu = copy.deepcopy(cpu).to("cuda", torch.bfloat16)
+    x, ids = torch.randn(6, 40, 64), torch.randint(-1, 4, (6, 40))
+    reference = cpu(x, ids)
+    assert gpu._grouped_enabled(torch.empty(1, 64, device="cuda", dtype=torch.bfloat16))
+    outputs, grads = [], []
+    for grouped in (None, False):  # None: the automatic choice, grouped_mm on CUDA in bf16
+        gpu.use_grouped_mm = grouped
+        for p in gpu.parameters():
+            p.grad = None
+        y = gpu(x.to("cuda", torch.bfloat16), ids.cuda())
+        y.float().square().mean().backward()
+        outputs.append(y.float().cpu())
+        grads.append([p.grad.float().cpu() for p in gpu.parameters() if p.grad is not None])
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outputs[0], reference.detach(), rtol=5e-2, atol=5e-2)  # bf16 against float32
+    assert len(grads[0]) == len(grads[1]) == 8
+    for auto_grad, loop_grad in zip(*grads, strict=True):
+        torch.testing.assert_close(auto_grad, loop_grad, rtol=2e-2, atol=2e-2 * float(loop_grad.abs().max()))

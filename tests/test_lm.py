@@ -15,6 +15,7 @@ from lm_models import random_llama, tiny_model
 from rlplex.algos.grpo import grpo_loss
 from rlplex.algos.rl_math import group_advantages
 from rlplex.errors import ConfigError, DeviceError, ModelLoadError
+from rlplex.models.device import model_device
 from rlplex.models.hf import (
     decode_completion,
     encode_prompt,
@@ -55,7 +56,7 @@ def test_tokenizer_round_trips_text_special_tokens_and_chat(spec: ModelSpec) -> 
 def test_generation_logprobs_match_rescoring(spec: ModelSpec) -> None:
     model, tokenizer = load_causal_lm(spec), load_tokenizer(spec)
     prompts = [tokenizer.encode(p) for p in ("r:abc>", "s:93142>", "1+2=")]
-    rollouts = generate(model, tokenizer, prompts, 6, 1.0, torch.Generator().manual_seed(0))
+    rollouts = generate(model, tokenizer, prompts, 6, 1.0, torch.Generator(model_device(model)).manual_seed(0))
     rescored = token_logprobs(model, rollouts.tokens_B_L, rollouts.attention_B_L)
     mask = rollouts.completion_mask_B_L
     assert mask.any()
@@ -68,7 +69,7 @@ def test_rescoring_at_the_sampling_temperature_matches_and_at_one_does_not() -> 
     spec = ModelSpec(name=str(tiny_model()))
     model, tokenizer = load_causal_lm(spec), load_tokenizer(spec)
     prompts = [tokenizer.encode(p) for p in ("r:abc>", "r:hgfe>")]
-    rollouts = generate(model, tokenizer, prompts, 6, 1.5, torch.Generator().manual_seed(0))
+    rollouts = generate(model, tokenizer, prompts, 6, 1.5, torch.Generator(model_device(model)).manual_seed(0))
     mask = rollouts.completion_mask_B_L
     at_t = token_logprobs(model, rollouts.tokens_B_L, rollouts.attention_B_L, torch.tensor([1.5, 1.5]))
     at_one = token_logprobs(model, rollouts.tokens_B_L, rollouts.attention_B_L)
@@ -180,7 +181,7 @@ def test_warmed_up_checkpoint_then_grpo_raises_reward() -> None:
     for _ in range(30):
         examples = [e for e in env.sample(16, rng) for _ in range(group)]
         rollouts = generate(model, tok, [encode_prompt(tok, e) for e in examples], env.max_new_tokens)
-        rewards = torch.tensor(env.score(examples, rollouts.completions))
+        rewards = torch.tensor(env.score(examples, rollouts.completions), device=model_device(model))
         model.train()
         for _ in range(2):
             logprobs = token_logprobs(model, rollouts.tokens_B_L, rollouts.attention_B_L)

@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from lm_models import untrained_tiny_model
+from rlplex.models.device import model_device
 from rlplex.models.hf import Tokenizer, load_causal_lm, load_tokenizer
 from rlplex.models.lm import token_logprobs
 from rlplex.models.spec import ModelSpec
@@ -61,7 +62,8 @@ def synthetic_batch(run_id: str, step: int, n: int = 6, width: int = 10, seed: i
         end = width - tail
         loss_mask[i, end - completion : end] = True
     with torch.no_grad():
-        base = token_logprobs(base_model(), tokens, attention)
+        device = model_device(base_model())  # the GPU where there is one: the trainers train there
+        base = token_logprobs(base_model(), tokens.to(device), attention.to(device)).cpu()
     noise = 0.3 * torch.randn(n, width, generator=gen)
     logprobs = torch.where(loss_mask, (base + noise).clamp(max=0.0), torch.zeros(n, width))
     return RolloutBatch(
@@ -209,5 +211,5 @@ def assert_same_weights(got: dict[str, torch.Tensor], want: dict[str, torch.Tens
     differs by up to 3.6e-5 (Adam at lr 0.01 magnifies rounding on near-zero gradients); a run that
     leaked another's gradient or state differs by orders of magnitude more."""
     assert sorted(got) == sorted(want)
-    worst = max(float((got[k] - want[k]).abs().max()) for k in want)
+    worst = max(float((got[k].cpu() - want[k].cpu()).abs().max()) for k in want)
     assert worst <= atol, f"max abs difference {worst:.3g} > {atol}"

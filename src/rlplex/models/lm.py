@@ -134,7 +134,7 @@ def token_logprobs(
         input_ids=tokens_B_L, attention_mask=attention_B_L, position_ids=_positions(attention_B_L)
     ).logits.float()
     if temperature_B is not None:
-        logits = logits / temperature_B.to(logits.dtype).clamp_min(1e-6)[:, None, None]
+        logits = logits / temperature_B.to(logits.device, logits.dtype).clamp_min(1e-6)[:, None, None]
     log_p = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens_B_L[:, 1:, None]).squeeze(-1)
     return torch.cat([torch.zeros_like(log_p[:, :1]), log_p], dim=1)
 

@@ -23,6 +23,12 @@ from rlplex.models.mlp import run_mlp
 State = tuple[torch.Tensor, torch.Tensor]  # (h, c), each [B, H]
 
 
+def _layered(h: torch.Tensor, c: torch.Tensor) -> State:
+    """(h, c) as the one-layer [1, B, H] state `nn.LSTM` takes. Contiguous: cuDNN refuses the
+    strided halves that `RecurrentActorCritic.split` cuts from the joint state."""
+    return h.unsqueeze(0).contiguous(), c.unsqueeze(0).contiguous()
+
+
 class LstmTrunk(nn.Module):
     """obs -> MLP (`hidden`, each layer followed by `activation`) -> one LSTM layer of `lstm_size`."""
 
@@ -46,7 +52,7 @@ class LstmTrunk(nn.Module):
         x = run_mlp(self.pre, obs_T_B_O)
         h, c = state
         if reset_T_B is None or not bool(reset_T_B.any()):
-            out, (h1, c1) = self.lstm(x, (h.unsqueeze(0), c.unsqueeze(0)))
+            out, (h1, c1) = self.lstm(x, _layered(h, c))
             return out, (h1[0], c1[0])
         T = x.shape[0]
         starts = torch.nonzero(reset_T_B.any(dim=1)).flatten().tolist()
@@ -55,7 +61,7 @@ class LstmTrunk(nn.Module):
         for start, stop in itertools.pairwise(bounds):
             keep = (~reset_T_B[start]).unsqueeze(-1).to(h.dtype)
             h, c = h * keep, c * keep
-            out, (h1, c1) = self.lstm(x[start:stop], (h.unsqueeze(0), c.unsqueeze(0)))
+            out, (h1, c1) = self.lstm(x[start:stop], _layered(h, c))
             outs.append(out)
             h, c = h1[0], c1[0]
         return torch.cat(outs), (h, c)

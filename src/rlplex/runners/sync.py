@@ -35,6 +35,7 @@ gloo's/NCCL's (`GLOO_SOCKET_IFNAME`/`NCCL_SOCKET_IFNAME=lo` unless set).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import socket
 import sys
@@ -77,6 +78,20 @@ def param_digest(model: nn.Module) -> str:
     return digest.hexdigest()
 
 
+def wrap_ddp(model: nn.Module, device_ids: list[torch.device] | None) -> DistributedDataParallel:
+    """`model` under DDP with its buffers synced from rank 0 once, at construction, not at every forward.
+
+    torch 2.13 says so with `forward_sync_buffers=False`. Older torch (a GPU machine's own build)
+    has only `broadcast_buffers=False`, which skips the construction sync too, so the buffers are
+    broadcast here first.
+    """
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return DistributedDataParallel(model, device_ids=device_ids, forward_sync_buffers=False)
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+
+
 class SyncRl(MinibatchRl):
     """The runner of one rank: `MinibatchRl` with DDP and episode statistics of all ranks.
 
@@ -114,7 +129,7 @@ class SyncRl(MinibatchRl):
         # every forward is a collective, and only rank 0 runs the evaluation forwards.
         super()._place_model()
         device_ids = [self.device] if self.device.type == "cuda" else None
-        self.agent.model = DistributedDataParallel(self.agent.model, device_ids=device_ids, forward_sync_buffers=False)
+        self.agent.model = wrap_ddp(self.agent.model, device_ids)
 
     def save_itr_snapshot(self, itr: int) -> Path | None:
         # Every rank's streams go into rank 0's snapshot, so each rank continues its own on resume.

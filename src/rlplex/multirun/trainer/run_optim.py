@@ -83,6 +83,8 @@ class RunOptimizers:
         scheduler = LambdaLR(optimizer, linear_decay(config.max_steps))
         self.optimizers[idx], self.schedulers[idx] = optimizer, scheduler
         self.params[idx] = params  # type: ignore[assignment]
+        if params:  # the loss sums live beside the adapters: no host sync a micro-batch on a GPU
+            self.loss_sums = self.loss_sums.to(params[0].device)
         self.run_ids[idx] = run_id
         self.loss_sums[idx] = 0.0
         self.resume_failures.pop(idx, None)
@@ -155,7 +157,7 @@ class RunOptimizers:
         self.loss_sums[idx] = 0.0
 
     def add_loss(self, row_losses: torch.Tensor, adapter_ids: torch.Tensor) -> None:
-        self.loss_sums.index_add_(0, adapter_ids, row_losses.detach().to(torch.float64))
+        self.loss_sums.index_add_(0, adapter_ids.to(row_losses.device), row_losses.detach().to(torch.float64))
 
     def all_reduce(self, idxs: list[int]) -> None:
         """Sum the gradients (and loss sums) of the runs in `idxs` over the default group."""
