@@ -21,8 +21,12 @@ _BASE: dict[int, torch.nn.Module] = {}
 
 
 def shared_model() -> ModelSpec:
-    """The runs and trainers of these tests share the untrained tiny checkpoint (no warm-up)."""
-    return ModelSpec(name=str(untrained_tiny_model()))
+    """The runs and trainers of these tests share the untrained tiny checkpoint (no warm-up).
+
+    In float32 on every device: on a GPU `auto` is bfloat16, whose rounding alone moves a run's
+    weights by 1e-2 when it shares micro-batches (measured on an H200 and in bfloat16 on the
+    CPU), which would hide the leaks the equality tests look for."""
+    return ModelSpec(name=str(untrained_tiny_model()), dtype="float32")
 
 
 def new_train_run(output_dir: Path, name: str, **overrides: object) -> RunDir:
