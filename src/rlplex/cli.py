@@ -65,6 +65,14 @@ def train(
         str | None, typer.Option(help="override runner.device: auto (CUDA when present), cpu or cuda")
     ] = None,
     progress: Annotated[bool, typer.Option(help="show a live progress line")] = True,
+    supervise: Annotated[
+        bool,
+        typer.Option(
+            help="run as a local control-plane job (<output>/train_job) that restarts the run from its newest "
+            "snapshot when it crashes or is killed"
+        ),
+    ] = False,
+    max_restarts: Annotated[int, typer.Option(min=0, help="with --supervise: restarts before the run fails")] = 3,
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
     """Train a classic RL agent with the runners (MinibatchRl, SyncRl, AsyncRl, ...)."""
@@ -79,6 +87,7 @@ def train(
                     resume,
                     overwrite,
                     progress,
+                    max_restarts if supervise else None,
                     seed=seed,
                     n_steps=n_steps,
                     schedule_steps=schedule_steps,
@@ -102,14 +111,13 @@ def _train(
     resume: bool,
     overwrite: bool,
     progress: bool,
+    supervised_restarts: int | None,
     **runner_fields: Any,
 ) -> None:
     import shutil
 
     import psutil
 
-    from rlplex.diagnostics.metrics import read_metrics_csv
-    from rlplex.diagnostics.plots import plot_learning_curves
     from rlplex.envs import probe_spaces
     from rlplex.errors import ConfigError
     from rlplex.io.safe_files import ensure_output_dir
@@ -136,11 +144,8 @@ def _train(
             target = output / name
             shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
     (output / "config.json").write_text(config.model_dump_json(indent=2))
-    runner = build_runner(config, output, show_progress=progress)
     if resume:
-        snapshot = latest_snapshot(output / "snapshots")
-        runner.resume_from(snapshot)
-        console.print(f"resuming from {snapshot}")
+        latest_snapshot(output / "snapshots")  # none there: the error says so before anything starts
     device = resolve_device(config.runner.device, "runner.device")
     console.print(
         f"training {config.env.id} with {config.algo.name} ({config.runner.kind}) on {device.type}; output in {output}"
@@ -148,7 +153,26 @@ def _train(
     advice = cpu_advice(config, spaces, device)
     if advice is not None:
         console.print(advice, highlight=False)
-    result = runner.train()
+    if supervised_restarts is not None:
+        from rlplex.runners.train_node import run_train_job
+
+        code = run_train_job(config, output, supervised_restarts)
+        if code:
+            raise typer.Exit(code)
+        _train_summary(config, output, None)
+        return
+    runner = build_runner(config, output, show_progress=progress)
+    if resume:
+        snapshot = latest_snapshot(output / "snapshots")
+        runner.resume_from(snapshot)
+        console.print(f"resuming from {snapshot}")
+    _train_summary(config, output, runner.train())
+
+
+def _train_summary(config: Any, output: Path, result: Any) -> None:
+    """The learning curve to PNG and the summary table; `result` None: read from progress.csv alone."""
+    from rlplex.diagnostics.metrics import read_metrics_csv
+    from rlplex.diagnostics.plots import plot_learning_curves
 
     rows = read_metrics_csv(output / "progress.csv") if (output / "progress.csv").exists() else []
     curves = {}
@@ -161,13 +185,18 @@ def _train(
     table = Table(title="rlplex train: summary")
     table.add_column("figure")
     table.add_column("value", justify="right")
-    table.add_row("env steps", f"{result.env_steps:,}")
-    table.add_row("wall time", f"{result.wall_time_s:.1f} s")
-    last = result.history[-1] if result.history else {}
+    if result is not None:
+        last = result.history[-1] if result.history else {}
+        env_steps, wall_time_s = result.env_steps, result.wall_time_s
+    else:  # a supervised run: its rows, written across its restarts
+        last = rows[-1] if rows else {}
+        env_steps, wall_time_s = int(last.get("step", 0)), last.get("charts/wall_time_s", 0.0)
+    table.add_row("env steps", f"{env_steps:,}")
+    table.add_row("wall time", f"{wall_time_s:.1f} s")
     for key in ("charts/eval_return_mean", "charts/online_return_mean", "charts/env_steps_per_s"):
         if key in last:
             table.add_row(key, f"{last[key]:.1f}")
-    if result.target_reached_at_steps is not None:
+    if result is not None and result.target_reached_at_steps is not None:
         table.add_row(
             "target reached at", f"{result.target_reached_at_steps:,} steps, {result.target_reached_at_s:.1f} s"
         )

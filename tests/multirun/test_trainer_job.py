@@ -135,8 +135,9 @@ def test_other_flags_on_an_unfinished_job_are_refused_naming_how_to_resume(
 ) -> None:
     """A job whose command was killed may still run its ranks: a trainer with other settings on the
     same folder would be a second trainer on the same runs."""
+    from rlplex.control.job.local_run import open_master
     from rlplex.multirun.trainer.config import TrainerConfig
-    from rlplex.multirun.trainer.job import open_master, trainer_job_spec
+    from rlplex.multirun.trainer.job import trainer_job_spec
 
     config = TrainerConfig(output_dir=tmp_path, max_runs=1, model=shared_model())
     open_master(trainer_job_spec(config)).close()  # its master gone before the job ended

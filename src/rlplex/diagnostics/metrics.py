@@ -22,7 +22,10 @@ _KEY = re.compile(r"^[a-z0-9_]+/[A-Za-z0-9_./-]+$")
 class MetricsLogger:
     """Write one row per `log(step, metrics)` to `progress.csv` and TensorBoard event files."""
 
-    def __init__(self, log_dir: str | Path, tensorboard: bool = True) -> None:
+    def __init__(self, log_dir: str | Path, tensorboard: bool = True, resumed_at: int | None = None) -> None:
+        """`resumed_at`: the step of the snapshot a resumed run continues from. Rows past it were
+        logged after that snapshot by a run that was then killed; the resumed run logs those
+        steps again, so they are dropped rather than kept twice."""
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.csv_path = self.log_dir / "progress.csv"
@@ -35,6 +38,9 @@ class MetricsLogger:
             self._writer = SummaryWriter(log_dir=str(self.log_dir / "tb"))
         if self.csv_path.exists():
             self._load_existing()
+            if resumed_at is not None and any(row["step"] > resumed_at for row in self._rows):
+                self._rows = [row for row in self._rows if row["step"] <= resumed_at]
+                self._rewrite()
 
     def _load_existing(self) -> None:
         # A resumed run appends to its own history instead of truncating it.

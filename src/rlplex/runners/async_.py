@@ -198,7 +198,8 @@ class AsyncRl:
             restore=restore,
         )
         self.algo.replay.wait_check = self.sampler.check_alive
-        self.logger = MetricsLogger(self.log_dir) if self.log_dir is not None else None
+        resumed_at = None if self._resume_state is None else self.start_env_steps
+        self.logger = MetricsLogger(self.log_dir, resumed_at=resumed_at) if self.log_dir is not None else None
 
     def shutdown(self) -> None:
         if hasattr(self, "sampler"):

@@ -117,7 +117,12 @@ class MinibatchRl:
         self.algo.initialize(self.agent, n_itr=self.schedule_itrs, world_size=self.world_size)
         if self._resume_state is not None:
             self._load_resume_state(self._resume_state)
-        self.logger = MetricsLogger(self.log_dir) if (self.log_dir is not None and self.rank == 0) else None
+        resumed_at = None if self._resume_state is None else self.start_itr * self.itr_batch_size
+        self.logger = (
+            MetricsLogger(self.log_dir, resumed_at=resumed_at)
+            if (self.log_dir is not None and self.rank == 0)
+            else None
+        )
 
     def _place_model(self) -> None:
         """Before the sampler copies the weights and the algorithm builds its optimizer."""

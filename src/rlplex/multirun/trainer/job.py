@@ -14,19 +14,17 @@ and exits 0, so the ranks and the ElasticMaster finish and the job ends FINISHED
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
+from rlplex.control.job.local_run import run_local_job
 from rlplex.control.job.spec import JobSpec, parse_job
-from rlplex.control.job.store import STORE_FILE
-from rlplex.errors import ConfigError, JobSpecError, RlplexError, WaitTimeoutError
+from rlplex.control.job.token import read_token
+from rlplex.errors import RlplexError, WaitTimeoutError
 from rlplex.multirun.trainer.config import TrainerConfig
-from rlplex.processes import handle_stop_signals
 
 if TYPE_CHECKING:
     from rlplex.control.job.master import PrimeMaster
@@ -128,8 +126,8 @@ class _GracefulStop:
     """The standalone trainer's signals: the first SIGTERM / SIGINT asks the ranks to stop
     gracefully (and again every `ASK_AGAIN_S` while they run); a second one stops the job at once."""
 
-    def __init__(self, output_dir: Path, job_id: str, token: bytes) -> None:
-        self.output_dir, self.job_id, self.token = output_dir, job_id, token
+    def __init__(self, output_dir: Path) -> None:
+        self.output_dir = output_dir
         self.signals = 0
         self._asker: threading.Thread | None = None
         self._asked_at = float("-inf")
@@ -140,7 +138,7 @@ class _GracefulStop:
             raise KeyboardInterrupt
         print(f"signal {signum}: asking the trainer to stop gracefully (again to stop at once)", file=sys.stderr)
 
-    def tick(self) -> None:
+    def tick(self, master: PrimeMaster) -> None:
         if not self.signals or time.monotonic() - self._asked_at < ASK_AGAIN_S:
             return
         if self._asker is not None and self._asker.is_alive():
@@ -149,100 +147,15 @@ class _GracefulStop:
         # taking heartbeats meanwhile.
         self._asked_at = time.monotonic()
         self._asker = threading.Thread(
-            target=ask_trainer_to_stop, args=(self.output_dir, self.job_id, self.token), daemon=True
+            target=ask_trainer_to_stop, args=(self.output_dir, master.job_id, read_token(self.output_dir)), daemon=True
         )
         self._asker.start()
-
-
-class LogTail:
-    """Copies what a node's log gains from now on to `out` (the standalone trainer shows rank 0's
-    log). The log is opened once it exists and read on from where it was: a restarted node
-    appends to the same file."""
-
-    def __init__(self, path: Path, out: TextIO) -> None:
-        self.path, self.out = path, out
-        self._handle: BinaryIO | None = None
-        # A resumed job's log holds what the last command showed already.
-        self._skip = path.stat().st_size if path.exists() else 0
-
-    def pump(self) -> None:
-        if self._handle is None:
-            try:
-                self._handle = self.path.open("rb")
-            except OSError:
-                return  # not created yet
-            self._handle.seek(self._skip)
-        data = self._handle.read()
-        if data:
-            self.out.write(data.decode(errors="replace"))
-            self.out.flush()
-
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
-
-
-def open_master(spec: JobSpec, say: Callable[[str], None] = log.info) -> PrimeMaster:
-    """A master for the trainer's job: a new job, or the unfinished one already in its folder when
-    that one has the same spec (the last trainer command was killed: its ranks may still run,
-    and resuming re-attaches to them instead of starting a second trainer on the same runs)."""
-    from rlplex.control.job.master import PrimeMaster
-
-    previous = _unfinished_spec(spec.output_dir)
-    if previous is None:
-        return PrimeMaster.create(spec)
-    if previous.model_dump(mode="json") != spec.model_dump(mode="json"):
-        raise ConfigError(
-            f"{spec.output_dir}: an unfinished trainer job with other settings is in this folder (its ranks "
-            f"may still run); resume it as it was with 'rlplex job resume {spec.output_dir}' (Ctrl-C there "
-            "stops it), then start this one"
-        )
-    say(f"resuming the unfinished trainer job in {spec.output_dir}")
-    return PrimeMaster.resume(spec.output_dir)
-
-
-def _unfinished_spec(output_dir: Path) -> JobSpec | None:
-    """The spec of the job in `output_dir` if one is there and has not ended."""
-    from rlplex.control.job.master import resumable_spec
-
-    if not (output_dir / STORE_FILE).exists():
-        return None
-    try:
-        return resumable_spec(output_dir)
-    except JobSpecError:
-        raise  # a stored spec that no longer loads is an error to show, not "no job"
-    except ConfigError:  # no job there, or it has ended
-        return None
 
 
 def run_trainer_job(config: TrainerConfig, world_size: int = 1, max_restarts: int = 3, out: TextIO = sys.stdout) -> int:
     """Run the trainer as a local control-plane job until it stops; its exit code: 0 when every
     rank ended cleanly (its steps done, idle, or stopped gracefully), 1 when the job failed
     (the cause is printed), 128 + the signal when a second signal stopped it at once."""
-    from rlplex.control.job.master import drive
-    from rlplex.control.job.token import read_token
-    from rlplex.errors import JobFailedError
-
-    def say(line: str) -> None:
-        print(line, file=out, flush=True)
-
     spec = trainer_job_spec(config, world_size, max_restarts)
-    master = open_master(spec, say)
-    stop = _GracefulStop(spec.output_dir, master.job_id, read_token(spec.output_dir))
-    tail = LogTail(spec.output_dir / "logs" / f"{TRAINER_ROLE}-0.log", out)
-
-    def tick() -> None:
-        stop.tick()
-        tail.pump()
-
-    with handle_stop_signals(stop.on_signal) as received:
-        try:
-            drive(master, say, on_tick=tick)  # its last tick shows the log's end
-        except JobFailedError as error:
-            print(f"error: {error}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt:
-            return 128 + (received[-1] if received else signal.SIGINT)
-        finally:
-            tail.close()
-    return 0  # every node finished: the job stopped itself
+    stop = _GracefulStop(spec.output_dir)
+    return run_local_job(spec, f"{TRAINER_ROLE}-0.log", out, on_signal=stop.on_signal, on_tick=stop.tick)
