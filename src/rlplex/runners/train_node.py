@@ -4,10 +4,10 @@ The job has one role, `train`, whose node builds the runner from the run's `Trai
 config crosses into the node once, as that model's JSON, and `load_job` validates it) and
 trains it to `n_steps`. Whatever the runner starts (a parallel sampler's workers, `SyncRl`'s
 ranks) is the node's children and dies with it, as with a plain `rlplex train`. What the job
-adds is the control plane's healing: a node that crashes, is SIGKILLed or hangs is restarted by
-the job's `FailurePolicy` (up to `max_restarts`) and resumes from the newest snapshot in the
-output folder, so a long run survives what would end an unsupervised one; `rlplex job status
-<output>/train_job` shows it. A rerun of the same command re-attaches to a job that a killed
+adds is the control plane's healing: a node that crashes, is SIGKILLed or stops sending its
+heartbeats is restarted by the job's `FailurePolicy` (up to `max_restarts`) and resumes from
+the newest snapshot in the output folder, so a long run survives what would end an
+unsupervised one; `rlplex job status <output>/train_job` shows it. A rerun of the same command re-attaches to a job that a killed
 command left running.
 """
 
