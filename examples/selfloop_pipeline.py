@@ -1,32 +1,33 @@
-"""The seed's worker self-loop pipeline: Source -> Tokenizer -> Sampler -> Trainer.
+"""The stages of seed 003's worker self-loop pipeline: Source -> Tokenizer -> Sampler -> Trainer.
 
-Four OS processes joined by three `LocalDataChannel`s; each stage is `run_self_loop`
-(pull, process, push, until its source is closed and drained). The source closes its sink
-when it runs out, and the close travels down the pipeline, so every stage ends by itself.
+Run them as a control-plane job: `rlplex job run examples/selfloop_job.toml` (from the
+repository's root, where `examples.selfloop_pipeline` imports). Each role is a
+`SelfLoopWorker` that pulls from one job channel, calls its stage and pushes to the next;
+the end of the input travels down the channels and the job ends by itself. Kill a stage's node
+(`rlplex job status outputs/selfloop_job` lists their pids): the job restarts it and it goes on
+with what its channel holds.
 
-    python examples/selfloop_pipeline.py --items 12 [--output consumed.json]
+Each function here takes the node's `WorkerContext` and returns the stage's `process`.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
-import multiprocessing as mp
-import os
-import sys
+import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from rlplex.control import LocalDataChannel, run_self_loop
+from rlplex.control import WorkerContext
 
 VOCAB = 1000
 WORDS = ["the", "cart", "pole", "falls", "left", "right", "agent", "learns", "slowly", "again"]
 
 
-def source(items: int, sources: int) -> Iterator[dict[str, Any]]:
+def documents(items: int, sources: int) -> Iterator[dict[str, Any]]:
     """Text documents from `sources` interleaved streams, each tagged (source, seq)."""
     for seq in range(items):
         for src in range(sources):
@@ -34,90 +35,54 @@ def source(items: int, sources: int) -> Iterator[dict[str, Any]]:
             yield {"source": src, "seq": seq, "text": " ".join(words)}
 
 
-def tokenize(doc: dict[str, Any]) -> dict[str, Any]:
-    ids = np.array([zlib.crc32(word.encode()) % VOCAB for word in doc["text"].split()], dtype=np.int32)
-    return {"source": doc["source"], "seq": doc["seq"], "tokens": ids}
+def source(context: WorkerContext) -> Callable[[], Iterator[dict[str, Any]]]:
+    """The documents, from where a restarted source left off: its cursor (in the job's folder)
+    moves on only once the stage has pushed the document, so a restart repeats at most one."""
+    settings = context.config["settings"]
+    cursor = Path(context.output_dir) / "selfloop" / context.job_id / "source.cursor"
+
+    def produce() -> Iterator[dict[str, Any]]:
+        cursor.parent.mkdir(parents=True, exist_ok=True)
+        start = int(cursor.read_text()) if cursor.exists() else 0
+        for index, doc in enumerate(documents(settings["items"], settings["sources"])):
+            if index >= start:
+                yield doc
+                cursor.write_text(str(index + 1))  # reached when the next document is asked for
+
+    return produce
 
 
-def sample(doc: dict[str, Any]) -> dict[str, Any]:
-    """A training sample: tokens padded to 8, with a mask and next-token targets."""
-    tokens = doc["tokens"][:8]
-    input_ids = np.zeros(8, dtype=np.int32)
-    input_ids[: len(tokens)] = tokens
-    mask = np.zeros(8, dtype=bool)
-    mask[: len(tokens)] = True
-    return {"source": doc["source"], "seq": doc["seq"], "input_ids": input_ids, "mask": mask}
+def tokenizer(context: WorkerContext) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    delay_s = float(context.config["settings"].get("delay_s", 0.0))
+
+    def tokenize(doc: dict[str, Any]) -> dict[str, Any]:
+        time.sleep(delay_s)  # stands for real work: lets a demo kill the node mid-stream
+        ids = np.array([zlib.crc32(word.encode()) % VOCAB for word in doc["text"].split()], dtype=np.int32)
+        return {"source": doc["source"], "seq": doc["seq"], "tokens": ids}
+
+    return tokenize
 
 
-def stage(name: str, source_name: str | None, sink_name: str | None, items: int, sources: int, log: str) -> None:
-    """One worker process: attach its channels by name and self-loop."""
-    src = LocalDataChannel.attach(source_name, timeout=10) if source_name else None
-    sink = LocalDataChannel.attach(sink_name, timeout=10) if sink_name else None
-    consumed: list[list[int]] = []
-    tokens = 0
+def sampler(context: WorkerContext) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def sample(doc: dict[str, Any]) -> dict[str, Any]:
+        """A training sample: tokens padded to 8, with a mask."""
+        tokens = doc["tokens"][:8]
+        input_ids = np.zeros(8, dtype=np.int32)
+        input_ids[: len(tokens)] = tokens
+        mask = np.zeros(8, dtype=bool)
+        mask[: len(tokens)] = True
+        return {"source": doc["source"], "seq": doc["seq"], "input_ids": input_ids, "mask": mask}
+
+    return sample
+
+
+def trainer(context: WorkerContext) -> Callable[[dict[str, Any]], None]:
+    """Consumes samples; appends each one's (source, seq, tokens) to `consumed.jsonl` in the job's folder."""
+    log = Path(context.output_dir) / "consumed.jsonl"
 
     def train(batch: dict[str, Any]) -> None:
-        nonlocal tokens
-        consumed.append([batch["source"], batch["seq"]])
-        tokens += int(batch["mask"].sum())
+        row = {"source": batch["source"], "seq": batch["seq"], "tokens": int(batch["mask"].sum())}
+        with log.open("a") as file:
+            file.write(json.dumps(row) + "\n")
 
-    if name == "source":
-        stats = run_self_loop(None, sink, lambda: source(items, sources))
-    elif name == "tokenizer":
-        stats = run_self_loop(src, sink, tokenize)
-    elif name == "sampler":
-        stats = run_self_loop(src, sink, sample)
-    else:
-        stats = run_self_loop(src, None, train)
-        with open(log, "w") as file:
-            json.dump({"consumed": consumed, "tokens": tokens}, file)
-    print(f"{name:>9}: in {stats.items_in:4d}  out {stats.items_out:4d}  ended: {stats.reason}", flush=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--items", type=int, default=12, help="documents per source stream")
-    parser.add_argument("--sources", type=int, default=2, help="interleaved source streams")
-    parser.add_argument("--capacity", type=int, default=4, help="items each channel holds before backpressure")
-    parser.add_argument("--output", default="", help="write what the trainer consumed to this JSON file")
-    args = parser.parse_args(argv)
-
-    job = f"selfloop-{os.getpid()}"
-    names = [f"{job}-docs", f"{job}-tokens", f"{job}-samples"]
-    channels = [LocalDataChannel.create(n, capacity=args.capacity, slot_bytes=64 << 10) for n in names]
-    log = args.output or f"/tmp/{job}-consumed.json"
-    wiring = [("source", None, names[0]), ("tokenizer", names[0], names[1]), ("sampler", names[1], names[2])]
-    wiring.append(("trainer", names[2], None))
-    context = mp.get_context("spawn")
-    procs = [
-        context.Process(target=stage, args=(stage_name, src, dst, args.items, args.sources, log), name=stage_name)
-        for stage_name, src, dst in wiring
-    ]
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(timeout=120)
-            if proc.exitcode != 0:
-                print(f"stage {proc.name} failed (exit code {proc.exitcode})", file=sys.stderr)
-                return 1
-    finally:
-        for proc in procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join(10)
-        for channel in channels:
-            channel.unlink()
-            channel.detach()
-    with open(log) as file:
-        result = json.load(file)
-    print(f"trainer consumed {len(result['consumed'])} samples, {result['tokens']} tokens:")
-    for src in range(args.sources):
-        print(f"  source {src}: seq {[seq for s, seq in result['consumed'] if s == src]}")
-    if not args.output:
-        os.unlink(log)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return train

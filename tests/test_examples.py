@@ -1,11 +1,11 @@
 """Every example in examples/ runs (with a tiny budget) or at least loads, and the CLI's help
 and user errors behave as the README says.
 
-The self-loop pipeline example (examples/selfloop_pipeline.py) is run end to end by
-tests/control/test_channel_selfloop.py; the main job (examples/multirun_demo.toml) is run end
-to end, with its own tiny config, by tests/mainjob/test_main_job_e2e.py. Here those two are
-only loaded and asked for --help. Every command README.md shows is run as written (tiny
-budgets) by tests/test_readme_commands.py.
+The self-loop pipeline job (examples/selfloop_job.toml, its stages in
+examples/selfloop_pipeline.py) is run end to end by tests/control/test_channel_selfloop.py; the
+main job (examples/multirun_demo.toml) is run end to end, with its own tiny config, by
+tests/mainjob/test_main_job_e2e.py. Here those two are only loaded. Every command README.md
+shows is run as written (tiny budgets) by tests/test_readme_commands.py.
 """
 
 from __future__ import annotations
@@ -187,6 +187,7 @@ LOADERS: dict[str, tuple[str, Callable[[Path], Any]]] = {  # file: (kind for the
     "pong_ppo.toml": ("train", load_train_config),
     "job_noop.toml": ("job", _load_job),  # rlplex job run
     "elastic_job.toml": ("job", _load_job),
+    "selfloop_job.toml": ("job", _load_job),
     "multirun_demo.toml": ("main", load_main_job),  # rlplex run (checks every run's orchestrator config too)
     "multirun_orch.toml": ("orch", read_orch_config),  # rlplex runs add --config, or an orchestrator's orch.toml
     "models/qwen2.5-0.5b.toml": ("main", load_main_job),  # a real model on a GPU box

@@ -49,6 +49,8 @@ NOOP_JOB = [
     "rlplex job resume outputs/job_noop",
 ]
 ELASTIC_JOB = ["rlplex job run examples/elastic_job.toml"]
+SELFLOOP_JOB = ["rlplex job run examples/selfloop_job.toml"]
+SUPERVISED = ["rlplex train examples/cartpole_ppo.toml --output outputs/cp_supervised --supervise"]
 MAIN_JOB = [
     "rlplex run examples/multirun_demo.toml",
     "rlplex status outputs/multirun-demo",
@@ -58,7 +60,7 @@ MAIN_JOB = [
     "rlplex resume outputs/multirun-demo",
     "rlplex run examples/multirun_demo.toml --continue",
 ]
-RUN = CARTPOLE + NOOP_JOB + ELASTIC_JOB + MAIN_JOB
+RUN = CARTPOLE + SUPERVISED + NOOP_JOB + ELASTIC_JOB + SELFLOOP_JOB + MAIN_JOB
 SKIPPED = {
     "make demo": "the full demo (minutes); CI runs it, and MAIN_JOB here runs its job with tiny budgets",
     "make test": "this test suite itself",
@@ -240,6 +242,25 @@ def test_classic_rl_commands(copy: Path) -> None:
     assert "resuming from" in ok(resumed, copy)
     rows = read_progress_rows(copy / "outputs" / "cp" / "progress.csv")
     assert [row["charts/env_steps"] for row in rows] == [256, 512]  # continued, not restarted
+
+
+def test_supervised_train_command(copy: Path) -> None:
+    out = copy / "outputs" / "cp_supervised"
+    try:
+        shown = ok(SUPERVISED[0], copy, timeout=180)
+        assert "every node finished" in shown and (out / "learning_curve.png").is_file(), shown
+        assert read_progress_rows(out / "progress.csv")[-1]["charts/env_steps"] == 256  # the cut target
+    finally:
+        assert reap(out / "train_job") == []
+
+
+def test_selfloop_job_command(copy: Path) -> None:
+    out = copy / "outputs" / "selfloop_job"
+    try:
+        ok(SELFLOOP_JOB[0], copy, timeout=180)
+        assert len((out / "consumed.jsonl").read_text().splitlines()) == 24  # 12 documents of 2 sources
+    finally:
+        assert reap(out) == []
 
 
 def test_control_plane_job_commands(copy: Path, background: list[Background]) -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,24 @@ def wait_for_stop(config: WaiterConfig) -> int:
     stopped = stop_event().wait(config.seconds)
     config.out.write_text("stopped" if stopped else "timed out")
     return 0
+
+
+# ----- self-loop stages (SelfLoopWorker's `stage` functions) ------------------------------------
+def numbers(context: WorkerContext) -> Callable[[], Iterator[int]]:
+    items = int(context.config["settings"]["items"])
+    return lambda: iter(range(items))
+
+
+def doubled(context: WorkerContext) -> Callable[[int], int]:
+    return lambda x: 2 * x
+
+
+def collected(context: WorkerContext) -> Callable[[int], None]:
+    """Appends each item to `collected.txt` in the job's folder."""
+    path = Path(context.output_dir) / "collected.txt"
+
+    def take(item: int) -> None:
+        with path.open("a") as file:
+            file.write(f"{item}\n")
+
+    return take

@@ -1,11 +1,9 @@
-"""The worker self-loop over DataChannels, and the seed's Source -> Tokenizer -> Sampler -> Trainer example."""
+"""The worker self-loop over DataChannels, and the seed's Source -> Tokenizer -> Sampler -> Trainer job."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
+import signal
 import threading
 import uuid
 from collections.abc import Iterator
@@ -13,7 +11,18 @@ from pathlib import Path
 
 import pytest
 
-from rlplex.control import ChannelClosedError, LocalDataChannel, SelfLoopStats, run_self_loop
+from node_helpers import node_processes, wait_for
+from rlplex.control import (
+    ChannelClosedError,
+    JobSpec,
+    JobState,
+    LocalDataChannel,
+    PrimeMaster,
+    SelfLoopStats,
+    load_job,
+    parse_job,
+    run_self_loop,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,30 +34,59 @@ def name() -> Iterator[str]:
     LocalDataChannel.cleanup(name)
 
 
-def shm_pipeline_files() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("rlplex-ch-selfloop-*")}
+def selfloop_job(out: Path, items: int, sources: int, delay_s: float = 0.0) -> JobSpec:
+    """examples/selfloop_job.toml in `out`, with this many documents, channels of 2 items."""
+    data = load_job(ROOT / "examples" / "selfloop_job.toml").model_dump(mode="json")
+    data["output_dir"] = str(out)
+    data["roles"]["source"]["config"]["settings"] = {"items": items, "sources": sources}
+    data["roles"]["tokenizer"]["config"]["settings"] = {"delay_s": delay_s}
+    for role in data["roles"].values():
+        role["config"]["capacity"] = 2
+    return parse_job(data, source="a test")
 
 
-def test_example_pipeline_delivers_every_item_once_in_order(tmp_path: Path) -> None:
-    before = shm_pipeline_files()
-    output = tmp_path / "consumed.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    command = [sys.executable, "examples/selfloop_pipeline.py", "--items", "15", "--sources", "3"]
-    done = subprocess.run(
-        [*command, "--capacity", "2", "--output", str(output)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    consumed = [tuple(pair) for pair in json.loads(output.read_text())["consumed"]]
-    assert sorted(consumed) == [(src, seq) for src in range(3) for seq in range(15)]  # each exactly once
+def consumed(out: Path) -> list[tuple[int, int]]:
+    path = out / "consumed.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [(row["source"], row["seq"]) for row in map(json.loads, lines)]
+
+
+@pytest.fixture
+def at_the_root(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(ROOT)  # the nodes import the stages as examples.selfloop_pipeline
+
+
+@pytest.mark.usefixtures("at_the_root")
+def test_the_example_job_delivers_every_item_once_in_order_and_removes_its_channels(job_dir: Path) -> None:
+    with PrimeMaster.create(selfloop_job(job_dir, items=15, sources=3)) as master:
+        master.start()
+        assert master.wait(timeout=120) == JobState.STOPPED, master.cause
+        assert master.cause == "every node finished"
+    items = consumed(job_dir)
+    assert sorted(items) == [(src, seq) for src in range(3) for seq in range(15)]  # each exactly once
     for src in range(3):
-        assert [seq for s, seq in consumed if s == src] == list(range(15)), f"source {src} out of order"
-    assert "trainer consumed 45 samples" in done.stdout
-    assert shm_pipeline_files() == before, "the example left shared memory behind"
+        assert [seq for s, seq in items if s == src] == list(range(15)), f"source {src} out of order"
+    assert sorted(Path("/dev/shm").glob(f"rlplex-ch-{master.job_id}*")) == []
+
+
+@pytest.mark.usefixtures("at_the_root")
+def test_a_stage_killed_mid_stream_is_restarted_and_the_pipeline_goes_on(job_dir: Path) -> None:
+    """SIGKILL the tokenizer's node while items flow: the job restarts it, it attaches to the
+    channels again, and the pipeline ends with no item twice or out of order, and at most the
+    one item the killed node held lost."""
+    with PrimeMaster.create(selfloop_job(job_dir, items=60, sources=2, delay_s=0.02)) as master:
+        master.start()
+        wait_for(lambda: len(consumed(job_dir)) >= 10, 60, "ten items through the pipeline")
+        (tokenizer,) = [p for p in node_processes(job_dir) if "tokenizer-0" in p.cmdline()]
+        tokenizer.send_signal(signal.SIGKILL)
+        assert master.wait(timeout=120) == JobState.STOPPED, master.cause
+        restarts = {node.node_id: node.incarnation for node in master.store.nodes(master.job_id)}
+    assert restarts["tokenizer-0"] == 1, restarts
+    items = consumed(job_dir)
+    assert len(items) == len(set(items)) >= 119, items  # of 120: none twice, at most one lost
+    for src in range(2):
+        seqs = [seq for s, seq in items if s == src]
+        assert seqs == sorted(seqs), f"source {src} out of order: {seqs}"
 
 
 def test_stage_stops_on_request_and_closes_its_sink(name: str) -> None:

@@ -329,3 +329,31 @@ def test_cli_resume_of_a_ray_job_runs_the_new_master_as_an_actor(
             cli.wait(10)
         handle.close()
         store.close()
+
+
+def test_a_self_loop_job_on_ray_passes_items_through_ray_channels_and_removes_them(job_dir: Path) -> None:
+    """Seed 003's self-loop on the Ray backend: the stages' channels are RayDataChannels (detached
+    actors the job's end destroys: the fixture finds no actor of ours left)."""
+    spec = (
+        JobBuilder("rayloop", job_dir, backend="ray", capacity={"cpu": 2}, heartbeat_interval_s=0.1)
+        .role("produce", entrypoint="rlplex.control:SelfLoopWorker", resources={"cpu": 0.3},
+              config={"stage": "control_workers:numbers", "sink": "n", "capacity": 4, "settings": {"items": 30}})
+        .role("double", entrypoint="rlplex.control:SelfLoopWorker", resources={"cpu": 0.3},
+              config={"stage": "control_workers:doubled", "source": "n", "sink": "d", "capacity": 4})
+        .role("collect", entrypoint="rlplex.control:SelfLoopWorker", resources={"cpu": 0.3},
+              config={"stage": "control_workers:collected", "source": "d", "capacity": 4})
+        .build()
+    )  # fmt: skip
+
+    def channels() -> list[str]:
+        return [
+            e["name"] for e in ray.util.list_named_actors(all_namespaces=True) if e["name"].startswith("rlplex-ch-")
+        ]
+
+    with PrimeMaster.create(spec) as master:
+        master.start()
+        assert wait_for(lambda: len(channels()) == 2, 60, "the job's two channel actors")
+        assert master.wait(timeout=120) == JobState.STOPPED, master.cause
+        assert master.cause == "every node finished"
+    assert [int(line) for line in (job_dir / "collected.txt").read_text().split()] == [2 * i for i in range(30)]
+    assert channels() == []

@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from rlplex.control.channels.local import LocalDataChannel
     from rlplex.control.channels.ray import RayDataChannel
     from rlplex.control.channels.selfloop import SelfLoopStats, run_self_loop
+    from rlplex.control.channels.stage import SelfLoopWorker
     from rlplex.control.elastic.master import ElasticMaster, ElasticWorker
     from rlplex.control.elastic.rdzv import RendezvousError, RendezvousState
     from rlplex.control.job.health import (
@@ -78,6 +79,7 @@ _WHERE = {
     "RendezvousError": "elastic.rdzv",
     "RendezvousState": "elastic.rdzv",
     "SelfLoopStats": "channels.selfloop",
+    "SelfLoopWorker": "channels.stage",
     "run_self_loop": "channels.selfloop",
     "Action": "job.health",
     "Decision": "job.health",
@@ -163,6 +165,7 @@ __all__ = [
     "RoleStatus",
     "Scheduler",
     "SelfLoopStats",
+    "SelfLoopWorker",
     "SqliteStateStore",
     "StateMachine",
     "StateStore",

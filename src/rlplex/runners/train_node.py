@@ -7,8 +7,8 @@ ranks) is the node's children and dies with it, as with a plain `rlplex train`. 
 adds is the control plane's healing: a node that crashes, is SIGKILLed or stops sending its
 heartbeats is restarted by the job's `FailurePolicy` (up to `max_restarts`) and resumes from
 the newest snapshot in the output folder, so a long run survives what would end an
-unsupervised one; `rlplex job status <output>/train_job` shows it. A rerun of the same command re-attaches to a job that a killed
-command left running.
+unsupervised one; `rlplex job status <output>/train_job` shows it. A rerun of the same
+command re-attaches to a job that a killed command left running.
 """
 
 from __future__ import annotations

@@ -108,8 +108,8 @@ class LocalDataChannel:
         try:
             fd = create_reserved(path, ring_size(capacity, slot_bytes))
         except FileExistsError:
-            if exist_ok:
-                return cls.attach(name)
+            if exist_ok:  # another process creates it: wait for it to be formatted
+                return cls.attach(name, timeout=10.0)
             raise ChannelError(f"channel {name!r} already exists at {path}") from None
         except OSError as error:
             raise ChannelError(f"channel {name!r}: cannot reserve {capacity} x {slot_bytes} bytes: {error}") from error

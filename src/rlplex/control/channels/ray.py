@@ -29,7 +29,7 @@ import numpy as np
 
 from rlplex.control.channels.base import ChannelClosedError, ChannelError, ChannelTimeoutError, validate_channel_name
 
-__all__ = ["RayDataChannel"]
+__all__ = ["RayDataChannel", "destroy_channels"]
 
 ACTOR_PREFIX = "rlplex-ch-"
 # A client waits on the actor's own timeout plus this much before deciding the actor is stuck.
@@ -259,3 +259,17 @@ class RayDataChannel:
 
     def get(self, timeout: float | None = None) -> Any:
         return self.get_batch(1, timeout)[0]
+
+
+def destroy_channels(prefix: str) -> None:
+    """Kill every channel actor whose channel name starts with `prefix` (a job's, at its end)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    for name in ray.util.list_named_actors():
+        if isinstance(name, str) and name.startswith(ACTOR_PREFIX + prefix):
+            try:
+                ray.kill(ray.get_actor(name))
+            except ValueError:  # gone meanwhile
+                pass

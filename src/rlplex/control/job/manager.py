@@ -196,15 +196,10 @@ class PrimeManager:
         self._log_file.close()
 
     def _remove_channels(self) -> None:
-        """The job's channels (`WorkerContext.channel_name`) outlive every node by design; not the job.
-        Those of this machine: a `LocalDataChannel` serves processes of one machine."""
-        from rlplex.control.channels.local import LocalDataChannel
-        from rlplex.control.node.worker import job_channel_prefix
+        """The job's channels (`WorkerContext.channel_name`) outlive every node by design; not the job."""
+        from rlplex.control.channels.stage import remove_job_channels
 
-        try:
-            LocalDataChannel.cleanup(prefix=job_channel_prefix(self.job_id))
-        except OSError as error:
-            logger.warning("job %s: could not remove its channels: %s", self.job_id, error)
+        remove_job_channels(self.job_id, on_ray=self.spec.backend == "ray")
 
     # ---- node steps ---------------------------------------------------------------------------
     def _drain(self) -> None:
