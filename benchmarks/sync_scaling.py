@@ -25,8 +25,7 @@ def config(kind: str, n_steps: int, world_size: int) -> TrainConfig:
         {
             "env": {"id": "CartPole-v1"},
             "sampler": ZOO_CARTPOLE_PPO["sampler"],
-            # The closed-form gradients need an unwrapped model: MinibatchRl only, not DDP's SyncRl.
-            "algo": {"name": "ppo", **ZOO_CARTPOLE_PPO["algo"], "closed_form_gradients": kind == "minibatch"},
+            "algo": {"name": "ppo", **ZOO_CARTPOLE_PPO["algo"]},
             "runner": {
                 "kind": kind,
                 "n_steps": n_steps,

@@ -143,8 +143,6 @@ def test_agents_refuse_observations_they_cannot_read() -> None:
     with pytest.raises(ConfigError, match=r"field 'agent.encoder': PPO's agent with a CNN encoder needs image "
                                           r"observations.*Box\(shape=\(4,\), dtype=float32\)"):  # fmt: skip
         build_runner(cnn_cartpole, None, show_progress=False)
-    with pytest.raises(ConfigError, match=r"closed_form_gradients: .* through a NatureCnn encoder"):
-        PPO(PPOConfig(closed_form_gradients=True)).initialize(CategoricalPgAgent(IMAGE), n_itr=1)
     sac_on_images = validate_config(
         TrainConfig, {"env": {"id": "Pendulum-v1"}, "agent": {"encoder": "cnn"}, "algo": {"name": "sac"}}
     )

@@ -146,7 +146,6 @@ def test_sync_ranks_train_on_their_gpus(backend: str, tmp_path: Path) -> None:
     world = min(2, torch.cuda.device_count()) if backend == "nccl" else 2  # nccl: one rank a GPU
     config = example(
         "cartpole_ppo.toml",
-        algo={"closed_form_gradients": False},  # the written-out backward takes no DDP-wrapped model
         runner={"kind": "sync", "backend": backend, "device": "cuda", "world_size": world, "n_steps": 1024,
                 "log_interval_steps": 512, "stop_at_return": None},
     )  # fmt: skip

@@ -7,9 +7,9 @@ import torch
 from rlplex.agents.pg import CategoricalPgAgent, GaussianPgAgent, PgAgent
 from rlplex.algos.pg_batch import clip_grad_norm
 from rlplex.algos.ppo import PPO, PPOConfig
-from rlplex.algos.ppo_closed_form import ClosedFormGradients
+from rlplex.algos.rl_math import clipped_surrogate
 from rlplex.envs import EnvConfig, probe_spaces
-from rlplex.errors import ConfigError, RlplexError
+from rlplex.errors import RlplexError
 from rlplex.models import ActorCriticMlp, QMlp
 from rlplex.samplers.batch import SampleBatch, allocate_batch
 
@@ -92,7 +92,9 @@ def _layer_args(layer: torch.nn.Module) -> tuple[int, ...]:
 
 
 @pytest.mark.parametrize("env_id", ["CartPole-v1", "Pendulum-v1"])
-def test_closed_form_gradients_equal_plain_autograd_on_independent_layers(env_id: str) -> None:
+def test_ppo_gradients_equal_plain_autograd_on_independent_layers(env_id: str) -> None:
+    """PPO's minibatch loss as `PPO.optimize_agent` builds it (the agent's `evaluate_batch`,
+    `rl_math.clipped_surrogate`) against the same loss written with torch.distributions."""
     spaces = probe_spaces(EnvConfig(id=env_id))
     torch.manual_seed(0)
     agent: PgAgent = CategoricalPgAgent(spaces) if env_id == "CartPole-v1" else GaussianPgAgent(spaces)
@@ -110,8 +112,10 @@ def test_closed_form_gradients_equal_plain_autograd_on_independent_layers(env_id
     }
     cfg = PPOConfig(value_coef=0.7, entropy_coef=0.05)
     clip = 0.2
-    closed = ClosedFormGradients(agent)
-    _, _, _, surrogate = closed(mb["obs"], mb["action"], mb["old_log_prob"], mb["adv"], mb["ret"], clip, 0.7, 0.05)
+    log_prob, entropy, value = agent.evaluate_batch({"observation": mb["obs"], "action": mb["action"]})
+    surrogate = clipped_surrogate(log_prob, mb["old_log_prob"], mb["adv"], clip)
+    value_loss = 0.5 * (value - mb["ret"]).pow(2).mean()
+    (surrogate.loss.mean() + cfg.value_coef * value_loss - cfg.entropy_coef * entropy.mean()).backward()
     assert 0 < float(((surrogate.ratio - 1).abs() > clip).float().mean()) < 1, "both branches of the clip"
     model = agent.model
     ours = [*(p.grad for p in model.pi.parameters()), *(p.grad for p in model.v.parameters())]
@@ -124,55 +128,16 @@ def test_closed_form_gradients_equal_plain_autograd_on_independent_layers(env_id
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("minibatch_size", [64, 256])
-def test_ppo_update_is_the_same_with_and_without_closed_form_gradients(minibatch_size: int) -> None:
-    """The switch changes how the gradients are taken, not the update (rounding aside)."""
-    spaces = probe_spaces(EnvConfig(id="CartPole-v1"))
-    results = []
-    for closed_form in (True, False):
-        torch.manual_seed(0)
-        agent = CategoricalPgAgent(spaces)
-        batch = _random_batch(agent, 32, 8, seed=1)
-        config = PPOConfig(
-            n_epochs=4, minibatch_size=minibatch_size, entropy_coef=0.05, closed_form_gradients=closed_form
-        )
-        algo = PPO(config)
-        algo.initialize(agent, n_itr=10)
-        assert (algo.closed_form is not None) == closed_form
-        torch.manual_seed(2)  # the same minibatch order for both
-        info = algo.optimize_agent(0, batch)
-        results.append((info, {k: v.clone() for k, v in agent.model.state_dict().items()}))
-    (closed_info, closed_state), (auto_info, auto_state) = results
-    assert closed_info["losses/clipfrac"] > 0, "the batch should exercise the clipped branch"
-    for key, value in closed_state.items():
-        np.testing.assert_allclose(value, auto_state[key], rtol=0, atol=2e-6, err_msg=key)
-    for key, value in closed_info.items():
-        assert value == pytest.approx(auto_info[key], abs=1e-5), key
-
-
 @pytest.mark.parametrize(("layer", "name"), [(torch.nn.ReLU(), "ReLU"), (torch.nn.LayerNorm(64), "LayerNorm")])
-def test_closed_form_gradients_refuse_other_layers_and_autograd_trains_them(layer: torch.nn.Module, name: str) -> None:
+def test_ppo_trains_any_layer_of_the_policy(layer: torch.nn.Module, name: str) -> None:
     spaces = probe_spaces(EnvConfig(id="CartPole-v1"))
     agent = CategoricalPgAgent(spaces)
     agent.model.pi[1] = layer
-    with pytest.raises(ConfigError, match=rf"model\.pi\[1\] is {name}.*closed_form_gradients = false"):
-        PPO(PPOConfig(closed_form_gradients=True)).initialize(agent, n_itr=10)
     algo = PPO(PPOConfig(n_epochs=1, minibatch_size=32))
     algo.initialize(agent, n_itr=10)
     before = agent.model.pi[0].weight.detach().clone()
-    assert np.isfinite(algo.optimize_agent(0, _random_batch(agent, 8, 4, seed=0))["losses/policy"])
+    assert np.isfinite(algo.optimize_agent(0, _random_batch(agent, 8, 4, seed=0))["losses/policy"]), name
     assert not torch.equal(agent.model.pi[0].weight, before)
-
-
-def test_closed_form_gradients_refuse_a_custom_model() -> None:
-    agent = CategoricalPgAgent(probe_spaces(EnvConfig(id="CartPole-v1")))
-
-    class Custom(ActorCriticMlp):
-        pass
-
-    agent.model = Custom(4, 2)
-    with pytest.raises(ConfigError, match="unwrapped ActorCriticMlp, got Custom"):
-        PPO(PPOConfig(closed_form_gradients=True)).initialize(agent, n_itr=10)
 
 
 def test_categorical_agent_samples_actions_with_the_policy_probabilities() -> None:

@@ -89,3 +89,29 @@ def test_a_resumed_log_drops_the_rows_logged_after_its_snapshot(tmp_path: Path) 
         (200, 200.0),
         (300, 301.0),
     ]
+
+
+def test_sigterm_stops_the_job_and_the_same_command_with_resume_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    command = [str(RLPLEX), "train", str(supervised_config(tmp_path)), "--supervise", "--output", str(out)]
+    log_path = tmp_path / "first.log"
+    with log_path.open("wb") as log:
+        process = subprocess.Popen([*command, "--n-steps", str(N_STEPS)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_for(lambda: any((out / "snapshots").glob("itr_*/state.json")), 120, "the run's first snapshot")
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 128 + signal.SIGTERM
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    assert "continue with --resume" in log_path.read_text()
+    assert psutil.wait_procs(job_processes(out.resolve()), timeout=10)[1] == []  # nothing left running
+    stopped_at = int(read_metrics_csv(out / "progress.csv")[-1]["step"])
+    assert stopped_at < N_STEPS
+    done = subprocess.run(
+        [*command, "--resume", "--n-steps", str(N_STEPS)], capture_output=True, text=True, timeout=240
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    steps = [int(row["step"]) for row in read_metrics_csv(out / "progress.csv")]
+    assert steps == list(range(2048, N_STEPS + 1, 2048)), steps  # on from the snapshot, each step once

@@ -157,6 +157,8 @@ def _train(
         from rlplex.runners.train_node import run_train_job
 
         code = run_train_job(config, output, supervised_restarts)
+        if code >= 128:
+            console.print(f"stopped by {signal.Signals(code - 128).name}; continue with --resume", highlight=False)
         if code:
             raise typer.Exit(code)
         _train_summary(config, output, None)

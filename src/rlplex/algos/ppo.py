@@ -5,8 +5,7 @@ Reads top to bottom, as CleanRL's ppo.py: the schedules, GAE advantages and retu
 `n_epochs` passes of shuffled minibatches, each one autograd step on
 mean(clipped surrogate) + value_coef * value loss - entropy_coef * entropy. The surrogate,
 GAE and the ratio statistics are `rlplex.algos.rl_math`'s, shared with A2C, GRPO and the
-multi-run trainer. `closed_form_gradients` (off by default) swaps the autograd step for the
-written-out backward of `rlplex.algos.ppo_closed_form`, for tanh MLPs only.
+multi-run trainer.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from pydantic import Field
 from rlplex.agents.pg import PgAgent
 from rlplex.algos.optim_state import adam, load_named_optimizer_state, named_optimizer_state
 from rlplex.algos.pg_batch import advantages_and_returns, clip_grad_norm
-from rlplex.algos.ppo_closed_form import ClosedFormGradients
 from rlplex.algos.rl_math import clipped_surrogate, ratio_stats
 from rlplex.config import StrictModel
 from rlplex.errors import RlplexError
@@ -41,11 +39,6 @@ class PPOConfig(StrictModel):
     max_grad_norm: float = Field(0.5, gt=0)
     normalize_advantage: bool = True
     target_kl: float | None = Field(None, gt=0, description="stop the epochs early past this approximate KL")
-    closed_form_gradients: bool = Field(
-        False,
-        description="gradients by the written-out backward of rlplex.algos.ppo_closed_form instead of autograd: "
-        "about half the update time of a small tanh MLP; only rlplex's own unwrapped tanh actor-critic MLPs",
-    )
 
 
 class PPO:
@@ -54,7 +47,6 @@ class PPO:
         self.agent: PgAgent | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.params: list[torch.nn.Parameter] = []
-        self.closed_form: ClosedFormGradients | None = None
         self.n_itr = 1
         self.update_count = 0
 
@@ -64,7 +56,6 @@ class PPO:
         self.agent = agent
         self.n_itr = max(1, n_itr)
         self.params = [p for p in agent.model.parameters() if p.requires_grad]
-        self.closed_form = ClosedFormGradients(agent) if self.config.closed_form_gradients else None
         self.optimizer = adam(self.params, lr=self.config.learning_rate, eps=1e-5)
 
     def _fraction_left(self, itr: int) -> float:
@@ -124,21 +115,15 @@ class PPO:
                 mb_log_prob, mb_adv, mb_ret = minibatch["old_log_prob"], minibatch["advantage"], minibatch["returns"]
 
                 self.optimizer.zero_grad(set_to_none=True)
-                if self.closed_form is not None:
-                    policy_loss, value_loss, entropy, surrogate = self.closed_form(
-                        minibatch["observation"], minibatch["action"], mb_log_prob, mb_adv, mb_ret, clip,
-                        cfg.value_coef, cfg.entropy_coef,
-                    )  # fmt: skip
-                else:
-                    log_prob, entropy_B, value = agent.evaluate_batch(minibatch)
-                    surrogate = clipped_surrogate(log_prob, mb_log_prob, mb_adv, clip)
-                    policy_loss = surrogate.loss.mean()
-                    value_loss = 0.5 * (value - mb_ret).pow(2).mean()
-                    entropy = entropy_B.mean()
-                    loss = policy_loss + cfg.value_coef * value_loss
-                    if cfg.entropy_coef != 0.0:  # a zero-weighted term would still cost its backward pass
-                        loss = loss - cfg.entropy_coef * entropy
-                    loss.backward()
+                log_prob, entropy_B, value = agent.evaluate_batch(minibatch)
+                surrogate = clipped_surrogate(log_prob, mb_log_prob, mb_adv, clip)
+                policy_loss = surrogate.loss.mean()
+                value_loss = 0.5 * (value - mb_ret).pow(2).mean()
+                entropy = entropy_B.mean()
+                loss = policy_loss + cfg.value_coef * value_loss
+                if cfg.entropy_coef != 0.0:  # a zero-weighted term would still cost its backward pass
+                    loss = loss - cfg.entropy_coef * entropy
+                loss.backward()
                 clip_grad_norm(self.params, cfg.max_grad_norm)
                 self.optimizer.step()
                 self.update_count += 1
