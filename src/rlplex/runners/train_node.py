@@ -23,7 +23,7 @@ from pydantic import Field
 from rlplex.config import StrictModel
 from rlplex.control.job.local_run import run_local_job
 from rlplex.control.job.spec import JobSpec, parse_job
-from rlplex.control.node.worker import WorkerContext, WorkerLoad
+from rlplex.control.node.worker import WorkerLoad
 from rlplex.runners.config import TrainConfig
 
 log = logging.getLogger(__name__)
@@ -42,16 +42,13 @@ class TrainNodeConfig(StrictModel):
 class TrainNode(WorkerLoad):
     config_model = TrainNodeConfig
 
-    def __init__(self, context: WorkerContext) -> None:
-        super().__init__(context)
-        self.config = TrainNodeConfig.model_validate(context.config)
-
     def run(self) -> None:
         from rlplex.io.snapshot import list_snapshots
         from rlplex.runners.config import build_runner
 
-        output = Path(self.config.output)
-        runner = build_runner(self.config.train, output)  # in a log, a plain progress line every 10 s
+        config = TrainNodeConfig.model_validate(self.context.config)
+        output = Path(config.output)
+        runner = build_runner(config.train, output)  # in a log, a plain progress line every 10 s
         snapshots = list_snapshots(output / "snapshots")
         if snapshots:  # a restart, or a run continued with --resume: on from the newest snapshot
             newest = snapshots[-1][1]
