@@ -14,6 +14,7 @@ import pytest
 from node_helpers import node_processes, wait_for
 from rlplex.control import (
     ChannelClosedError,
+    JobBuilder,
     JobSpec,
     JobState,
     LocalDataChannel,
@@ -121,3 +122,26 @@ def test_stage_ends_when_source_drained_and_when_sink_closed(name: str) -> None:
     closed_downstream.close()
     stats = run_self_loop(None, closed_downstream, lambda: iter(range(10)))
     assert stats.reason == "sink_closed" and stats.items_out == 0
+
+
+def test_a_stage_of_several_nodes_shares_its_channels_and_closes_its_sink_once_all_drained(job_dir: Path) -> None:
+    """Two doubler nodes pull from one channel: every item is doubled exactly once, and the
+    collector ends only when both have drained (the sink is closed by the last of them)."""
+    spec = (
+        JobBuilder("pair", job_dir, capacity={"cpu": 2}, heartbeat_interval_s=0.2)
+        .role("produce", entrypoint="rlplex.control:SelfLoopWorker", resources={"cpu": 0.2},
+              config={"stage": "control_workers:numbers", "sink": "n", "capacity": 2, "settings": {"items": 200}})
+        .role("double", entrypoint="rlplex.control:SelfLoopWorker", count=2, resources={"cpu": 0.2},
+              config={"stage": "control_workers:doubled", "source": "n", "sink": "d", "capacity": 2})
+        .role("collect", entrypoint="rlplex.control:SelfLoopWorker", resources={"cpu": 0.2},
+              config={"stage": "control_workers:collected", "source": "d", "capacity": 2})
+        .build()
+    )  # fmt: skip
+    with PrimeMaster.create(spec) as master:
+        master.start()
+        assert master.wait(timeout=120) == JobState.STOPPED, master.cause
+        assert master.cause == "every node finished"
+    got = [int(line) for line in (job_dir / "collected.txt").read_text().split()]
+    assert sorted(got) == [2 * i for i in range(200)]
+    logs = [(job_dir / "logs" / f"double-{rank}.log").read_text() for rank in range(2)]
+    assert all("ended: drained" in log for log in logs), logs
