@@ -1,14 +1,16 @@
 """K runs in one MultiRunTrainer beside the same K runs in K separate trainer processes at once.
 
-    python -m benchmarks.multirun_throughput [--quick] [--runs 4] [--steps 6] [--threads 4]
+    python -m benchmarks.multirun_throughput [--quick] [--runs 4] [--steps 6] [--threads 4] [--warmup-steps 0]
 
 Both sides are the real trainer process (`python -m rlplex.multirun.trainer`), fed by
 synthetic rollouts that this benchmark writes beforehand (the same rows for both sides), so
-the figures are trainer-only. Timing starts when every run's `broadcast/step_0` exists (start-up
-and model building excluded) and ends when every run's `broadcast/step_<steps>` exists.
-Aggregate tokens/s counts real (attention) tokens of all trained rows. Peak memory is each
-process's VmHWM (peak RSS). Threads are split evenly: one trainer gets `--threads`, each of
-the K separate trainers `--threads / K` (at least 1).
+the figures are trainer-only. Timing starts when every run's `broadcast/step_<warmup-steps>`
+exists (start-up and model building excluded; on a GPU leave a step or two out as well, for
+the kernels' first-call costs: `--steps 30 --warmup-steps 2`) and ends when every run's
+`broadcast/step_<steps>` exists. Aggregate tokens/s counts real (attention) tokens of the rows
+trained in that window. Peak memory is the VmHWM (peak RSS) of each command's trainer rank.
+Threads are split evenly: one trainer gets `--threads`, each of the K separate trainers
+`--threads / K` (at least 1).
 
 Goals (issue 5): at least 2.5x the aggregate throughput of the separate processes, and peak
 memory at most 1.5x that of a single-run trainer.
@@ -150,8 +152,10 @@ def trainer_command(output_dir: Path, max_runs: int, threads: int, *extra: str) 
     return [*command, "--max-runs", str(max_runs), "--threads", str(threads), *extra]
 
 
-def measure(groups: list[tuple[Path, list[RunDir]]], threads: int, steps: int, micro_tokens: int) -> dict[str, float]:
-    """Start one trainer per group at once; seconds from all step_0 to all step_<steps>, and peak RSS."""
+def measure(
+    groups: list[tuple[Path, list[RunDir]]], threads: int, steps: int, micro_tokens: int, warmup: int = 0
+) -> dict[str, float]:
+    """Start one trainer per group at once; seconds from all step_<warmup> to all step_<steps>, and peak RSS."""
     env = process_env(threads)
     procs, logs = [], [output_dir / TRAINER_LOG for output_dir, _ in groups]
     for output_dir, runs in groups:
@@ -164,6 +168,9 @@ def measure(groups: list[tuple[Path, list[RunDir]]], threads: int, steps: int, m
         wait_all([run.broadcast_step(0) for run in all_runs], procs, logs, 300)
         t0 = time.perf_counter()
         release(all_runs)
+        if warmup:  # first steps pay one-time costs (a GPU's kernels and handles): not in the window
+            wait_all([run.broadcast_step(warmup) for run in all_runs], procs, logs, 600)
+            t0 = time.perf_counter()
         wait_all([run.broadcast_step(steps) for run in all_runs], procs, logs, 600)
         seconds = time.perf_counter() - t0
         rss = [rank_peak_rss_mb(p.pid) for p in procs]
@@ -187,24 +194,36 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--samples", type=int, default=64, help="rows per step and run")
     parser.add_argument("--width", type=int, default=32, help="tokens per row")
+    parser.add_argument(
+        "--warmup-steps",
+        type=int,
+        default=0,
+        help="steps trained before the timed window (on a GPU: 2, with --steps 30)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.samples = 3, 32
     k, steps = args.runs, args.steps
     step_tokens = args.samples * args.width
     batches = make_batches(k, steps, args.samples, args.width)
-    tokens = k * steps * args.samples * args.width
+    if not 0 <= args.warmup_steps < steps:
+        parser.error(f"--warmup-steps {args.warmup_steps} must be below --steps {steps}")
+    tokens = k * (steps - args.warmup_steps) * args.samples * args.width  # trained inside the timed window
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         shared_dir = root / "shared"
         shared = measure(
-            [(shared_dir, prepare(shared_dir, list(range(k)), batches, steps))], args.threads, steps, k * step_tokens
+            [(shared_dir, prepare(shared_dir, list(range(k)), batches, steps))],
+            args.threads,
+            steps,
+            k * step_tokens,
+            args.warmup_steps,
         )  # one micro-batch holds one step of every run: one forward pass for all K
         separate_groups = []
         for i in range(k):
             directory = root / f"separate_{i}"
             separate_groups.append((directory, prepare(directory, [i], batches, steps)))
-        separate = measure(separate_groups, max(1, args.threads // k), steps, step_tokens)
+        separate = measure(separate_groups, max(1, args.threads // k), steps, step_tokens, args.warmup_steps)
     rows = []
     for name, result, procs in (("one trainer, K runs", shared, 1), ("K trainers, 1 run each", separate, k)):
         rows.append([name, procs, result["seconds"], tokens / result["seconds"], result["peak_rss_mb_total"]])
@@ -213,6 +232,7 @@ def main() -> None:
     figures = {
         "runs": k,
         "steps": steps,
+        "warmup_steps": args.warmup_steps,
         "samples": args.samples,
         "width": args.width,
         "threads": args.threads,
