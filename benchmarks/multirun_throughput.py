@@ -1,6 +1,6 @@
 """K runs in one MultiRunTrainer beside the same K runs in K separate trainer processes at once.
 
-    python -m benchmarks.multirun_throughput [--quick] [--runs 4] [--steps 6] [--threads 4] [--warmup-steps 0]
+    python -m benchmarks.multirun_throughput [--quick] [--runs 4] [--steps 6] [--threads T] [--warmup-steps 0]
 
 Both sides are the real trainer process (`python -m rlplex.multirun.trainer`), fed by
 synthetic rollouts that this benchmark writes beforehand (the same rows for both sides), so
@@ -191,7 +191,8 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--threads", type=int, default=4)
+    # More torch threads than cores makes every thread wait on the others (2-core machines: 2).
+    parser.add_argument("--threads", type=int, default=min(4, os.cpu_count() or 1))
     parser.add_argument("--samples", type=int, default=64, help="rows per step and run")
     parser.add_argument("--width", type=int, default=32, help="tokens per row")
     parser.add_argument(
