@@ -18,6 +18,7 @@ import pytest
 
 from node_helpers import job_processes, node_processes, wait_for
 from rlplex.control.job.spec import parse_job
+from rlplex.control.job.store import JobStore
 from rlplex.diagnostics.metrics import MetricsLogger, read_metrics_csv
 from rlplex.errors import JobSpecError
 from rlplex.runners.config import load_train_config
@@ -64,6 +65,10 @@ def test_a_sigkilled_run_is_restarted_from_its_newest_snapshot_and_logs_each_ste
         log.close()
     shown = (tmp_path / "command.log").read_text()
     assert "--- train-0 incarnation 1" in shown and "every node finished" in shown, shown[-3000:]
+    store = JobStore.latest(out / "train_job")
+    assert store is not None
+    (node,) = store.nodes()
+    assert node.progress == {"env_steps": N_STEPS}  # each logged row reached the node's heartbeats
     steps = [int(row["step"]) for row in read_metrics_csv(out / "progress.csv")]
     assert steps == list(range(2048, N_STEPS + 1, 2048)), steps  # each step once, to the end
     assert (out / "learning_curve.png").exists()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import csv
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,10 +22,18 @@ _KEY = re.compile(r"^[a-z0-9_]+/[A-Za-z0-9_./-]+$")
 class MetricsLogger:
     """Write one row per `log(step, metrics)` to `progress.csv` and TensorBoard event files."""
 
-    def __init__(self, log_dir: str | Path, tensorboard: bool = True, resumed_at: int | None = None) -> None:
+    def __init__(
+        self,
+        log_dir: str | Path,
+        tensorboard: bool = True,
+        resumed_at: int | None = None,
+        on_row: Callable[[int, Mapping[str, float]], None] | None = None,
+    ) -> None:
         """`resumed_at`: the step of the snapshot a resumed run continues from. Rows past it were
         logged after that snapshot by a run that was then killed; the resumed run logs those
-        steps again, so they are dropped rather than kept twice."""
+        steps again, so they are dropped rather than kept twice. `on_row(step, metrics)` is
+        told of every row logged (a supervised run's node reports its progress with it)."""
+        self.on_row = on_row
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.csv_path = self.log_dir / "progress.csv"
@@ -60,6 +68,8 @@ class MetricsLogger:
                 self._writer.add_scalar(key, float(value), step)
         new_columns = [key for key in row if key not in self._columns]
         self._rows.append(row)
+        if self.on_row is not None:
+            self.on_row(step, metrics)
         if new_columns or not self.csv_path.exists():
             self._columns.extend(new_columns)
             self._rewrite()

@@ -35,7 +35,7 @@ be bit-exact, because the interleaving of the processes is not.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -164,6 +164,8 @@ class AsyncRl:
         # Small chunks keep the master responsive: it re-checks children and logs between them.
         self.max_updates_per_chunk = max_updates_per_chunk
         self._resume_state: dict[str, Any] | None = None
+        # Told of every logged row, (env steps, metrics): how a supervised run's node reports progress.
+        self.on_log_row: Callable[[int, Mapping[str, float]], None] | None = None
         self.start_env_steps = 0
         self.logger: MetricsLogger | None = None
         self._sampler_state: dict[str, Any] | None = None  # streams that go with the logged env steps
@@ -199,7 +201,11 @@ class AsyncRl:
         )
         self.algo.replay.wait_check = self.sampler.check_alive
         resumed_at = None if self._resume_state is None else self.start_env_steps
-        self.logger = MetricsLogger(self.log_dir, resumed_at=resumed_at) if self.log_dir is not None else None
+        self.logger = (
+            MetricsLogger(self.log_dir, resumed_at=resumed_at, on_row=self.on_log_row)
+            if self.log_dir is not None
+            else None
+        )
 
     def shutdown(self) -> None:
         if hasattr(self, "sampler"):

@@ -9,6 +9,7 @@ every rank; `AsyncRl` has its own loop because sampling happens elsewhere.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -103,6 +104,8 @@ class MinibatchRl:
         self.show_progress = show_progress and rank == 0
         self.start_itr = 0
         self._resume_state: dict[str, Any] | None = None
+        # Told of every logged row, (env steps, metrics): how a supervised run's node reports progress.
+        self.on_log_row: Callable[[int, Mapping[str, float]], None] | None = None
         self._elapsed_before_resume = 0.0
         self.final_streams_digest: str | None = None  # set by a train() that completes
         self.device = resolve_device(device, "runner.device", index=rank if world_size > 1 else None)
@@ -119,7 +122,7 @@ class MinibatchRl:
             self._load_resume_state(self._resume_state)
         resumed_at = None if self._resume_state is None else self.start_itr * self.itr_batch_size
         self.logger = (
-            MetricsLogger(self.log_dir, resumed_at=resumed_at)
+            MetricsLogger(self.log_dir, resumed_at=resumed_at, on_row=self.on_log_row)
             if (self.log_dir is not None and self.rank == 0)
             else None
         )

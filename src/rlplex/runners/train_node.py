@@ -49,6 +49,9 @@ class TrainNode(WorkerLoad):
         config = TrainNodeConfig.model_validate(self.context.config)
         output = Path(config.output)
         runner = build_runner(config.train, output)  # in a log, a plain progress line every 10 s
+        # Each logged row is the node's progress (`rlplex job status`; a role's progress deadline
+        # watches it). SyncRl's rows are written in its rank 0, a process of its own: none there.
+        runner.on_log_row = lambda env_steps, _row: self.context.report_progress(env_steps=env_steps)
         snapshots = list_snapshots(output / "snapshots")
         if snapshots:  # a restart, or a run continued with --resume: on from the newest snapshot
             newest = snapshots[-1][1]
