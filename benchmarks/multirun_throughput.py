@@ -158,10 +158,10 @@ def measure(
     """Start one trainer per group at once; seconds from all step_<warmup> to all step_<steps>, and peak RSS."""
     env = process_env(threads)
     procs, logs = [], [output_dir / TRAINER_LOG for output_dir, _ in groups]
-    for output_dir, runs in groups:
+    for (output_dir, runs), log_path in zip(groups, logs, strict=True):
         command = trainer_command(output_dir, len(runs), threads, "--micro-tokens", str(micro_tokens))
         command += ["--checkpoint-every", str(10 * steps), "--model", untrained_model().name]
-        with (output_dir / TRAINER_LOG).open("wb") as log:
+        with log_path.open("wb") as log:
             procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
     all_runs = [run for _, runs in groups for run in runs]
     try:

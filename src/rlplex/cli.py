@@ -12,7 +12,7 @@ import os
 import signal
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -20,6 +20,10 @@ from rich.table import Table
 
 from rlplex.cli_mainjob import check_file_kind, guard
 from rlplex.processes import stop_signals_as_interrupt
+
+if TYPE_CHECKING:
+    from rlplex.runners.config import TrainConfig
+    from rlplex.runners.minibatch import TrainResult
 
 app = typer.Typer(
     rich_markup_mode=None,
@@ -144,8 +148,8 @@ def _train(
             target = output / name
             shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
     (output / "config.json").write_text(config.model_dump_json(indent=2))
-    if resume:
-        latest_snapshot(output / "snapshots")  # none there: the error says so before anything starts
+    # None there: the error says so before anything starts.
+    snapshot = latest_snapshot(output / "snapshots") if resume else None
     device = resolve_device(config.runner.device, "runner.device")
     console.print(
         f"training {config.env.id} with {config.algo.name} ({config.runner.kind}) on {device.type}; output in {output}"
@@ -164,14 +168,13 @@ def _train(
         _train_summary(config, output, None)
         return
     runner = build_runner(config, output, show_progress=progress)
-    if resume:
-        snapshot = latest_snapshot(output / "snapshots")
+    if snapshot is not None:
         runner.resume_from(snapshot)
         console.print(f"resuming from {snapshot}")
     _train_summary(config, output, runner.train())
 
 
-def _train_summary(config: Any, output: Path, result: Any) -> None:
+def _train_summary(config: TrainConfig, output: Path, result: TrainResult | None) -> None:
     """The learning curve to PNG and the summary table; `result` None: read from progress.csv alone."""
     from rlplex.diagnostics.metrics import read_metrics_csv
     from rlplex.diagnostics.plots import plot_learning_curves

@@ -26,7 +26,6 @@ not repeat itself keeps its own cursor (the example's source does, in the job's 
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -63,10 +62,9 @@ class SelfLoopConfig(StrictModel):
 
 def open_job_channel(context: WorkerContext, name: str, capacity: int, slot_bytes: int) -> DataChannel:
     """The job's channel `name`: created by the first node that opens it, attached by the others;
-    in Ray's object store when this node runs on Ray, else in this machine's shared memory."""
+    in Ray's object store when the job runs on Ray, else in this machine's shared memory."""
     full = context.channel_name(name)
-    ray = sys.modules.get("ray")
-    if ray is not None and ray.is_initialized():
+    if context.backend == "ray":
         from rlplex.control.channels.ray import RayDataChannel
 
         try:

@@ -82,6 +82,7 @@ class NodeRuntime:
             incarnation=self.incarnation,
             token=self.token,
             host=self.host,
+            backend=str(self.spec["backend"]),
         )
         return load_entrypoint(self.role_spec["entrypoint"], self.role_spec["kind"])(context)
 

@@ -50,6 +50,7 @@ class WorkerContext:
     # The address the other nodes reach this one at: 127.0.0.1 on one machine, this machine's IP on a
     # multi-machine Ray cluster. Servers a worker opens for its peers (a rendezvous store) listen on it.
     host: str = "127.0.0.1"
+    backend: str = "local"  # where the job runs its nodes ("local" or "ray"): what a job channel is made of
     stop_event: threading.Event = field(default_factory=threading.Event)
     _progress: dict[str, float] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
