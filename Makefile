@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-cartpole keep-earlier test lint bench bench-quick clean
+.PHONY: setup demo demo-cartpole keep-earlier test test-fast lint bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -44,11 +44,20 @@ keep-earlier:
 		mv "$(KEEP)" "$$dest" && echo "earlier results kept in $$dest"; \
 	fi
 
+# Every tier (what CI runs), with the 30 slowest tests listed at the end. Tiers (pyproject.toml):
+# e2e starts a job, a vLLM server or Ray; slow is long without one; gpu is skipped without CUDA.
+# RLPLEX_TEST_TIME_SCALE stretches every deadline in the tests (tests/timing.py; default 2).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30
+
+# The inner loop: everything that needs no job, server or Ray, and is not slow.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not e2e and not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)

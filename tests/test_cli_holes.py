@@ -78,6 +78,7 @@ def test_train_refuses_values_that_cannot_work_before_it_starts(
     assert not (tmp_path / "out" / "progress.csv").exists()
 
 
+@pytest.mark.slow
 def test_train_keeps_an_earlier_run_unless_told_to_resume_or_overwrite(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(TRAIN.format(hidden="[8]", lr="1e-3"))
@@ -93,6 +94,7 @@ def test_train_keeps_an_earlier_run_unless_told_to_resume_or_overwrite(tmp_path:
     assert list((out / "snapshots").glob("itr_*"))
 
 
+@pytest.mark.slow
 def test_train_into_a_file_is_one_line(tmp_path: Path) -> None:
     config = tmp_path / "c.toml"
     config.write_text(TRAIN.format(hidden="[8]", lr="1e-3"))
@@ -104,6 +106,7 @@ def test_train_into_a_file_is_one_line(tmp_path: Path) -> None:
     assert_one_line_error(done, "--output")
 
 
+@pytest.mark.slow
 def test_config_files_that_are_fifos_fail_at_once(tmp_path: Path) -> None:
     fifo = tmp_path / "config.toml"
     os.mkfifo(fifo)
@@ -163,6 +166,7 @@ def test_runs_add_with_an_escaping_id_is_one_line(tmp_path: Path) -> None:
     assert not (tmp_path / "escape").exists() and not list((out / "requests").glob("*"))
 
 
+@pytest.mark.slow
 def test_an_ended_run_cannot_be_evicted(tmp_path: Path) -> None:
     out = make_job_folder(tmp_path / "job", ("run_done", "run_gone", "run_live"))
     (RunDir(out / "runs", "run_done").finished).write_text(json.dumps({"step": 2, "time": time.time()}))
@@ -178,6 +182,7 @@ def test_an_ended_run_cannot_be_evicted(tmp_path: Path) -> None:
     assert RunDir(out / "runs", "run_live").eviction_reason() == "bad rollouts"
 
 
+@pytest.mark.slow
 def test_status_tells_a_dead_master_from_a_live_one(tmp_path: Path) -> None:
     out = make_job_folder(tmp_path / "job")
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)

@@ -27,7 +27,7 @@ from rlplex.runners.config import TrainConfig, build_rank_runner, build_runner, 
 
 ROOT = Path(__file__).resolve().parents[1]
 CUDA = torch.cuda.is_available()
-needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU (the device machine runs these)")
+needs_cuda = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 without_cuda = pytest.mark.skipif(CUDA, reason="checks what a machine without a GPU answers")
 
 

@@ -164,6 +164,7 @@ def test_a_sac_snapshot_is_refused_by_a_dqn_run(tmp_path: Path) -> None:
 
 
 # ----- under AsyncRl: priorities in shared memory ---------------------------------------------------
+@pytest.mark.slow
 def test_async_runner_trains_the_full_dqn_with_priorities_in_shared_memory(tmp_path: Path) -> None:
     data = {
         "env": {"id": "CartPole-v1"},

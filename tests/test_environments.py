@@ -131,6 +131,7 @@ def user_rewards(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
 def hf_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Keeps `datasets`' Arrow cache of the test files out of the home directory."""
     import datasets
+
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")
 
 
@@ -199,6 +200,7 @@ def test_jsonl_messages(tmp_path: Path, user_rewards: str) -> None:
 def test_parquet(tmp_path: Path, user_rewards: str) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     pq.write_table(pa.Table.from_pylist([{"prompt": "2+2=", "answer": "4"}]), tmp_path / "data.parquet")
     env = load_environment(
         {"name": "parquet", "path": str(tmp_path / "data.parquet"), "reward": f"{user_rewards}:contains"}

@@ -86,6 +86,7 @@ def test_a_task_envpool_lacks_is_refused_naming_the_field() -> None:
 PPO = {"name": "ppo", "n_epochs": 2, "minibatch_size": 64}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("algo", "runner"), [(PPO, "minibatch"), ({"name": "dqn"}, "async")])
 def test_training_runs_on_the_envpool_sampler(algo: dict[str, Any], runner: str, tmp_path: Path) -> None:
     config = TrainConfig.model_validate(

@@ -56,6 +56,7 @@ def read_csv(path: Path) -> list[dict[str, float]]:
 
 
 # ----- a runner on CartPole ------------------------------------------------------------------
+@pytest.mark.slow
 def test_cartpole_example_trains_through_the_cli(tmp_path: Path) -> None:
     out = tmp_path / "cp"
     done = run("-m", "rlplex.cli", "train", "examples/cartpole_ppo.toml", "--output", str(out),
@@ -69,6 +70,7 @@ def test_cartpole_example_trains_through_the_cli(tmp_path: Path) -> None:
     assert used["runner"]["n_steps"] == 512 and used["algo"]["n_epochs"] == 20  # flag over file, rest from file
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "algo", "n_steps"),
     # SAC's 150 steps pass its learning_starts (100), so its updates run; TD3/DDPG's 10k random
@@ -91,6 +93,7 @@ def test_classic_example_trains_through_the_cli(name: str, algo: str, n_steps: i
     assert (out / "snapshots").is_dir() and (out / "learning_curve.png").read_bytes()[:8] == PNG_MAGIC
 
 
+@pytest.mark.slow
 def test_mujoco_example_trains_through_the_cli(tmp_path: Path) -> None:
     """HalfCheetah-v5 (float64 observations, a 6-dim Box action) through `rlplex train`: the
     example as written but for learning_starts (10k there), so that SAC's updates run."""
@@ -108,6 +111,7 @@ def test_mujoco_example_trains_through_the_cli(tmp_path: Path) -> None:
     assert json.loads((out / "config.json").read_text())["env"]["id"] == "HalfCheetah-v5"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "n_steps", "edits"),
     # Games cut to 400 frames (100 agent steps) so that evaluation's whole games end quickly; the
@@ -140,6 +144,7 @@ def test_atari_example_trains_through_the_cli(name: str, n_steps: int, edits: di
 
 
 # ----- the seed's PPO dataflow graph -------------------------------------------------------
+@pytest.mark.slow
 def test_ppo_dataflow_example_runs_the_four_mfcs(tmp_path: Path) -> None:
     out = tmp_path / "ppo"
     from lm_models import small_tiny_model

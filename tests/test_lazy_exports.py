@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-LAZY_PACKAGES = ["rlplex.control", "rlplex.control.elastic", "rlplex.multirun", "rlplex.multirun.trainer"]
+LAZY_PACKAGES = [
+    "rlplex.control",
+    "rlplex.control.elastic",
+    "rlplex.models",
+    "rlplex.multirun",
+    "rlplex.multirun.trainer",
+]
 
 
 @pytest.mark.parametrize("package", LAZY_PACKAGES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from rlplex.config import validate_config
 from rlplex.runners.config import TrainConfig, build_runner, load_train_config
@@ -32,6 +33,7 @@ def test_example_configs_load() -> None:
         assert config.runner.n_steps <= 500_000
 
 
+@pytest.mark.slow
 def test_ppo_pendulum_gaussian_agent_beats_random_from_the_example_config() -> None:
     data = load_train_config(EXAMPLES / "pendulum_ppo.toml").model_dump()
     data["runner"].update(seed=0, n_steps=49_152, log_interval_steps=12_288, eval_episodes=4, stop_at_return=-600.0)

@@ -107,6 +107,7 @@ def _build(path: str, seed: int) -> None:
     build_tiny_model(path, TinyModelConfig(warmup_steps=3, warmup_batch_size=4, seed=seed))
 
 
+@pytest.mark.slow
 def test_two_processes_building_at_once_get_one_model(tmp_path: Path) -> None:
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_build, args=(str(tmp_path / "m"), 5)) for _ in range(2)]
@@ -168,6 +169,7 @@ def test_group_advantages_and_loss_direction() -> None:
     assert stats["losses/clipfrac"] == 0.0
 
 
+@pytest.mark.slow
 def test_warmed_up_checkpoint_then_grpo_raises_reward() -> None:
     """Learning smoke test: a short warm-up gives a signal and a few GRPO steps improve on it."""
     torch.manual_seed(0)

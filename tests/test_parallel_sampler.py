@@ -215,6 +215,7 @@ def test_runner_stops_cleanly_when_a_worker_dies_and_keeps_its_last_snapshot(tmp
     assert read_snapshot(snapshots[-1][1])["itr"] == 1
 
 
+@pytest.mark.slow
 def test_minibatch_ppo_with_parallel_sampler_from_config(tmp_path: Path) -> None:
     config = TrainConfig.model_validate(
         {
@@ -247,6 +248,7 @@ def _uniform_policy_batch(seed: int) -> np.ndarray:
         sampler.shutdown()
 
 
+@pytest.mark.slow
 def test_workers_draw_from_distinct_reproducible_random_streams() -> None:
     first, again = _uniform_policy_batch(seed=5), _uniform_policy_batch(seed=5)
     assert np.array_equal(first, again)

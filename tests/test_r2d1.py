@@ -198,6 +198,7 @@ def test_resume_from_a_snapshot_equals_the_uninterrupted_run(tmp_path: Path) -> 
     np.testing.assert_array_equal(uninterrupted.replay.tree.tree, resumed.replay.tree.tree)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["minibatch", "async"])
 def test_r2d1_trains_under_minibatch_and_async_runners(kind: str, tmp_path: Path) -> None:
     config = validate_config(

@@ -234,6 +234,7 @@ def reap(output_dir: Path) -> list[psutil.Process]:
 
 
 # ----- the commands, grouped by the job they share ------------------------------------------
+@pytest.mark.slow
 def test_classic_rl_commands(copy: Path) -> None:
     first, resumed = CARTPOLE
     ok(first, copy)
@@ -244,6 +245,7 @@ def test_classic_rl_commands(copy: Path) -> None:
     assert [row["charts/env_steps"] for row in rows] == [256, 512]  # continued, not restarted
 
 
+@pytest.mark.e2e
 def test_supervised_train_command(copy: Path) -> None:
     out = copy / "outputs" / "cp_supervised"
     try:
@@ -254,6 +256,7 @@ def test_supervised_train_command(copy: Path) -> None:
         assert reap(out / "train_job") == []
 
 
+@pytest.mark.e2e
 def test_selfloop_job_command(copy: Path) -> None:
     out = copy / "outputs" / "selfloop_job"
     try:
@@ -263,6 +266,7 @@ def test_selfloop_job_command(copy: Path) -> None:
         assert reap(out) == []
 
 
+@pytest.mark.e2e
 def test_control_plane_job_commands(copy: Path, background: list[Background]) -> None:
     run, status, resume = NOOP_JOB
     out = copy / "outputs" / "job_noop"
@@ -294,6 +298,7 @@ def test_control_plane_job_commands(copy: Path, background: list[Background]) ->
     assert not alive, f"processes left behind: {[p.pid for p in alive]}"
 
 
+@pytest.mark.e2e
 def test_elastic_job_command(copy: Path) -> None:
     out = copy / "outputs" / "elastic_job"
     try:
@@ -331,6 +336,7 @@ def rejected_add(copy: Path, out: Path) -> None:
 
 
 @pytest.mark.timeout(900)  # minutes on a busy machine: three masters, two starts of the job
+@pytest.mark.e2e
 def test_main_job_commands(copy: Path, background: list[Background]) -> None:
     """run, status, runs add (the trainer admits it), runs evict, stop, resume, run --continue."""
     run, status, add, evict, stop, resume, continue_ = MAIN_JOB

@@ -131,6 +131,7 @@ def replay_states(agent: RecurrentCategoricalPgAgent, batches: list[SampleBatch]
     return before.numpy(), log_prob.numpy()
 
 
+@pytest.mark.slow
 def test_parallel_sampler_carries_each_environments_state_across_batches_and_processes() -> None:
     agent = make_agent()
     factory = partial(RecurrentCategoricalPgAgent, hidden=(16,), lstm_size=8)
@@ -197,6 +198,7 @@ def test_config_builds_the_recurrent_agent_and_refuses_it_elsewhere() -> None:
         agent_factory(box, probe_spaces(box.env))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", ["ppo", "a2c"])
 def test_recurrent_agents_train_under_sync_rl_with_ranks_in_step(algo: str, tmp_path: Path) -> None:
     """Two real gloo ranks: each samples its own environments with its own LSTM states; the

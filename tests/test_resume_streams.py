@@ -87,6 +87,7 @@ def next_episode_starts(batches: list[SampleBatch]) -> dict[int, np.ndarray]:
     return starts
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", [False, True], ids=["serial", "parallel"])
 def test_minibatch_resume_continues_every_random_stream(tmp_path: Path, parallel: bool) -> None:
     whole, whole_sampler = minibatch_run(tmp_path / "whole", parallel)
@@ -136,6 +137,7 @@ def sync_config(n_steps: int) -> TrainConfig:
     return validate_config(TrainConfig, data)
 
 
+@pytest.mark.slow
 def test_sync_resume_continues_each_ranks_own_streams(tmp_path: Path) -> None:
     whole = build_runner(sync_config(4 * 128), tmp_path / "whole", show_progress=False)
     whole.train()
@@ -169,6 +171,7 @@ def async_run(log_dir: Path, n_workers: int | None) -> AsyncRl:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_workers", [None, 2], ids=["one-process", "parallel"])
 def test_async_resume_continues_the_samplers_streams(tmp_path: Path, n_workers: int | None) -> None:
     whole = async_run(tmp_path / "whole", n_workers)

@@ -39,6 +39,7 @@ def test_dqn_update_times_rlplex_with_both_adams_and_sb3(tmp_path: Path, monkeyp
     assert math.isfinite(result["ratio_rlplex_to_sb3"]) and result["ratio_per_parameter_to_fused_adam"] > 0
 
 
+@pytest.mark.slow
 def test_mujoco_sac_trains_both_libraries_on_halfcheetah(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from benchmarks import mujoco_sac
 

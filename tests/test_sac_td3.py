@@ -224,6 +224,7 @@ def test_q_ensemble_members_are_independent_critics() -> None:
     torch.testing.assert_close(critic(obs, action, first=1), q[:1])
 
 
+@pytest.mark.slow
 def test_async_runner_trains_sac_with_real_sampler_and_copier_processes(tmp_path: Path) -> None:
     """TD3/DDPG have the same replay-algorithm interface; one async run (about 20 s on 2 busy cores) covers it."""
     data = {

@@ -124,6 +124,7 @@ def first_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, SyncLaunc
     return out, launcher, launcher.train()
 
 
+@pytest.mark.slow
 def test_ranks_start_equal_and_stay_in_sync(first_run: tuple[Path, SyncLauncher, TrainResult]) -> None:
     _, launcher, result = first_run
     assert result.env_steps == 1024  # 32 x 2 per rank x 2 ranks = 128 per iteration, 8 iterations
@@ -157,6 +158,7 @@ def resumed_eval_run(
     return int(read_snapshot(snapshot)["itr"]), launcher, launcher.train()
 
 
+@pytest.mark.slow
 def test_resume_continues_the_step_counter_from_rank0s_snapshot(
     first_run: tuple[Path, SyncLauncher, TrainResult], resumed_eval_run: tuple[int, SyncLauncher, TrainResult]
 ) -> None:
@@ -177,6 +179,7 @@ def test_sync_eval_evaluates_on_rank0_and_stops_all_ranks_together(
     assert [o.result["env_steps"] for o in launcher.rank_outcomes if o.result] == [1280, 1280]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["kill", "raise"])
 def test_a_failed_rank_ends_the_run_without_orphans(tmp_path: Path, fault: str) -> None:
     marker = tmp_path / "killed.json"
@@ -194,6 +197,7 @@ def test_a_failed_rank_ends_the_run_without_orphans(tmp_path: Path, fault: str) 
     _assert_no_rank_left(launcher)
 
 
+@pytest.mark.slow
 def test_a_user_error_in_a_rank_keeps_its_class(tmp_path: Path) -> None:
     # A bad input found inside a rank is the user's to fix (rlplex train: exit 2), not a failed run.
     launcher = SyncLauncher(partial(build_faulty, "user", ""), collective_timeout_s=30, timeout_s=120)
@@ -218,6 +222,7 @@ def test_config_builds_a_launcher_and_global_batch_divides_per_rank_sizes(tmp_pa
     assert runner.itr_batch_size == 64  # the global batch of the config: 32 x 2
 
 
+@pytest.mark.slow
 def test_snapshots_resume_across_minibatch_and_sync_with_the_optimizer_state(tmp_path: Path) -> None:
     # 128 samples per iteration either way: one process with 4 envs, or 2 ranks with 2 each.
     def config(kind: str, n_steps: int, batch_B: int) -> TrainConfig:
@@ -248,6 +253,7 @@ def test_snapshots_resume_across_minibatch_and_sync_with_the_optimizer_state(tmp
         back.shutdown()
 
 
+@pytest.mark.slow
 def test_every_port_of_a_sync_run_is_on_loopback(tmp_path: Path) -> None:
     marker = tmp_path / "sockets.json"
     before = set(listening(psutil.Process()))  # this test process's own (it is the launcher)

@@ -18,6 +18,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from timing import wait_for
+
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="parent-death signals are Linux-only")
 
 SYNC_TEMPLATE = """
@@ -57,14 +59,6 @@ log_interval_steps = 64
 """
 
 DEATH_S = 2.0  # the parent-death signal arrives at once; this bounds a loaded machine's delay
-
-
-def _wait_for(condition: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def _workers(launcher: psutil.Process) -> list[psutil.Process]:
@@ -127,7 +121,7 @@ class Training:
             self.seen.update({w.pid: w for w in workers})
             return len(workers) == n_workers and bool(list((self.out / "snapshots").glob("itr_*")))
 
-        _wait_for(ready, 120, f"{n_workers} children and a first snapshot")
+        wait_for(ready, 120, f"{n_workers} children and a first snapshot")
         return _workers(self.launcher)
 
     def output(self) -> str:
@@ -176,6 +170,7 @@ def _assert_all_die(workers: list[psutil.Process], killed_at: float) -> None:
     assert not alive, f"children still running {DEATH_S} s after the launcher was killed: {alive}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config, n_workers", [(SYNC, 2), (ASYNC, 3)], ids=["sync-ranks", "async-children"])
 def test_sigkill_of_the_launcher_kills_every_child_and_stops_the_snapshots(
     training: Callable[[str], Training], config: str, n_workers: int
@@ -193,6 +188,7 @@ def test_sigkill_of_the_launcher_kills_every_child_and_stops_the_snapshots(
     assert not late, f"snapshot files written after the launcher died: {sorted(late)}"
 
 
+@pytest.mark.slow
 def test_sigterm_stops_rlplex_train_like_ctrl_c(training: Callable[[str], Training]) -> None:
     run = training(SYNC_ONE_RANK)
     workers = run.wait_training(1)
@@ -204,6 +200,7 @@ def test_sigterm_stops_rlplex_train_like_ctrl_c(training: Callable[[str], Traini
     _assert_all_die(workers, killed_at)
 
 
+@pytest.mark.slow
 def test_a_killed_rank_fails_the_run_with_exit_code_1(training: Callable[[str], Training]) -> None:
     run = training(SYNC_ONE_RANK)
     (rank,) = run.wait_training(1)

@@ -24,6 +24,8 @@ from rlplex.errors import JobSpecError
 from rlplex.runners.config import load_train_config
 from rlplex.runners.train_node import train_job_spec
 
+pytestmark = pytest.mark.e2e
+
 ROOT = Path(__file__).resolve().parents[1]
 RLPLEX = Path(sys.executable).parent / "rlplex"
 N_STEPS = 20_480  # ten log intervals of 2,048 steps: a snapshot each

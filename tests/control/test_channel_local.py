@@ -21,16 +21,9 @@ from rlplex.control import ChannelClosedError, ChannelTimeoutError, DataChannel,
 from rlplex.control.channels import ring
 from rlplex.control.channels.base import encode_item
 from rlplex.control.channels.local import INLINE_BYTES
+from timing import wait_for
 
 CTX = mp.get_context("spawn")
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.005)
 
 
 def shm_files(name: str) -> list[str]:
@@ -169,6 +162,7 @@ def sized(total: int) -> bytes:
 # ---- tests ----------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_items_round_trip_exactly_through_another_process(name: str, procs: list[Any]) -> None:
     out = LocalDataChannel.create(f"{name}-out", capacity=4, slot_bytes=2 << 20)
     back = LocalDataChannel.create(f"{name}-back", capacity=4, slot_bytes=2 << 20)
@@ -220,6 +214,7 @@ def test_one_handle_shared_by_threads_and_the_protocol(name: str) -> None:
     assert got == {0: list(range(200)), 1: list(range(200))}
 
 
+@pytest.mark.slow
 def test_order_per_producer_with_three_producers(name: str, procs: list[Any]) -> None:
     channel = LocalDataChannel.create(name, capacity=4, slot_bytes=1 << 20)
     count = 150
@@ -239,13 +234,13 @@ def test_put_blocks_at_capacity_until_a_get(name: str, procs: list[Any]) -> None
     progress = CTX.Value("i", 0)
     start(procs, put_with_progress, channel, 4, progress)
     # The third put is blocked inside the channel (a waiting putter), not merely slow.
-    wait_for(lambda: progress.value == 2 and channel.stats()["waiting_putters"] == 1, what="producer blocked")
+    wait_for(lambda: progress.value == 2 and channel.stats()["waiting_putters"] == 1, 20, "producer blocked")
     assert channel.qsize() == 2
     assert channel.get(timeout=5) == 0
-    wait_for(lambda: progress.value == 3, what="third put to complete after a get")
+    wait_for(lambda: progress.value == 3, 20, "third put to complete after a get")
     assert channel.get(timeout=5) == 1
     assert channel.get(timeout=5) == 2
-    wait_for(lambda: progress.value == 4, what="fourth put")
+    wait_for(lambda: progress.value == 4, 20, "fourth put")
     channel.put(4, timeout=0)
     with pytest.raises(ChannelTimeoutError, match=name):
         channel.put(5, timeout=0)
@@ -272,8 +267,8 @@ def test_close_wakes_blocked_getters_and_putters_in_other_processes(name: str, p
     for _ in range(2):
         start(procs, get_until_closed, empty, results)
     start(procs, put_until_closed, full, results)
-    wait_for(lambda: empty.stats()["waiting_getters"] == 2, what="two blocked getters")
-    wait_for(lambda: full.stats()["waiting_putters"] == 1, what="one blocked putter")
+    wait_for(lambda: empty.stats()["waiting_getters"] == 2, 20, "two blocked getters")
+    wait_for(lambda: full.stats()["waiting_putters"] == 1, 20, "one blocked putter")
     started = time.monotonic()
     empty.close()
     full.close()
@@ -332,7 +327,7 @@ def test_consumer_sigkilled_while_streaming_leaves_the_channel_usable(name: str,
     victim = start(procs, consume_forever, channel)
     for seq in range(4):
         channel.put({"seq": seq, "data": np.full(100_000, seq)}, timeout=10)
-    wait_for(lambda: channel.stats()["head"] >= 1, what="victim consuming")
+    wait_for(lambda: channel.stats()["head"] >= 1, 20, "victim consuming")
     os.kill(victim.pid, signal.SIGKILL)  # most likely while it copies an 800 kB item out
     victim.join(10)
     received = []
@@ -436,7 +431,7 @@ def test_waiting_counts_return_to_zero_after_wakes_and_timeouts(name: str) -> No
     got: list[Any] = []
     getter = threading.Thread(target=lambda: got.append(channel.get(timeout=30)))
     getter.start()
-    wait_for(lambda: channel.stats()["waiting_getters"] == 1, what="a sleeping getter")
+    wait_for(lambda: channel.stats()["waiting_getters"] == 1, 20, "a sleeping getter")
     channel.put("wake")
     getter.join(10)
     assert got == ["wake"]
@@ -444,7 +439,7 @@ def test_waiting_counts_return_to_zero_after_wakes_and_timeouts(name: str) -> No
     channel.put("full")
     putter = threading.Thread(target=channel.put, args=("second",), kwargs={"timeout": 30})
     putter.start()
-    wait_for(lambda: channel.stats()["waiting_putters"] == 1, what="a sleeping putter")
+    wait_for(lambda: channel.stats()["waiting_putters"] == 1, 20, "a sleeping putter")
     assert channel.get(timeout=5) == "full"
     putter.join(10)
     assert channel.get(timeout=5) == "second"
@@ -464,7 +459,7 @@ def test_a_forked_child_using_the_parents_handle_takes_its_own_lock(name: str) -
     child = mp.get_context("fork").Process(target=fork_child_round_trip, args=(channel, channel._ring._fd))
     child.start()
     try:
-        wait_for(lambda: channel.qsize() == 1 and channel.stats()["head"] == 1, what="the child's reply")
+        wait_for(lambda: channel.qsize() == 1 and channel.stats()["head"] == 1, 20, "the child's reply")
         assert channel.get(timeout=10) == {"echo": "ping", "reopened": True}
     finally:
         child.join(10)

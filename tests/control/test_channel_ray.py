@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,19 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from node_helpers import local_ray
+from node_helpers import local_ray, wait_for
 from rlplex.control import ChannelClosedError, ChannelTimeoutError, DataChannel, RayDataChannel
+
+pytestmark = pytest.mark.e2e
 
 ray = pytest.importorskip("ray")
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -92,7 +85,7 @@ def test_order_per_producer_across_tasks(channel_name: str) -> None:
 def test_backpressure_and_timeout(channel_name: str) -> None:
     channel = RayDataChannel.create(channel_name, capacity=2)
     ref = produce.remote(channel, 0, 3)
-    wait_for(lambda: channel.qsize() == 2, what="channel full")
+    wait_for(lambda: channel.qsize() == 2, 30, "channel full")
     ready, _ = ray.wait([ref], timeout=0.5)
     assert not ready, "the third put should block while the channel is full"
     assert channel.get(timeout=10)["seq"] == 0

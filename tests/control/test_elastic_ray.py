@@ -22,6 +22,8 @@ ray = pytest.importorskip("ray")
 
 from rlplex.control.backends.ray import NAMESPACE  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def ray_session() -> Iterator[None]:

@@ -16,6 +16,8 @@ import pytest
 from node_helpers import node_processes, wait_for
 from rlplex.control import JobState, PrimeMaster, SqliteStateStore
 
+pytestmark = pytest.mark.e2e
+
 HERE = Path(__file__).resolve().parent
 
 JOB = """

@@ -17,6 +17,8 @@ from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, SqliteStateStore
 from rlplex.errors import JobFailedError
 
+pytestmark = pytest.mark.e2e
+
 
 def counter_job(job_dir: Path, items: int = 60, delay_s: float = 0.03, **role: Any) -> JobSpec:
     return (
@@ -67,9 +69,7 @@ def test_sigkilled_worker_is_restarted_and_nothing_is_lost(job_dir: Path, scope:
         assert master.store.job(master.job_id).restarts == 1
 
 
-def test_a_slow_check_of_a_restarted_node_blames_no_other_node(
-    job_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_slow_check_of_a_restarted_node_blames_no_other_node(job_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The master checks a restarted node with a blocking call (self_check may load a model). The
     # heartbeats the other nodes sent meanwhile count: none of them is silent for 3 s.
     monkeypatch.setenv("RLPLEX_TEST_FAULTS", "slow_check@counter-1")

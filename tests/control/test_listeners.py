@@ -10,10 +10,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
+import pytest
+
 from node_helpers import wait_for
 from rlplex.control import JobBuilder, JobState, NodeState, PrimeMaster
 from rlplex.control.job.master import read_token
 from rlplex.control.rpc import RpcClient, connect, parse_address
+
+pytestmark = pytest.mark.e2e
 
 
 @contextlib.contextmanager

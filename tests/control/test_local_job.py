@@ -7,8 +7,12 @@ import os
 from functools import partial
 from pathlib import Path
 
+import pytest
+
 from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobState, LocalDataChannel, NodeState, PrimeMaster, SqliteStateStore
+
+pytestmark = pytest.mark.e2e
 
 
 def items_done(job_dir: Path) -> list[int]:

@@ -30,6 +30,8 @@ ray = pytest.importorskip("ray")
 from rlplex.control.backends.ray import NAMESPACE  # noqa: E402
 from rlplex.control.backends.ray_master import RayMasterHandle, master_actor_name  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 JOB = """
 name = "both"
 output_dir = "{out}"

@@ -19,6 +19,7 @@ from rlplex.dataflow import MFCDef, ModelInterfaceType, build_graph
 from rlplex.dataflow.executor import FunctionExecutor, MFCExecutionError
 from rlplex.dataflow.workers import LocalModelWorker, split_by_tokens
 from rlplex.errors import RlplexError, WaitTimeoutError
+from timing import wait_for
 
 GEN, INF, TRAIN = ModelInterfaceType.GENERATE, ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
 
@@ -170,18 +171,6 @@ def test_unknown_model_and_indivisible_batches_refused() -> None:
 
 
 # ----- issue 17: faults and asynchrony ----------------------------------------------------
-def wait_until(condition: Any, timeout: float, what: str) -> None:
-    done = threading.Event()
-    deadline = threading.Timer(timeout, done.set)
-    deadline.start()
-    try:
-        while not condition():
-            if done.wait(0.01):
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-    finally:
-        deadline.cancel()
-
-
 class FailFirstCall(Reward):
     def __init__(self) -> None:
         self.calls = 0
@@ -205,7 +194,7 @@ def test_failed_step_cancels_its_mfcs_frees_its_data_and_the_next_step_runs_clea
         assert [t for t in asyncio.all_tasks(loop) if not t.done()] == []
         assert executor.buffer.size == 0 and executor.plane.n_values == 0
         # A generate call the failure interrupted runs on in its thread; what it stores is dropped.
-        wait_until(lambda: all(len(s) == 0 for s in executor.plane.stores.values()), 10, "stores to empty")
+        wait_for(lambda: all(len(s) == 0 for s in executor.plane.stores.values()), 10, "stores to empty")
         loop.run_until_complete(asyncio.wait_for(executor.execute_step(), 30))
     finally:
         loop.close()

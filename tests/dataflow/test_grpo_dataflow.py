@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 
 from lm_models import random_llama, tiny_model
@@ -28,6 +29,7 @@ def grouped_prompts(env: Environment, tokenizer: Tokenizer, group: int, seed: in
             yield {"packed_prompts": encode_prompt(tokenizer, example), "task_ids": TaskItem(example, group_id)}
 
 
+@pytest.mark.slow
 def test_grpo_through_the_executor_raises_reward() -> None:
     torch.manual_seed(0)
     spec = ModelSpec(name=str(tiny_model(warmup_steps=40)))

@@ -13,6 +13,8 @@ import pytest
 from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobState, PrimeMaster
 
+pytestmark = pytest.mark.e2e
+
 NODE = "rlplex.dataflow.job_worker:ModelWorkerNode"
 
 

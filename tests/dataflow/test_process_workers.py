@@ -51,6 +51,7 @@ def trained(tmp_path: Path) -> list[int]:
     return sorted(int(line) for line in (tmp_path / "trained.txt").read_text().split())
 
 
+@pytest.mark.slow
 def test_steps_across_processes_train_each_datapoint_once_and_free_every_store(workers: Any, tmp_path: Path) -> None:
     group = workers()
     executor = FunctionExecutor(GRAPH, group, ({"prompt": i} for i in itertools.count()), capacity=16)
@@ -65,6 +66,7 @@ def test_steps_across_processes_train_each_datapoint_once_and_free_every_store(w
     assert all(len(w.store) == 0 for ws in group.values() for w in ws)  # asked of each child
 
 
+@pytest.mark.slow
 def test_generation_worker_killed_mid_call_is_restarted_and_its_call_reissued(workers: Any, tmp_path: Path) -> None:
     marker = tmp_path / "blocked_pid"
     group = workers(block_first_call_in=str(marker))
@@ -136,6 +138,7 @@ def test_store_connect_gives_up_on_a_peer_that_never_answers(monkeypatch: pytest
     assert not thread.is_alive() and isinstance(outcome[0], WaitTimeoutError), outcome
 
 
+@pytest.mark.slow
 def test_outputs_lost_with_a_killed_worker_are_recomputed_and_the_run_goes_on(workers: Any, tmp_path: Path) -> None:
     marker = tmp_path / "blocked_pid"
     # A generator is killed in its second call, holding the sequences of its first.

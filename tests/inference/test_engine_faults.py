@@ -78,10 +78,9 @@ def misbehaving_server(mode: str) -> Iterator[tuple[str, list[str]]]:
         server.server_close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["error", "hang"])
-def test_a_server_that_errors_or_hangs_ends_in_a_clear_failure_after_bounded_retries(
-    mode: str, tmp_path: Path
-) -> None:
+def test_a_server_that_errors_or_hangs_ends_in_a_clear_failure_after_bounded_retries(mode: str, tmp_path: Path) -> None:
     with misbehaving_server(mode) as (url, seen):
         settings = EngineSettings(engine="vllm", request_timeout_s=0.5, max_retries=1, reconnect_timeout_s=2.0)
         client = VLLMClient(Endpoint((url,), 0), "key", settings)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from vllm_helpers import server_config
 
 from lm_models import small_tiny_model
 from rlplex.diagnostics.metrics import read_metrics_csv
 from rlplex.models.spec import ModelSpec
 from rlplex.runners.grpo_lm import GRPOLMConfig, train_grpo_lm
+
+pytestmark = pytest.mark.e2e
 
 
 def test_async_grpo_samples_on_vllm_from_each_new_adapter_version(tmp_path: Path) -> None:

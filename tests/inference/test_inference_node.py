@@ -88,4 +88,4 @@ def _params() -> SamplingParams:
     return SamplingParams(max_tokens=4, temperature=1.0, stop_ids=(), seed=0)
 
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]

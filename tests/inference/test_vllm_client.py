@@ -20,6 +20,8 @@ from rlplex.models.hf import load_tokenizer
 from rlplex.models.spec import ModelSpec
 from rlplex.tasks import EnvSpec, load_environment
 
+pytestmark = pytest.mark.e2e
+
 N_TOKENS = 8
 
 

@@ -1,6 +1,6 @@
 """The main job end to end with a tiny budget: every process real (PrimeMaster, elastic trainer
 ranks over gloo, orchestrators, rollout nodes, conductor); a run added and a run evicted by the
-job's events."""
+job's events, and a run the trainer rejects, which ends alone while the job goes on."""
 
 from __future__ import annotations
 
@@ -13,10 +13,13 @@ from mainjob_helpers import run_config, tiny_job
 from rich.console import Console
 
 from node_helpers import job_processes
+from rlplex.config import load_config
 from rlplex.control.job.states import JobState
-from rlplex.mainjob.config import load_main_job
+from rlplex.mainjob.config import MainJobConfig, load_main_job
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect
+
+pytestmark = pytest.mark.e2e
 
 EVENTS = """
 [[events]]
@@ -29,18 +32,30 @@ reason = "evicted on purpose by the test"
 """
 
 
-def test_main_job_runs_end_to_end_with_an_added_and_an_evicted_run(tmp_path: Path) -> None:
+def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
-    runs = {"run_a": run_config(1, 3), "run_b": run_config(2, 30, "optim = { lr = 3e-3 }")}
+    runs = {
+        "run_a": run_config(1, 3),
+        "run_b": run_config(2, 30, "optim = { lr = 3e-3 }"),
+        "run_wide": run_config(4, 2, "model = { lora = { rank = 16 } }"),  # above the trainer's rank
+    }
     # run_c generates on two nodes of the job's rollout role, which grows when run_c joins.
     later = {"run_c": run_config(3, 2, "rollout_workers = 2")}
     path.write_text(tiny_job("mj-e2e", out, runs, later, rest=EVENTS))
     try:
-        state = run_main_job(load_main_job(path), Console(file=open(tmp_path / "console.txt", "w")), live=False)
+        # Without the preflight (which would refuse run_wide before anything starts: see
+        # test_main_job_user_holes.py): the trainer itself judges each run when it discovers it.
+        console = Console(file=open(tmp_path / "console.txt", "w"))
+        state = run_main_job(load_config(MainJobConfig, path), console, live=False, check_runs=False)
         assert state == JobState.STOPPED, (out / "report.md").read_text()
         runs = {run.run_id: run for run in collect(out).runs}
-        assert set(runs) == {"run_a", "run_b", "run_c"}
+        assert set(runs) == {"run_a", "run_b", "run_c", "run_wide"}
+        # The rejected run ended alone, with the reason, and its orchestrator was never restarted.
+        assert runs["run_wide"].state == "rejected"
+        assert "model.lora.rank" in runs["run_wide"].reason and "16" in runs["run_wide"].reason
+        orchestrators = [node for node in collect(out).nodes if node.role == "orchestrator"]
+        assert len(orchestrators) == 4 and all(node.restarts == 0 for node in orchestrators), orchestrators
         assert runs["run_a"].state == runs["run_c"].state == "finished"
         assert runs["run_a"].trained_steps == 3 and runs["run_c"].trained_steps == 2
         assert runs["run_b"].state == "evicted" and runs["run_b"].reason == "evicted on purpose by the test"
@@ -50,7 +65,14 @@ def test_main_job_runs_end_to_end_with_an_added_and_an_evicted_run(tmp_path: Pat
         assert sorted(node.rank for node in rollout) == [0, 1] and view.rollout_runs == ["run_c", "run_c"]
         assert all(node.progress.get("calls", 0) >= 1 for node in rollout), [n.progress for n in rollout]
         report = (out / "report.md").read_text()
-        for section in ("## Runs", "## Learning curves", "## Nodes and restarts", "## Evictions", "tokens/s"):
+        for section in (
+            "## Runs",
+            "## Learning curves",
+            "## Nodes and restarts",
+            "## Evictions",
+            "tokens/s",
+            "rejected",
+        ):
             assert section in report, section
         for png in ("rewards.png", "run_a.png", "run_c.png"):
             assert (out / "plots" / png).stat().st_size > 1000

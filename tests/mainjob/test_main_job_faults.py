@@ -1,4 +1,5 @@
-"""The main job survives SIGKILL of one orchestrator, one rollout node, one trainer rank and then
+"""The main job is stopped by SIGTERM and SIGHUP and continued (`rlplex resume`, `rlplex run
+--continue`), then survives SIGKILL of one orchestrator, one rollout node, one trainer rank and then
 of `rlplex run` itself (resumed with `rlplex resume`): the job still finishes, every run trains all its
 steps, and no step is trained twice (each run's final checkpoint counts exactly
 max_steps x batch_size samples, and the trainer's log holds each step once), with
@@ -17,12 +18,16 @@ import sys
 from pathlib import Path
 
 import psutil
+import pytest
 from mainjob_helpers import BATCH, run_config, tiny_job
 
 from node_helpers import job_processes, listening_sockets, wait_for
 from rlplex.control.elastic.master import read_elastic_status
 from rlplex.mainjob.view import collect, read_progress_rows
 from rlplex.multirun.rundir import RunDir, stable_steps
+from timing import scaled
+
+pytestmark = pytest.mark.e2e
 
 STEPS = 30  # enough that the faults land while both runs still train (a step can take 0.1 s)
 
@@ -68,24 +73,53 @@ def trained(out: Path, run_id: str) -> int:
     return next((run.trained_steps for run in collect(out).runs if run.run_id == run_id), 0)
 
 
-def test_sigkill_of_an_orchestrator_and_a_trainer_rank_loses_and_repeats_no_step(tmp_path: Path) -> None:
+def test_signals_and_sigkills_of_every_process_lose_and_repeat_no_step(tmp_path: Path) -> None:
+    """SIGTERM, then SIGHUP, stop `rlplex run` cleanly (report written, no process left); `rlplex
+    resume` and `rlplex run --continue` carry on. Then SIGKILL of an orchestrator, a rollout node,
+    trainer rank 0 and the master, and `rlplex resume` to the end: every run trains all its steps,
+    none twice."""
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
+    log_path = tmp_path / "job.log"
     # run_b generates on two nodes of the job's rollout role, run_a in its orchestrator.
     runs = {"run_a": run_config(1, STEPS), "run_b": run_config(2, STEPS, "rollout_workers = 2")}
     path.write_text(tiny_job("mj-faults", out, runs, trainer="checkpoint_every = 10"))
-    log = open(tmp_path / "job.log", "w")
+    log = open(log_path, "a")
     command = [sys.executable, "-m", "rlplex.cli"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    job = subprocess.Popen([*command, "run", str(path), "--no-live"], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    def start(*args: str) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([*command, *args, "--no-live"], stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    job = start("run", str(path))
 
     def trained_while_running(run_id: str, steps: int) -> bool:
         if job.poll() is not None:
             raise AssertionError(f"the job ended early:\n{job_story(tmp_path, out)}")
         return trained(out, run_id) >= steps
 
+    def stopped_cleanly_by(signum: int) -> None:
+        (out / "report.md").unlink(missing_ok=True)
+        job.send_signal(signum)
+        assert job.wait(timeout=scaled(120)) == 128 + signum, job_story(tmp_path, out)
+        assert collect(out).job_state == "STOPPED"
+        assert "Job state: **STOPPED**" in (out / "report.md").read_text()
+        _gone, alive = psutil.wait_procs(job_processes(out), timeout=10.0)
+        assert not alive, f"processes left behind: {[p.pid for p in alive]}"
+
     try:
+        # Signals first, while the runs have most of their steps ahead.
         wait_for(lambda: trained_while_running("run_a", 1), 240, "run_a's first trained step")
+        stopped_cleanly_by(signal.SIGTERM)
+        assert "rlplex resume" in log_path.read_text()
+        job = start("resume", str(out))
+        next_step = trained(out, "run_a") + 1
+        wait_for(lambda: trained_while_running("run_a", next_step), 240, "run_a's next step after resume")
+        stopped_cleanly_by(signal.SIGHUP)
+        job = start("run", str(path), "--continue")
+        next_step = trained(out, "run_a") + 1
+        wait_for(lambda: trained_while_running("run_a", next_step), 240, "run_a's next step after --continue")
+        assert trained(out, "run_a") < STEPS and trained(out, "run_b") < STEPS, "too few steps left for the faults"
         # Every port of the running main job (master, trainer ranks and their rank-0 store, gloo,
         # orchestrators, conductor) is on loopback: issue 18's socket check.
         master = psutil.Process(job.pid)
@@ -110,17 +144,16 @@ def test_sigkill_of_an_orchestrator_and_a_trainer_rank_loses_and_repeats_no_step
         # Rank 0 writes the checkpoints: SIGKILLed, it has no chance to checkpoint on the way out.
         rank_0 = wait_for(lambda: trainer_script(out, "trainer-0"), 60, "trainer rank 0's script")
         assert isinstance(rank_0, psutil.Process)
-        wait_for(lambda: trained_while_running("run_b", 2), 120, "run_b's second trained step")
+        next_step = trained(out, "run_b") + 1
+        wait_for(lambda: trained_while_running("run_b", next_step), 120, "run_b's next trained step")
         rank_0.send_signal(signal.SIGKILL)
         wait_for(lambda: elastic_restarts(out) >= 1, 120, "the trainer ranks' re-rendezvous")
         next_step = trained(out, "run_b") + 1
         wait_for(lambda: trained_while_running("run_b", next_step), 180, "run_b's next trained step")
         job.send_signal(signal.SIGKILL)  # the master dies; its nodes carry on without it
         job.wait(10)
-        job = subprocess.Popen(
-            [*command, "resume", str(out), "--no-live"], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-        assert job.wait(timeout=360) == 0, job_story(tmp_path, out)
+        job = start("resume", str(out))
+        assert job.wait(timeout=scaled(360)) == 0, job_story(tmp_path, out)
         view = collect(out)
         assert restarts(out, "orchestrator", 0) >= 1 and restarts(out, "rollout", 0) >= 1
         assert elastic_restarts(out) >= 1  # the trainer ranks re-rendezvoused

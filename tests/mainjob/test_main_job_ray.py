@@ -20,6 +20,8 @@ ray = pytest.importorskip("ray")
 
 from rlplex.control.backends.ray import NAMESPACE  # noqa: E402
 
+pytestmark = pytest.mark.e2e
+
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 

@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import psutil
+import pytest
 from mainjob_helpers import run_config, tiny_job
 from rich.console import Console
 
@@ -20,6 +21,8 @@ from rlplex.mainjob.config import load_main_job
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect, read_progress_rows
 from rlplex.multirun.rundir import RunDir, stable_steps
+
+pytestmark = pytest.mark.e2e
 
 STEPS = 4
 INFERENCE = """
@@ -56,6 +59,7 @@ def test_main_job_on_vllm_survives_the_server_being_killed(tmp_path: Path) -> No
 
     def kill_the_server_once_a_step_is_trained() -> None:
         try:
+
             def trained_and_served() -> list[psutil.Process] | None:
                 servers = vllm_servers(out)
                 seen.update(p.pid for p in servers)

@@ -16,7 +16,6 @@ from benchmarks.multirun_learning import (
     ARITHMETIC,
     DEFAULT_SPECS,
     Budget,
-    RunSpec,
     configure,
     model_settings,
     orch_config,
@@ -24,31 +23,6 @@ from benchmarks.multirun_learning import (
 )
 
 STEPS = 3
-
-
-def test_learning_benchmark_writes_json_and_png_with_numeric_rewards(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.chdir(tmp_path)  # report() writes bench_results/ under the working directory
-    # One run keeps the test to four processes (their start-up is most of its time); the
-    # benchmark's analysis and outputs are the same code for one run as for three.
-    specs = (RunSpec("run_a", 3e-3, 4, True),)
-    budget = Budget(steps=STEPS, batch_size=8, group_size=4, warmup_steps=40, timeout_s=120)
-    figures = run_benchmark(
-        tmp_path / "work", specs, budget, seed_check=False, parallel=2, window=2, name="mrlearn_smoke"
-    )
-    png, data = Path(figures["png"]), json.loads(Path(figures["json"]).read_text())
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert Path(figures["json"]) == Path("bench_results/mrlearn_smoke.json")
-    assert [run["run_id"] for run in data["runs"]] == ["run_a"]
-    for run in data["runs"]:
-        for side in ("shared", "alone"):
-            rewards = run[side]["rewards"]
-            assert len(rewards) == STEPS
-            assert all(isinstance(r, float) and 0.0 <= r <= 1.0 for r in rewards)
-            assert math.isfinite(run[side]["first"]) and math.isfinite(run[side]["final"])
-        assert run["gap_shared_vs_alone"]["max_abs"] >= run["gap_shared_vs_alone"]["mean_abs"] >= 0.0
-        assert isinstance(run["within_noise"], bool)
 
 
 @pytest.fixture
@@ -83,24 +57,42 @@ def test_command_line_preset_env_and_model_settings() -> None:
         configure(["--env-json", '{"max_operand": 5}'])  # no name
 
 
-def test_arithmetic_preset_smoke(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The preset's environment and checkpoint through the real processes, a few steps of 8 samples.
+@pytest.mark.slow
+def test_arithmetic_preset_smoke_writes_json_and_png_with_numeric_rewards(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The preset's environment and checkpoint through the real trainer and orchestrator
+    processes, shared and alone, a few steps of 8 samples; the outputs must be written and sane.
 
     The checkpoint is the preset's own (built once, about 40 s, then cached): a less warmed-up one
-    answers nothing right, and an orchestrator whose batches carry no learning signal gives up."""
-    monkeypatch.chdir(tmp_path)
+    answers nothing right, and an orchestrator whose batches carry no learning signal gives up.
+    One run keeps the test to four processes (their start-up is most of its time); the
+    benchmark's analysis and outputs are the same code for one run as for three, and for the
+    reverse task as for arithmetic (whose settings the command-line tests above check)."""
+    monkeypatch.chdir(tmp_path)  # report() writes bench_results/ under the working directory
     budget = replace(ARITHMETIC.budget, steps=STEPS, batch_size=8, group_size=4, timeout_s=120)
     figures = run_benchmark(
-        tmp_path / "work", ARITHMETIC.specs[:1], budget, seed_check=False, window=2, name="mrlearn_arith_smoke"
-    )
-    data = json.loads(Path(figures["json"]).read_text())
+        tmp_path / "work", ARITHMETIC.specs[:1], budget, seed_check=False, parallel=2, window=2,
+        name="mrlearn_arith_smoke",
+    )  # fmt: skip
+    png, data = Path(figures["png"]), json.loads(Path(figures["json"]).read_text())
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert Path(figures["json"]) == Path("bench_results/mrlearn_arith_smoke.json")
     assert data["budget"]["env"] == ARITHMETIC.budget.env
     assert data["base_model"]["tasks"] == [ARITHMETIC.budget.env]
     written = (tmp_path / "work" / "shared" / "configs" / "run_a.toml").read_text()
     assert 'name = "arithmetic"' in written and "max_operand = 7" in written
-    run = data["runs"][0]
-    assert all(len(run[side]["rewards"]) == STEPS for side in ("shared", "alone"))
-    assert math.isfinite(run["shared"]["rise"]) and isinstance(data["goal_all_well_configured_rise"], bool)
+    assert [run["run_id"] for run in data["runs"]] == ["run_a"]
+    for run in data["runs"]:
+        for side in ("shared", "alone"):
+            rewards = run[side]["rewards"]
+            assert len(rewards) == STEPS
+            assert all(isinstance(r, float) and 0.0 <= r <= 1.0 for r in rewards)
+            assert math.isfinite(run[side]["first"]) and math.isfinite(run[side]["final"])
+        assert run["gap_shared_vs_alone"]["max_abs"] >= run["gap_shared_vs_alone"]["mean_abs"] >= 0.0
+        assert isinstance(run["within_noise"], bool)
+        assert math.isfinite(run["shared"]["rise"])
+    assert isinstance(data["goal_all_well_configured_rise"], bool)
 
 
 def test_the_orchestrator_rollouts_benchmark_generates_every_step() -> None:

@@ -26,9 +26,12 @@ from rlplex.multirun import RunDir, create_run
 from rlplex.multirun.rundir import STABLE_MARKER, stable_steps, write_eviction
 from rlplex.multirun.rundir.peft_export import is_stable_adapter
 from rlplex.multirun.trainer.log import read_progress_csv
+from timing import scaled
+
+pytestmark = pytest.mark.e2e
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-TIMEOUT_S = 60.0
+TIMEOUT_S = scaled(60.0)
 BATCH = 16  # four groups of four: a batch with no learning signal (which the orchestrator draws again) is rare
 CONFIGS = {
     "run_a": make_config(max_steps=40, batch_size=BATCH, seed=1),  # never reaches its end: evicted

@@ -194,6 +194,7 @@ def test_no_learning_signal_writes_nothing(actor_run: tuple[OrchestratorConfig, 
     assert not rollouts_ready(run, 0) and not run.rollout_step(0).exists()
 
 
+@pytest.mark.slow
 def test_rollout_workers_generate_in_processes_of_their_own(
     tmp_path: Path, actor_run: tuple[OrchestratorConfig, RunDir, ActorModel]
 ) -> None:

@@ -33,10 +33,13 @@ from rlplex.multirun.orchestrator.graph import orchestrator_mfcs
 from rlplex.multirun.orchestrator.loop import MAX_EMPTY_BATCH_ATTEMPTS, WaitOptions, main, run_orchestrator
 from rlplex.multirun.rundir import write_eviction
 from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE, read_rollouts, rollouts_ready
+from timing import scaled
 
-TIMEOUT_S = 60.0
+TIMEOUT_S = scaled(60.0)
 TARGETS = ("q_proj", "v_proj")
 RANK, ALPHA = 4, 8.0
+
+
 def make_config(**overrides: object) -> OrchestratorConfig:
     data: dict[str, object] = {
         "env": {"name": "reverse"},
@@ -326,6 +329,7 @@ def test_restart_after_sigkill_resumes_without_regenerating(
     assert [row["step"] for row in rows] == [0.0, 1.0, 2.0]
 
 
+@pytest.mark.slow
 def test_bad_orch_toml_is_refused_naming_the_field(
     tmp_path: Path, base_cache: Path, orchestrators: Orchestrators
 ) -> None:
@@ -339,6 +343,7 @@ def test_bad_orch_toml_is_refused_naming_the_field(
     assert not (out / "run_bad").exists()
 
 
+@pytest.mark.slow
 def test_unknown_env_and_changed_config_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "orch.toml"
     body = f'env = {{ name = "juggle" }}\nmax_steps = 3\nbatch_size = 4\n[model]\nname = "{tiny_model()}"\n'

@@ -34,6 +34,7 @@ from rlplex.multirun.rundir.checkpoint import latest_stable_checkpoint_path, loa
 from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE
 from rlplex.multirun.trainer.log import read_progress_csv
 from rlplex.multirun.trainer.loop import MultiRunTrainer
+from timing import scaled
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +161,7 @@ def test_resume_from_checkpoint_into_another_slot(tmp_path: Path) -> None:
     assert_same_weights(broadcast_weights(out, "run_r", 4), reference)
 
 
+@pytest.mark.slow
 def test_world_size_2_isolation_and_resume_across_world_sizes(tmp_path: Path, alone: dict) -> None:
     # Part of a run trained at world size 1, resumed by the two-rank trainer below.
     prepared = tmp_path / "resume"
@@ -203,6 +205,7 @@ def test_a_run_naming_another_model_is_rejected_with_the_reason(tmp_path: Path) 
     assert "field 'model.name'" in reason and "random-llama" in reason and "is not this trainer's model" in reason
 
 
+@pytest.mark.e2e
 def test_cli_runs_a_job_that_takes_the_model_and_stops_after_steps(tmp_path: Path) -> None:
     import json
     import signal
@@ -238,7 +241,7 @@ def _mtime(path: Path) -> int:
 def iterate_until(trainer: MultiRunTrainer, condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
     """Trainer iterations, polling like `MultiRunTrainer.run`, until `condition` holds (the writer
     thread writes the finished marker between iterations)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

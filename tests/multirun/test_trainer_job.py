@@ -27,9 +27,12 @@ from rlplex.multirun.rundir.rollouts import write_rollouts
 from rlplex.multirun.trainer.job import JOB_FOLDER
 from rlplex.multirun.trainer.log import read_progress_csv
 from rlplex.multirun.trainer.main import main
+from timing import scaled
+
+pytestmark = pytest.mark.e2e
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-TIMEOUT_S = 120.0
+TIMEOUT_S = scaled(120.0)
 
 
 def trainer_scripts(job_dir: Path) -> list[psutil.Process]:

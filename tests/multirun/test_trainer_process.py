@@ -14,12 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import pytest
 from mr_train_helpers import FakeOrchestrator, new_train_run, shared_model
 from test_sync_multirank import free_port
 
 from rlplex.multirun.rundir.checkpoint import latest_stable_checkpoint_path
 from rlplex.multirun.rundir.peft_export import is_stable_adapter
 from rlplex.multirun.trainer.log import read_progress_csv
+from timing import scaled
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
@@ -35,7 +37,7 @@ def start_trainer(output_dir: Path, *args: str, env: dict[str, str] | None = Non
 def wait_for(
     condition: Callable[[], bool], procs: list[subprocess.Popen[bytes]], what: str, timeout_s: float = 90
 ) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while not condition():
         for proc in procs:
             if proc.poll() is not None:
@@ -61,6 +63,7 @@ def stop_all(procs: list[subprocess.Popen[bytes]]) -> list[str]:
 STEPS = 8
 
 
+@pytest.mark.slow
 def test_two_torchrun_style_ranks_learn_from_a_fake_orchestrator_and_stop_together(tmp_path: Path) -> None:
     port = str(free_port())
     procs = [

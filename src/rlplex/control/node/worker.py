@@ -30,6 +30,7 @@ from rlplex.errors import JobSpecError
 if TYPE_CHECKING:
     from rlplex.control.node.role_group import RoleGroup
 
+
 def job_channel_prefix(job_id: str) -> str:
     return f"{job_id}."
 
