@@ -1,6 +1,9 @@
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,10 @@ torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # A test that asks for one of these starts a job, a vLLM server or Ray: it is `e2e` without saying so.
-E2E_FIXTURES = {"job_dir", "served", "ray_session", "ray_address", "ray_cluster"}
+E2E_FIXTURES = {"job_dir", "served", "ray_address"}
+TESTS = Path(__file__).resolve().parent
+_RAY = contextlib.ExitStack()
+_RAY_ADDRESS: list[str] = []
 
 
 @pytest.fixture
@@ -25,6 +31,27 @@ def cartpole():  # type: ignore[no-untyped-def]
 # tryfirst: pytest-xdist reads the xdist_group markers in its own hook of this name: the markers
 # must be there before it runs (tests/test_tiers.py checks that the groups reach the scheduler).
 @pytest.hookimpl(tryfirst=True)
+@pytest.fixture(scope="session")
+def ray_address(request: pytest.FixtureRequest) -> Iterator[str]:
+    """One local Ray (num_cpus=2) for the whole pytest process, shared by every Ray test; yields its
+    GCS address. Its workers import this checkout's rlplex and the tests' worker modules first.
+    Like the vLLM server (tests/inference/conftest.py) it stops when pytest exits, not when a
+    pytest-xdist worker tears session fixtures down between two batches of tests."""
+    if not _RAY_ADDRESS:
+        from node_helpers import local_ray
+        from rlplex.control.backends.ray import NAMESPACE
+
+        paths = (TESTS.parent / "src", TESTS / "control", TESTS)
+        _RAY_ADDRESS.append(_RAY.enter_context(local_ray(*paths, namespace=NAMESPACE)))
+        request.config.add_cleanup(_stop_ray)
+    yield _RAY_ADDRESS[0]
+
+
+def _stop_ray() -> None:
+    _RAY_ADDRESS.clear()
+    _RAY.close()
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tiers, time scale and worker groups.
 
@@ -37,7 +64,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     tests share one session-wide server (`tests/inference/conftest.py`). The other main-job tests
     (each a trainer of two ranks and several orchestrators) run one at a time on a worker of their
     own, so that two of them never compete for the cores. The two groups are the longest units,
-    so they are collected first: each worker starts on one of them."""
+    so they are collected first: each worker starts on one of them. The tests of a module that
+    share a module-scoped fixture (a training run several tests read) are a group too: split over
+    two workers, each would run the fixture."""
     no_cuda = pytest.mark.skip(reason="needs a CUDA GPU (the device machine runs these)")
     default_timeout = float(config.getini("timeout") or 0)
     for item in items:
@@ -55,8 +84,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("vllm"))
         elif "/tests/mainjob/" in path or item.nodeid.endswith("::test_main_job_commands"):
             item.add_marker(pytest.mark.xdist_group("mainjob"))
+        elif _shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.stem))
     rank = {"vllm": 0, "mainjob": 1}
     items.sort(key=lambda item: rank.get(_group(item), 2))  # stable: the rest keep their order
+
+
+def _shares_a_module_fixture(item: pytest.Item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)  # pytest's own record of the fixtures a test uses
+    if info is None:
+        return False
+    return any(defs[-1].scope in ("module", "class", "package") for defs in info.name2fixturedefs.values() if defs)
 
 
 def _group(item: pytest.Item) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import signal
@@ -64,6 +65,9 @@ def watch(run: Watched) -> Watched:
 
 def assert_cleaned_up(run: Watched) -> None:
     assert run.names and run.pids, "the run never reached its first log row"
+    # The replay's lock is a named semaphore, unlinked when its last reference goes; a reference
+    # cycle (a traceback's frames after a worker died) holds it until the collector runs.
+    gc.collect()
     assert [n for n in run.names if os.path.exists(f"/dev/shm/{n}")] == [], "shared memory left behind"
     segments = [n for n in run.names if not n.startswith("sem.")]
     assert segments and all(n.startswith(f"rlplex-shm-{os.getpid()}-") for n in segments)
@@ -224,7 +228,7 @@ def test_sigkill_of_a_child_raises_worker_died_promptly(victim: int) -> None:
     thread = threading.Thread(target=train, daemon=True)
     thread.start()
     try:
-        assert run.started.wait(timeout=120), "AsyncRl did not start"
+        assert run.started.wait(timeout=scaled(120)), "AsyncRl did not start"
         process = run.sampler.processes[victim]
         name = process.name
         killed_at = time.monotonic()
@@ -322,7 +326,7 @@ def test_parallel_async_sampler_sigkilled_worker_fails_fast_and_leaves_nothing()
     thread.start()
     try:
         # Three processes import torch before the first row: on a loaded machine, minutes.
-        assert run.started.wait(timeout=300), "AsyncRl did not start"
+        assert run.started.wait(timeout=scaled(300)), "AsyncRl did not start"
         sampler_pid = run.pids[0]
         workers = child_pids(sampler_pid, 2)
         killed_at = time.monotonic()

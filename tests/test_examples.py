@@ -50,6 +50,16 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     )
 
 
+def train(*args: str) -> subprocess.CompletedProcess[str]:
+    """`rlplex train ARGS` through its typer app in this process (a child process per example costs
+    seconds of torch import on two cores; the real entry point trains in
+    test_cartpole_example_trains_through_the_cli and in tests/test_readme_commands.py)."""
+    result = CliRunner().invoke(app, ["train", *args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return subprocess.CompletedProcess(["train", *args], result.exit_code, result.output, "")
+
+
 def read_csv(path: Path) -> list[dict[str, float]]:
     with path.open(newline="") as handle:
         return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(handle)]
@@ -82,8 +92,7 @@ def test_cartpole_example_trains_through_the_cli(tmp_path: Path) -> None:
 )  # fmt: skip
 def test_classic_example_trains_through_the_cli(name: str, algo: str, n_steps: int, tmp_path: Path) -> None:
     out = tmp_path / algo
-    done = run("-m", "rlplex.cli", "train", f"examples/{name}", "--output", str(out),
-               "--n-steps", str(n_steps), "--no-progress")  # fmt: skip
+    done = train(str(EXAMPLES / name), "--output", str(out), "--n-steps", str(n_steps), "--no-progress")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = read_csv(out / "progress.csv")
     assert rows and rows[-1]["charts/env_steps"] == n_steps and "charts/eval_return_mean" in rows[-1]
@@ -102,7 +111,7 @@ def test_mujoco_example_trains_through_the_cli(tmp_path: Path) -> None:
     assert "learning_starts = 10_000" in text
     config.write_text(text.replace("learning_starts = 10_000", "learning_starts = 200"))
     out = tmp_path / "hc"
-    done = run("-m", "rlplex.cli", "train", str(config), "--output", str(out), "--n-steps", "400", "--no-progress")
+    done = train(str(config), "--output", str(out), "--n-steps", "400", "--no-progress")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = read_csv(out / "progress.csv")
     last = rows[-1]
@@ -131,8 +140,7 @@ def test_atari_example_trains_through_the_cli(name: str, n_steps: int, edits: di
         text = text.replace(old, new)
     config, out = tmp_path / name, tmp_path / "out"
     config.write_text(text)
-    done = run("-m", "rlplex.cli", "train", str(config), "--output", str(out), "--n-steps", str(n_steps),
-               "--no-progress", timeout=240)  # fmt: skip
+    done = train(str(config), "--output", str(out), "--n-steps", str(n_steps), "--no-progress")
     assert done.returncode == 0, done.stdout + done.stderr
     rows = read_csv(out / "progress.csv")
     assert rows and rows[-1]["charts/env_steps"] == n_steps

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from timing import wait_for
+from timing import scaled, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="parent-death signals are Linux-only")
 
@@ -137,7 +137,7 @@ class Training:
                 proc.kill()
             except psutil.NoSuchProcess:
                 pass
-        self.process.wait(timeout=10)
+        self.process.wait(timeout=scaled(10))
         psutil.wait_procs(everything, timeout=10)
         self.log.close()
 
@@ -180,7 +180,7 @@ def test_sigkill_of_the_launcher_kills_every_child_and_stops_the_snapshots(
     os.kill(run.process.pid, signal.SIGKILL)
     # From the launcher's death (on a loaded machine its exit can lag the kill): the children
     # are signalled as it exits.
-    run.process.wait(timeout=10)
+    run.process.wait(timeout=scaled(10))
     dead_at, dead_wall = time.monotonic(), time.time()
     _assert_all_die(workers, dead_at)
     # Nothing writes any more; a snapshot stamped after the launcher died came from an orphan.
@@ -195,7 +195,7 @@ def test_sigterm_stops_rlplex_train_like_ctrl_c(training: Callable[[str], Traini
     os.kill(run.process.pid, signal.SIGTERM)
     killed_at = time.monotonic()
     # The launcher stops its ranks itself, then exits with 128 + SIGTERM.
-    assert run.process.wait(timeout=30) == 128 + signal.SIGTERM, run.output()
+    assert run.process.wait(timeout=scaled(30)) == 128 + signal.SIGTERM, run.output()
     assert "stopped by SIGTERM" in run.output()
     _assert_all_die(workers, killed_at)
 
@@ -205,5 +205,5 @@ def test_a_killed_rank_fails_the_run_with_exit_code_1(training: Callable[[str], 
     run = training(SYNC_ONE_RANK)
     (rank,) = run.wait_training(1)
     rank.kill()
-    assert run.process.wait(timeout=60) == 1, run.output()
+    assert run.process.wait(timeout=scaled(60)) == 1, run.output()
     assert "run failed" in run.output() and "died with exit code -9" in run.output()

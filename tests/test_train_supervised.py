@@ -23,6 +23,7 @@ from rlplex.diagnostics.metrics import MetricsLogger, read_metrics_csv
 from rlplex.errors import JobSpecError
 from rlplex.runners.config import load_train_config
 from rlplex.runners.train_node import train_job_spec
+from timing import scaled
 
 pytestmark = pytest.mark.e2e
 
@@ -57,7 +58,7 @@ def test_a_sigkilled_run_is_restarted_from_its_newest_snapshot_and_logs_each_ste
         node.send_signal(signal.SIGKILL)
         _, alive = psutil.wait_procs([node, *workers], timeout=30)
         assert not alive, f"the sampler workers outlived their node: {alive}"
-        assert process.wait(timeout=240) == 0, (tmp_path / "command.log").read_text()[-3000:]
+        assert process.wait(timeout=scaled(240)) == 0, (tmp_path / "command.log").read_text()[-3000:]
     finally:
         if process.poll() is None:
             process.kill()
@@ -107,7 +108,7 @@ def test_sigterm_stops_the_job_and_the_same_command_with_resume_goes_on(tmp_path
         try:
             wait_for(lambda: any((out / "snapshots").glob("itr_*/state.json")), 120, "the run's first snapshot")
             process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=60) == 128 + signal.SIGTERM
+            assert process.wait(timeout=scaled(60)) == 128 + signal.SIGTERM
         finally:
             if process.poll() is None:
                 process.kill()

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,20 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from node_helpers import local_ray, wait_for
+from node_helpers import wait_for
 from rlplex.control import ChannelClosedError, ChannelTimeoutError, DataChannel, RayDataChannel
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.usefixtures("ray_address")]
 
 ray = pytest.importorskip("ray")
 SRC = str(Path(__file__).resolve().parents[2] / "src")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_cluster() -> Iterator[None]:
-    # Ray's workers must import this worktree's rlplex, not the editable install's.
-    with local_ray(SRC):
-        yield
 
 
 @pytest.fixture

@@ -24,6 +24,7 @@ from rlplex.control import (
     parse_job,
     run_self_loop,
 )
+from timing import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,7 +62,7 @@ def at_the_root(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_example_job_delivers_every_item_once_in_order_and_removes_its_channels(job_dir: Path) -> None:
     with PrimeMaster.create(selfloop_job(job_dir, items=15, sources=3)) as master:
         master.start()
-        assert master.wait(timeout=120) == JobState.STOPPED, master.cause
+        assert master.wait(timeout=scaled(120)) == JobState.STOPPED, master.cause
         assert master.cause == "every node finished"
     items = consumed(job_dir)
     assert sorted(items) == [(src, seq) for src in range(3) for seq in range(15)]  # each exactly once
@@ -80,7 +81,7 @@ def test_a_stage_killed_mid_stream_is_restarted_and_the_pipeline_goes_on(job_dir
         wait_for(lambda: len(consumed(job_dir)) >= 10, 60, "ten items through the pipeline")
         (tokenizer,) = [p for p in node_processes(job_dir) if "tokenizer-0" in p.cmdline()]
         tokenizer.send_signal(signal.SIGKILL)
-        assert master.wait(timeout=120) == JobState.STOPPED, master.cause
+        assert master.wait(timeout=scaled(120)) == JobState.STOPPED, master.cause
         restarts = {node.node_id: node.incarnation for node in master.store.nodes(master.job_id)}
     assert restarts["tokenizer-0"] == 1, restarts
     items = consumed(job_dir)
@@ -139,7 +140,7 @@ def test_a_stage_of_several_nodes_shares_its_channels_and_closes_its_sink_once_a
     )  # fmt: skip
     with PrimeMaster.create(spec) as master:
         master.start()
-        assert master.wait(timeout=120) == JobState.STOPPED, master.cause
+        assert master.wait(timeout=scaled(120)) == JobState.STOPPED, master.cause
         assert master.cause == "every node finished"
     got = [int(line) for line in (job_dir / "collected.txt").read_text().split()]
     assert sorted(got) == [2 * i for i in range(200)]

@@ -41,6 +41,7 @@ from rlplex.control.job.states import StateMachine
 from rlplex.control.node.role_group import RoleGroup
 from rlplex.control.node.worker import WorkerContext
 from rlplex.errors import IllegalTransitionError, JobFailedError, JobSpecError
+from timing import scaled
 
 SCRIPT = str(Path(__file__).resolve().parents[2] / "examples" / "elastic_train.py")
 STEPS, CKPT_EVERY = 60, 10
@@ -53,12 +54,12 @@ def elastic_job(
     args = ["--steps", str(STEPS), "--ckpt-every", str(CKPT_EVERY), "--lr", "0.03", "--step-delay", str(step_delay)]
     return (
         JobBuilder("elastic", job_dir, capacity={"cpu": 2}, heartbeat_interval_s=0.1, rpc_timeout_s=90.0)
-        .role("trainer", entrypoint=entrypoint, count=count, resources={"cpu": 0.5}, heartbeat_timeout_s=10.0,
+        .role("trainer", entrypoint=entrypoint, count=count, resources={"cpu": 0.5}, heartbeat_timeout_s=scaled(10.0),
               config=script or {"script": SCRIPT, "args": args})
         .role("elastic", kind="submaster", entrypoint="rlplex.control.elastic:ElasticMaster",
-              resources={"cpu": 0.1}, heartbeat_timeout_s=10.0,
+              resources={"cpu": 0.1}, heartbeat_timeout_s=scaled(10.0),
               restart=master_restart or {"scope": "worker", "max_restarts": 3},
-              config={"workers": "trainer", "join_timeout_s": 5.0, **master})
+              config={"workers": "trainer", "join_timeout_s": scaled(5.0), **master})
         .build()
     )  # fmt: skip
 
@@ -146,7 +147,7 @@ def test_the_rendezvous_store_is_where_rank_0_runs() -> None:
 def test_elastic_job_trains_to_completion(job_dir: Path) -> None:
     with PrimeMaster.create(elastic_job(job_dir)) as master:
         master.start()  # prepare() runs the node check of both ranks
-        assert master.wait(timeout=60) == JobState.STOPPED
+        assert master.wait(timeout=scaled(60)) == JobState.STOPPED
         done = result(job_dir)
         assert done["steps"] == STEPS and done["world"] == 2
         assert done["restarts"] == 0, restart_causes(job_dir)
@@ -179,7 +180,7 @@ def test_a_function_entrypoint_gets_its_config_and_request_stop_ends_it_graceful
             assert [future.result(timeout=30) for future in group.call("request_stop")] == [True]
         finally:
             group.close()
-        assert master.wait(timeout=60) == JobState.STOPPED
+        assert master.wait(timeout=scaled(60)) == JobState.STOPPED
         assert out.read_text() == "stopped"
         assert {n.state for n in master.store.nodes(master.job_id)} == {"FINISHED"}
         assert rendezvous_steps(master) == ["WAITING", "READY", "RUNNING", "FINISHED"]
@@ -213,7 +214,7 @@ def test_every_port_of_a_job_is_on_loopback(job_dir: Path) -> None:
         assert any(port == store_port for _, _, port in found), found  # the round's store is among them
         assert len(found) >= 1 + len(nodes) + 1
         assert [f for f in found if f[1] not in ("127.0.0.1", "::1")] == []
-        assert master.wait(timeout=60) == JobState.STOPPED
+        assert master.wait(timeout=scaled(60)) == JobState.STOPPED
         assert result(job_dir)["steps"] == STEPS
 
 
@@ -232,7 +233,7 @@ def test_sigkilled_script_then_node_rerendezvous_and_resume_from_checkpoints(job
         os.kill(victim.pid, signal.SIGKILL)  # the node alone, not its process group
         # Its script dies with it by itself (nothing else has acted yet: the master is not monitoring).
         wait_for(lambda: not orphan.is_running() or orphan.status() == psutil.STATUS_ZOMBIE, 10, "the script to die")
-        assert master.wait(timeout=60) == JobState.STOPPED
+        assert master.wait(timeout=scaled(60)) == JobState.STOPPED
         done = result(job_dir)
         assert done["steps"] == STEPS and done["restarts"] == 2, restart_causes(job_dir)
         assert done["world"] == 2
@@ -264,7 +265,7 @@ def test_killed_elastic_master_takes_over_then_a_scaled_down_role_trains_on_with
         # 2. trainer-1 goes for good (scale down); min_nodes = 1 lets rank 0 train on alone.
         wait_for(lambda: progress(job_dir, "trainer-1").get("step", 0) >= 2 * CKPT_EVERY + 2, 40, "rank 1 past 22")
         master.scale_role("trainer", 1)
-        assert master.wait(timeout=60) == JobState.STOPPED
+        assert master.wait(timeout=scaled(60)) == JobState.STOPPED
         done = result(job_dir)
         assert done["steps"] == STEPS and done["restarts"] == 2, restart_causes(job_dir)
         assert done["world"] == 1
@@ -286,7 +287,7 @@ def test_a_scaled_up_role_grows_the_world_and_the_joiner_is_checked_first(job_di
         master.start()
         wait_for(lambda: progress(job_dir, "trainer-0").get("step", 0) >= CKPT_EVERY + 2, 40, "rank 0 past step 12")
         master.scale_role("trainer", 2)
-        assert master.wait(timeout=60) == JobState.STOPPED
+        assert master.wait(timeout=scaled(60)) == JobState.STOPPED
         done = result(job_dir)
         assert done["steps"] == STEPS and done["world"] == 2
         assert done["restarts"] == 1, restart_causes(job_dir)
@@ -310,7 +311,7 @@ def test_a_script_failing_every_time_spends_the_budget_and_fails_the_job(job_dir
         master.start()
         with pytest.raises(JobFailedError, match=r"restart budget spent \(1\); last cause: rank \d \(trainer-\d\): "
                            r"script exited with code 2"):  # fmt: skip
-            master.wait(timeout=60)
+            master.wait(timeout=scaled(60))
         assert node_processes(job_dir) == [] and job_processes(job_dir) == []
         assert rendezvous_steps(master)[-3:] == ["RUNNING", "RESTARTING", "FAILED"]
         assert "restart budget spent" in read_elastic_status(job_dir)["error"]

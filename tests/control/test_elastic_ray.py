@@ -5,34 +5,27 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from test_elastic import CKPT_EVERY, STEPS, elastic_job, job_processes, progress, result
 
-from node_helpers import local_ray, wait_for
+from node_helpers import wait_for
 from rlplex.control import JobState, PrimeMaster, parse_job
 from rlplex.control.elastic.master import read_elastic_status
+from timing import scaled
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
 
 ray = pytest.importorskip("ray")
 
-from rlplex.control.backends.ray import NAMESPACE  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 
-@pytest.fixture(scope="module")
-def ray_session() -> Iterator[None]:
-    with local_ray(SRC, HERE, namespace=NAMESPACE):
-        yield
-
-
 @pytest.mark.slow
-def test_elastic_job_on_ray_recovers_from_a_killed_node_actor(ray_session: None, job_dir: Path) -> None:
+def test_elastic_job_on_ray_recovers_from_a_killed_node_actor(ray_address: str, job_dir: Path) -> None:
     local = elastic_job(job_dir, step_delay=0.02, node_check=False)
     spec = parse_job(local.model_dump(mode="json") | {"backend": "ray"})
     with PrimeMaster.create(spec) as master:
@@ -41,7 +34,7 @@ def test_elastic_job_on_ray_recovers_from_a_killed_node_actor(ray_session: None,
                  "rank 1 past step 12")  # fmt: skip
         victim = next(n for n in master.get_nodes_by_role()["trainer"] if n.node_id == "trainer-1")
         os.kill(victim.pid, signal.SIGKILL)  # the actor's process: its script dies with it
-        assert master.wait(timeout=90) == JobState.STOPPED
+        assert master.wait(timeout=scaled(90)) == JobState.STOPPED
         done = result(job_dir)
         assert done["steps"] == STEPS and done["restarts"] == 1 and done["world"] == 2
         assert done["resumed_from"] >= CKPT_EVERY and done["final_loss"] < 0.1

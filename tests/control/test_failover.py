@@ -15,6 +15,7 @@ import pytest
 
 from node_helpers import node_processes, wait_for
 from rlplex.control import JobState, PrimeMaster, SqliteStateStore
+from timing import scaled
 
 pytestmark = pytest.mark.e2e
 
@@ -84,7 +85,7 @@ def test_killed_master_is_resumed_without_restarting_live_nodes(job_dir: Path, c
     with started_master(job_dir, child_env) as (master, store, job_id):
         before = {n.node_id: n.pid for n in store.nodes(job_id)}
         os.kill(master.pid, signal.SIGKILL)
-        master.wait(timeout=10)
+        master.wait(timeout=scaled(10))
         assert all(p.is_running() for p in node_processes(job_dir)) and len(node_processes(job_dir)) == 3
         (job_dir / RELEASE).touch()
 
@@ -116,7 +117,7 @@ def test_nodes_that_finished_without_a_master_give_the_resumed_master_their_fina
     re-attaches with, or the job is judged done before it arrives and keeps the stale progress."""
     with started_master(job_dir, child_env) as (master, store, job_id):
         os.kill(master.pid, signal.SIGKILL)
-        master.wait(timeout=10)
+        master.wait(timeout=scaled(10))
         (job_dir / RELEASE).touch()
 
         def all_items_written() -> bool:
@@ -136,7 +137,7 @@ def test_master_failover_during_a_worker_failure(job_dir: Path, child_env: dict[
         before = {n.node_id: n.pid for n in store.nodes(job_id)}
         os.kill(master.pid, signal.SIGKILL)
         os.kill(before["counter-0"], signal.SIGKILL)
-        master.wait(timeout=10)
+        master.wait(timeout=scaled(10))
         (job_dir / RELEASE).touch()
         resume(job_dir, child_env)
         nodes = {n.node_id: n for n in store.nodes(job_id)}
@@ -167,7 +168,7 @@ def test_a_second_master_for_a_live_job_is_refused(job_dir: Path, child_env: dic
         assert (job_dir / "job.token").read_text() == token
         assert store.latest_job_id() == job_id and store.job(job_id).master_pid == master.pid
         (job_dir / RELEASE).touch()
-        assert master.wait(timeout=60) == 0
+        assert master.wait(timeout=scaled(60)) == 0
         assert store.job(job_id).state == "STOPPED"
         assert {n.node_id: (n.pid, n.incarnation) for n in store.nodes(job_id)} == before
         assert store.decisions(job_id) == []
@@ -183,10 +184,10 @@ def test_a_master_killed_halfway_through_a_restart_is_resumed_and_the_job_finish
     with started_master(job_dir, child_env, argv=argv) as (master, store, job_id):
         victim = next(n for n in store.nodes(job_id) if n.node_id == "counter-1")
         os.kill(victim.pid, signal.SIGKILL)
-        assert master.wait(timeout=30) == -signal.SIGKILL  # it died at `point`
+        assert master.wait(timeout=scaled(30)) == -signal.SIGKILL  # it died at `point`
         (job_dir / RELEASE).touch()
         with PrimeMaster.resume(job_dir) as resumed:
-            assert resumed.wait(timeout=40) == JobState.STOPPED
+            assert resumed.wait(timeout=scaled(40)) == JobState.STOPPED
         done = {int(x) for f in (job_dir / "items").glob("*.txt") for x in f.read_text().split()}
         assert done == set(range(90))
         nodes = {n.node_id: n for n in store.nodes(job_id)}
@@ -222,7 +223,7 @@ def test_a_finished_node_keeps_its_result_until_a_master_has_stored_it(
         _gone, alive = psutil.wait_procs(node_processes(job_dir), timeout=3.0)
         assert len(alive) == 3, "a node exited without an acknowledgement of its final message"
         os.kill(master.pid, signal.SIGKILL)
-        master.wait(timeout=10)
+        master.wait(timeout=scaled(10))
         resume(job_dir, child_env)
         assert store.job(job_id).state == "STOPPED" and store.decisions(job_id) == []
         after = store.nodes(job_id)

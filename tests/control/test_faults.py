@@ -16,6 +16,7 @@ import pytest
 from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, SqliteStateStore
 from rlplex.errors import JobFailedError
+from timing import scaled
 
 pytestmark = pytest.mark.e2e
 
@@ -50,7 +51,7 @@ def test_sigkilled_worker_is_restarted_and_nothing_is_lost(job_dir: Path, scope:
         wait_for(lambda: progress_of(master, "counter-1") >= 3, 20, "counter-1 to process 3 items")
         victim = master.get_nodes_by_role()["counter"][1].pid
         os.kill(victim, signal.SIGKILL)
-        assert master.wait(timeout=40) == JobState.STOPPED
+        assert master.wait(timeout=scaled(40)) == JobState.STOPPED
         assert items_done(job_dir) == set(range(60))
         nodes = {n.node_id: n for n in master.store.nodes(master.job_id)}
         assert nodes["counter-1"].restarts == 1 and nodes["counter-1"].pid != victim
@@ -87,7 +88,7 @@ def test_a_slow_check_of_a_restarted_node_blames_no_other_node(job_dir: Path, mo
 
         wait_for(restarted_and_running, 30, "counter-1 restarted and RUNNING")
         (job_dir / "go").write_text("")
-        assert master.wait(timeout=40) == JobState.STOPPED
+        assert master.wait(timeout=scaled(40)) == JobState.STOPPED
         assert [(action, target) for action, target, _ in decisions(master)] == [("RESTART_WORKER", "counter-1")]
         assert items_done(job_dir) == set(range(30))
 
@@ -98,7 +99,7 @@ def test_a_stopped_worker_misses_heartbeats_and_is_replaced(job_dir: Path) -> No
         wait_for(lambda: progress_of(master, "counter-2") >= 2, 20, "counter-2 to process 2 items")
         hung = master.get_nodes_by_role()["counter"][2].pid
         os.kill(hung, signal.SIGSTOP)  # alive, but silent: a hang
-        assert master.wait(timeout=40) == JobState.STOPPED
+        assert master.wait(timeout=scaled(40)) == JobState.STOPPED
         assert items_done(job_dir) == set(range(60))
         ((action, target, cause),) = decisions(master)
         assert (action, target) == ("RESTART_WORKER", "counter-2") and "no heartbeat for" in cause
@@ -108,7 +109,7 @@ def test_a_worker_without_progress_is_a_hang(job_dir: Path, monkeypatch: pytest.
     monkeypatch.setenv("RLPLEX_TEST_FAULTS", "stall@counter-0")
     with PrimeMaster.create(counter_job(job_dir, items=30, progress_timeout_s=1.0)) as master:
         master.start()
-        assert master.wait(timeout=40) == JobState.STOPPED
+        assert master.wait(timeout=scaled(40)) == JobState.STOPPED
         assert items_done(job_dir) == set(range(30))
         ((action, target, cause),) = decisions(master)
         assert (action, target) == ("RESTART_WORKER", "counter-0") and "no progress for" in cause
@@ -121,7 +122,7 @@ def test_exhausted_restart_budget_fails_the_job_and_leaves_nothing(
     with PrimeMaster.create(counter_job(job_dir, restart={"max_restarts": 2})) as master:
         master.start()
         with pytest.raises(JobFailedError, match=r"role 'counter' exhausted its restart budget \(2\)"):
-            master.wait(timeout=40)
+            master.wait(timeout=scaled(40))
         assert master.state == JobState.FAILED
         assert node_processes(job_dir) == []
         job = master.store.job(master.job_id)

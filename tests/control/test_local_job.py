@@ -11,6 +11,7 @@ import pytest
 
 from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobState, LocalDataChannel, NodeState, PrimeMaster, SqliteStateStore
+from timing import scaled
 
 pytestmark = pytest.mark.e2e
 
@@ -31,7 +32,7 @@ def test_a_job_of_workers_runs_to_the_end(job_dir: Path) -> None:
     assert master.state == JobState.RUNNING
     nodes = master.get_nodes_by_role()["counter"]
     assert [n.rank for n in nodes] == [0, 1, 2] and all(n.pid > 0 and n.address for n in nodes)
-    assert master.wait(timeout=30) == JobState.STOPPED
+    assert master.wait(timeout=scaled(30)) == JobState.STOPPED
     assert items_done(job_dir) == list(range(45))
     store = SqliteStateStore.in_dir(job_dir, create=False)
     states = [(n.node_id, n.state, n.restarts) for n in store.nodes(master.job_id)]
@@ -55,7 +56,7 @@ def test_trainer_driven_driver_calls_role_groups(job_dir: Path) -> None:
     )
     with PrimeMaster.create(spec) as master:
         master.start()
-        assert master.wait(timeout=30) == JobState.STOPPED
+        assert master.wait(timeout=scaled(30)) == JobState.STOPPED
         results, who, rank0 = ast.literal_eval((job_dir / "driver.txt").read_text())
         assert results == [2, 4, 6, 8]
         pids = {n.rank: n.pid for n in master.get_nodes_by_role()["idle"]}

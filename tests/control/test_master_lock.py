@@ -11,6 +11,7 @@ import pytest
 
 from rlplex.control.job.master import MasterLock
 from rlplex.errors import MasterRunningError
+from timing import scaled
 
 HOLDER = """
 import sys
@@ -35,13 +36,13 @@ def test_the_lease_is_seen_while_held_and_gone_when_its_holder_is_killed(tmp_pat
         with pytest.raises(MasterRunningError, match=f"pid {holder.pid}"):
             MasterLock.acquire(tmp_path)
         holder.kill()
-        holder.wait(timeout=30)
+        holder.wait(timeout=scaled(30))
         assert not MasterLock.held(tmp_path)
         MasterLock.acquire(tmp_path).release()
     finally:
         if holder.poll() is None:
             holder.kill()
-            holder.wait(timeout=30)
+            holder.wait(timeout=scaled(30))
 
 
 def test_held_by_this_process_counts_too(tmp_path: Path) -> None:

@@ -18,9 +18,10 @@ from typing import Any
 
 import pytest
 
-from node_helpers import local_ray, node_processes, wait_for
+from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobSpec, JobState, PrimeMaster, SqliteStateStore
 from rlplex.errors import ConfigError, JobFailedError, JobSpecError
+from timing import scaled
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE.parents[1] / "src"
@@ -43,13 +44,6 @@ entrypoint = "control_workers:Counter"
 resources = {{ cpu = 0.5 }}
 config = {{ items = 40, delay_s = 0.01 }}
 """
-
-
-@pytest.fixture(scope="module")
-def ray_address() -> Iterator[str]:
-    # Ray's workers must import this worktree's rlplex and the test workers.
-    with local_ray(SRC, HERE, namespace=NAMESPACE) as address:
-        yield address
 
 
 def leftovers() -> list[str]:
@@ -102,7 +96,7 @@ def test_the_same_job_file_runs_on_both_backends(tmp_path: Path, ray_address: st
     job_file.write_text(JOB.format(out=out))
     with PrimeMaster.create(job_file, backend="local") as master:
         master.start()
-        assert master.wait(timeout=30) == JobState.STOPPED
+        assert master.wait(timeout=scaled(30)) == JobState.STOPPED
     assert items_done(out) == list(range(40)) and node_processes(out) == []
     shutil.move(out, tmp_path / "local")
 
@@ -140,7 +134,7 @@ def test_user_code_sees_the_job_token_only_when_its_role_asks(
         )
         with PrimeMaster.create(spec) as master:
             master.start()
-            assert master.wait(timeout=60) == JobState.STOPPED, backend
+            assert master.wait(timeout=scaled(60)) == JobState.STOPPED, backend
         plain = json.loads((out / "token" / "plain-0.json").read_text())
         trusted = json.loads((out / "token" / "trusted-0.json").read_text())
         assert plain == {"environ": None, "child": False, "launch": False, "matches": False}, backend
@@ -160,7 +154,7 @@ def test_sigkilled_node_actor_is_restarted_and_the_job_finishes(job_dir: Path) -
         victim = master.get_nodes_by_role()["counter"][1].pid
         assert victim not in (0, os.getpid())
         os.kill(victim, signal.SIGKILL)
-        assert master.wait(timeout=40) == JobState.STOPPED
+        assert master.wait(timeout=scaled(40)) == JobState.STOPPED
         assert items_done(job_dir) == list(range(40))
         nodes = {n.node_id: n for n in master.store.nodes(master.job_id)}
         assert nodes["counter-1"].restarts == 1 and nodes["counter-1"].pid not in (0, victim)
@@ -174,7 +168,7 @@ def test_a_hung_worker_is_detected_and_replaced(job_dir: Path, monkeypatch: pyte
     monkeypatch.setenv("RLPLEX_TEST_FAULTS", "stall@counter-0")
     with PrimeMaster.create(counter_job(job_dir, items=10, count=1, progress_timeout_s=1.0)) as master:
         master.start()
-        assert master.wait(timeout=40) == JobState.STOPPED
+        assert master.wait(timeout=scaled(40)) == JobState.STOPPED
         assert items_done(job_dir) == list(range(10))
         ((action, target, cause),) = decisions(master.store, master.job_id)
         assert (action, target) == ("RESTART_WORKER", "counter-0") and "no progress for" in cause
@@ -187,7 +181,7 @@ def test_exhausted_restart_budget_fails_the_job_and_leaves_no_actor(
     with PrimeMaster.create(counter_job(job_dir, count=1, restart={"max_restarts": 1})) as master:
         master.start()
         with pytest.raises(JobFailedError, match=r"role 'counter' exhausted its restart budget \(1\)"):
-            master.wait(timeout=40)
+            master.wait(timeout=scaled(40))
         assert master.state == JobState.FAILED and leftovers() == []
         job = master.store.job(master.job_id)
         assert "injected crash" in job.cause and "restart budget" in job.cause
@@ -261,7 +255,7 @@ def test_killed_master_actor_resumes_and_restarts_only_the_lost_node(job_dir: Pa
                   if str(i["name"]).startswith(f"rlplex-{job_id}-pg-") and i["state"] == "CREATED"]  # fmt: skip
         assert sorted(g.rsplit("-", 1)[0] for g in groups) == [f"rlplex-{job_id}-pg-counter-{i}" for i in range(3)]
 
-        assert handle.wait(timeout=60) == JobState.STOPPED
+        assert handle.wait(timeout=scaled(60)) == JobState.STOPPED
         final = handle.info()
         assert final["resumed"] and final["pid"] != first["pid"] and final["job_id"] == job_id
         nodes = {n.node_id: n for n in store.nodes(job_id)}
@@ -355,7 +349,7 @@ def test_a_self_loop_job_on_ray_passes_items_through_ray_channels_and_removes_th
     with PrimeMaster.create(spec) as master:
         master.start()
         assert wait_for(lambda: len(channels()) == 2, 60, "the job's two channel actors")
-        assert master.wait(timeout=120) == JobState.STOPPED, master.cause
+        assert master.wait(timeout=scaled(120)) == JobState.STOPPED, master.cause
         assert master.cause == "every node finished"
     assert [int(line) for line in (job_dir / "collected.txt").read_text().split()] == [2 * i for i in range(30)]
     assert channels() == []

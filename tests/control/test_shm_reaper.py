@@ -17,6 +17,7 @@ from node_helpers import wait_for
 from rlplex.control.backends.local import LocalScheduler
 from rlplex.io.shm_reaper import SHM_DIR, group_pids, release, shm_in_use
 from rlplex.samplers.shared_arrays import SharedArrays, SharedArraysHandle
+from timing import scaled
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.skipif(not SHM_DIR.is_dir() or sys.platform != "linux", reason="Linux /dev/shm only")
@@ -80,5 +81,5 @@ def test_a_killed_process_group_leaves_no_shared_memory(tmp_path: Path, holders:
 def test_a_sigterm_leaves_no_shared_memory(holders: list[subprocess.Popen[str]]) -> None:
     process, names, _ = hold(holders)
     os.killpg(process.pid, signal.SIGTERM)
-    assert process.wait(timeout=30) == -signal.SIGTERM
+    assert process.wait(timeout=scaled(30)) == -signal.SIGTERM
     wait_for(lambda: not existing(names), 10.0, f"{names} unlinked by the resource tracker")

@@ -18,6 +18,7 @@ from rlplex.algos.grpo import grpo_loss
 from rlplex.io.snapshot import latest_snapshot, read_snapshot
 from rlplex.runners import grpo_lm
 from rlplex.runners.grpo_lm import GRPOLMConfig, train_grpo_lm
+from timing import scaled
 
 
 def _config(**overrides: Any) -> GRPOLMConfig:
@@ -53,7 +54,7 @@ def test_a_straggler_started_long_ago_is_never_trained(monkeypatch: pytest.Monke
 
             def held_rollout(group: int) -> list[dict[str, Any]]:
                 if not released.is_set():
-                    assert released.wait(timeout=300), "the trainer never reached the release version"
+                    assert released.wait(timeout=scaled(300)), "the trainer never reached the release version"
                 return rollout(group)
 
             controller.set_version = set_version_and_release

@@ -19,7 +19,7 @@ from rlplex.dataflow import MFCDef, ModelInterfaceType, build_graph
 from rlplex.dataflow.executor import FunctionExecutor, MFCExecutionError
 from rlplex.dataflow.workers import LocalModelWorker, split_by_tokens
 from rlplex.errors import RlplexError, WaitTimeoutError
-from timing import wait_for
+from timing import scaled, wait_for
 
 GEN, INF, TRAIN = ModelInterfaceType.GENERATE, ModelInterfaceType.INFERENCE, ModelInterfaceType.TRAIN_STEP
 
@@ -141,7 +141,7 @@ class Hanging(Reward):
         self.release = release
 
     def inference(self, mfc: MFCDef, inputs: dict[str, list[Any]]) -> dict[str, list[Any]]:
-        self.release.wait(timeout=30)
+        self.release.wait(timeout=scaled(30))
         return super().inference(mfc, inputs)
 
 

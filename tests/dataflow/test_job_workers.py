@@ -12,6 +12,7 @@ import pytest
 
 from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobState, PrimeMaster
+from timing import scaled
 
 pytestmark = pytest.mark.e2e
 
@@ -30,21 +31,26 @@ def job_dir(tmp_path: Path) -> Iterator[Path]:
         assert not alive, f"orphan node processes left behind: {[p.pid for p in alive]}"
 
 
+# The roles' default deadline, stretched on a busy machine: a node's silence is not what these
+# tests provoke (a killed node is seen by its exit), so a late heartbeat must not restart one.
+HEARTBEAT_S = scaled(3.0)
+
+
 def build_job(
     job_dir: Path, steps: int, generator_kwargs: dict[str, str], reward_kwargs: dict[str, str] | None = None
 ) -> PrimeMaster:
     trained = str(job_dir.parent / "trained.txt")
     spec = (
         JobBuilder("dataflow", job_dir, capacity={"cpu": 4})
-        .role("generator", entrypoint=NODE, count=2, resources={"cpu": 0.5},
+        .role("generator", entrypoint=NODE, count=2, resources={"cpu": 0.5}, heartbeat_timeout_s=HEARTBEAT_S,
               config={"interface": "process_interfaces:Generator", "kwargs": generator_kwargs},
               restart={"scope": "worker", "max_restarts": 2})
-        .role("reward", entrypoint=NODE, resources={"cpu": 0.5},
+        .role("reward", entrypoint=NODE, resources={"cpu": 0.5}, heartbeat_timeout_s=HEARTBEAT_S,
               config={"interface": "process_interfaces:Reward", "kwargs": reward_kwargs or {}})
-        .role("trainer", entrypoint=NODE, resources={"cpu": 0.5},
+        .role("trainer", entrypoint=NODE, resources={"cpu": 0.5}, heartbeat_timeout_s=HEARTBEAT_S,
               config={"interface": "process_interfaces:Trainer", "kwargs": {"log": trained}})
         .role("master", kind="driver", entrypoint="job_driver:drive", resources={"cpu": 0.5},
-              config={"steps": steps})
+              heartbeat_timeout_s=HEARTBEAT_S, config={"steps": steps})
         .build()
     )  # fmt: skip
     return PrimeMaster.create(spec)
@@ -57,7 +63,7 @@ def trained(job_dir: Path) -> list[int]:
 def test_dataflow_steps_run_on_control_plane_nodes(job_dir: Path) -> None:
     with build_job(job_dir, steps=2, generator_kwargs={}) as master:
         master.start()
-        assert master.wait(timeout=120) == JobState.STOPPED
+        assert master.wait(timeout=scaled(120)) == JobState.STOPPED
         pids = {n.node_id: n.pid for ns in master.get_nodes_by_role().values() for n in ns}
     assert trained(job_dir) == list(range(16))
     assert (job_dir / "driver_restarts.txt").read_text() == "0"
@@ -71,7 +77,7 @@ def test_killed_generation_node_is_restarted_by_the_control_plane_and_its_call_r
         wait_for(lambda: marker.exists() and marker.read_text(), 60, "a generator to block in its first call")
         victim = int(marker.read_text())
         os.kill(victim, signal.SIGKILL)
-        assert master.wait(timeout=120) == JobState.STOPPED
+        assert master.wait(timeout=scaled(120)) == JobState.STOPPED
         generators = master.get_nodes_by_role()["generator"]
     assert sorted(n.restarts for n in generators) == [0, 1]
     assert victim not in [n.pid for n in generators]
@@ -90,7 +96,7 @@ def test_a_generation_node_killed_between_calls_is_revived_and_its_lost_values_r
         victim = master.get_nodes_by_role()["generator"][0].pid
         os.kill(victim, signal.SIGKILL)
         hold.with_name(hold.name + ".go").write_text("")
-        assert master.wait(timeout=120) == JobState.STOPPED
+        assert master.wait(timeout=scaled(120)) == JobState.STOPPED
         generators = master.get_nodes_by_role()["generator"]
         driver = master.get_nodes_by_role()["master"][0]
     assert [n.restarts for n in generators] == [1, 0] and driver.restarts == 0  # the step was not redone

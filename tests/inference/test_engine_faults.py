@@ -206,3 +206,17 @@ def test_a_small_machine_gives_every_core_to_the_cpu_model_unless_told_otherwise
     assert server.environment()[RESERVED_CPUS_ENV] == "2"
     gpu = VLLMServer(ModelSpec(name=str(tmp_path)), two, "key", 8123, tmp_path / "log", build="gpu")
     assert gpu.environment().get(RESERVED_CPUS_ENV) == os.environ.get(RESERVED_CPUS_ENV)  # GPU builds: untouched
+
+
+def test_grpo_on_a_server_that_never_comes_names_its_endpoint_folder(tmp_path: Path) -> None:
+    from lm_models import small_tiny_model
+    from rlplex.models.hf import load_causal_lm
+    from rlplex.runners.grpo_vllm import ServedLoRAPolicy
+
+    spec = ModelSpec(name=str(small_tiny_model()))
+    inference = InferenceConfig(engine="vllm", endpoint_dir=str(tmp_path / "nobody"), startup_timeout_s=0.3)
+    policy = ServedLoRAPolicy(spec, load_causal_lm(spec), inference, 4, tmp_path)
+    assert policy.server is None  # it starts none of its own
+    with pytest.raises(InferenceUnavailableError, match=r"nobody/endpoint\.json: no server within 0\.3 s"):
+        policy.start()
+    policy.close()

@@ -28,10 +28,13 @@ def tiny_job(
     rest: str = "",
     model: Path | None = None,
     trainer: str = "",
+    world_size: int = 2,
 ) -> str:
-    """A main-job TOML of two trainer ranks; `runs`/`later_runs` map run ids to `run_config()`s,
-    `rest` is appended as is (events), `trainer` into the [trainer] table; the model is the
-    small tiny checkpoint unless `model`."""
+    """A main-job TOML of `world_size` trainer ranks; `runs`/`later_runs` map run ids to
+    `run_config()`s, `rest` is appended as is (events), `trainer` into the [trainer] table; the
+    model is the small tiny checkpoint unless `model`. Two ranks where a test needs the ranks'
+    gloo group (a rank killed, re-rendezvous, Ray placement); one elsewhere saves a rank's
+    process and its imports at every start of the job."""
     lines = [
         f'name = "{name}"',
         f'output_dir = "{output_dir}"',
@@ -40,7 +43,7 @@ def tiny_job(
         "[model]",
         f'name = "{model or small_tiny_model()}"',
         "[trainer]",
-        "world_size = 2",
+        f"world_size = {world_size}",
         f"max_runs = {max_runs}",
         *([trainer] if trainer else []),
     ]

@@ -1,5 +1,5 @@
-"""The main job end to end with a tiny budget: every process real (PrimeMaster, elastic trainer
-ranks over gloo, orchestrators, rollout nodes, conductor); a run added and a run evicted by the
+"""The main job end to end with a tiny budget: every process real (PrimeMaster, an elastic trainer
+rank, orchestrators, rollout nodes, conductor); a run added and a run evicted by the
 job's events, and a run the trainer rejects, which ends alone while the job goes on."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tm
     }
     # run_c generates on two nodes of the job's rollout role, which grows when run_c joins.
     later = {"run_c": run_config(3, 2, "rollout_workers = 2")}
-    path.write_text(tiny_job("mj-e2e", out, runs, later, rest=EVENTS))
+    path.write_text(tiny_job("mj-e2e", out, runs, later, rest=EVENTS, world_size=1))
     try:
         # Without the preflight (which would refuse run_wide before anything starts: see
         # test_main_job_user_holes.py): the trainer itself judges each run when it discovers it.
@@ -108,7 +108,7 @@ def test_main_job_trains_an_independent_llama_on_a_user_chat_file(
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
     config = f"{{ {env}, seed = 1, max_steps = 3, batch_size = 8, group_size = 4 }}"
-    path.write_text(tiny_job("mj-llama", out, {"run_llama": config}, model=random_llama()))
+    path.write_text(tiny_job("mj-llama", out, {"run_llama": config}, model=random_llama(), world_size=1))
     try:
         state = run_main_job(load_main_job(path), Console(file=open(tmp_path / "console.txt", "w")), live=False)
         assert state == JobState.STOPPED, (out / "report.md").read_text()

@@ -1,10 +1,9 @@
-"""The main job is stopped by SIGTERM and SIGHUP and continued (`rlplex resume`, `rlplex run
---continue`), then survives SIGKILL of one orchestrator, one rollout node, one trainer rank and then
-of `rlplex run` itself (resumed with `rlplex resume`): the job still finishes, every run trains all its
-steps, and no step is trained twice (each run's final checkpoint counts exactly
-max_steps x batch_size samples, and the trainer's log holds each step once), with
-`checkpoint_every = 10`: the killed trainer resumes from its newest broadcast, not from a
-checkpoint steps behind it."""
+"""The main job is stopped by SIGTERM and continued (`rlplex run --continue`), then survives
+SIGKILL of one orchestrator, one rollout node, one trainer rank and then of `rlplex run` itself
+(resumed with `rlplex resume`): the job still finishes, every run trains all its steps, and no
+step is trained twice (each run's final checkpoint counts exactly max_steps x batch_size samples,
+and the trainer's log holds each step once), with `checkpoint_every = 10`: the killed trainer
+resumes from its newest broadcast, not from a checkpoint steps behind it."""
 
 from __future__ import annotations
 
@@ -74,8 +73,8 @@ def trained(out: Path, run_id: str) -> int:
 
 
 def test_signals_and_sigkills_of_every_process_lose_and_repeat_no_step(tmp_path: Path) -> None:
-    """SIGTERM, then SIGHUP, stop `rlplex run` cleanly (report written, no process left); `rlplex
-    resume` and `rlplex run --continue` carry on. Then SIGKILL of an orchestrator, a rollout node,
+    """SIGTERM stops `rlplex run` cleanly (report written, no process left); `rlplex run
+    --continue` carries on. Then SIGKILL of an orchestrator, a rollout node,
     trainer rank 0 and the master, and `rlplex resume` to the end: every run trains all its steps,
     none twice."""
     out = tmp_path / "out"
@@ -112,10 +111,8 @@ def test_signals_and_sigkills_of_every_process_lose_and_repeat_no_step(tmp_path:
         wait_for(lambda: trained_while_running("run_a", 1), 240, "run_a's first trained step")
         stopped_cleanly_by(signal.SIGTERM)
         assert "rlplex resume" in log_path.read_text()
-        job = start("resume", str(out))
-        next_step = trained(out, "run_a") + 1
-        wait_for(lambda: trained_while_running("run_a", next_step), 240, "run_a's next step after resume")
-        stopped_cleanly_by(signal.SIGHUP)
+        # SIGHUP and SIGINT take the same path as SIGTERM: tests/mainjob/test_stop_signals.py.
+        # `rlplex resume` of a stopped job: tests/test_readme_commands.py::test_main_job_commands.
         job = start("run", str(path), "--continue")
         next_step = trained(out, "run_a") + 1
         wait_for(lambda: trained_while_running("run_a", next_step), 240, "run_a's next step after --continue")

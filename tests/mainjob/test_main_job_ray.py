@@ -3,14 +3,12 @@ the trainer ranks rendezvous over gloo, and the job ends with its runs finished.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from mainjob_helpers import run_config, tiny_job
 from rich.console import Console
 
-from node_helpers import local_ray
 from rlplex.control.job.states import JobState
 from rlplex.mainjob.config import load_main_job
 from rlplex.mainjob.driver import run_main_job
@@ -18,21 +16,14 @@ from rlplex.mainjob.view import collect
 
 ray = pytest.importorskip("ray")
 
-from rlplex.control.backends.ray import NAMESPACE  # noqa: E402
 
 pytestmark = pytest.mark.e2e
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 
 
-@pytest.fixture(scope="module")
-def ray_session() -> Iterator[None]:
-    with local_ray(SRC, namespace=NAMESPACE):
-        yield
-
-
 @pytest.mark.slow
-def test_main_job_runs_on_ray(ray_session: None, tmp_path: Path) -> None:
+def test_main_job_runs_on_ray(ray_address: str, tmp_path: Path) -> None:
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
     runs = {"run_a": run_config(1, 2), "run_b": run_config(2, 2)}

@@ -51,7 +51,7 @@ def test_main_job_on_vllm_survives_the_server_being_killed(tmp_path: Path) -> No
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
     runs = {"run_a": run_config(1, STEPS), "run_b": run_config(2, STEPS)}
-    path.write_text(tiny_job("mj-vllm", out, runs, rest=INFERENCE))
+    path.write_text(tiny_job("mj-vllm", out, runs, rest=INFERENCE, world_size=1))
     config = load_main_job(path)
     killed: list[int] = []
     seen: set[int] = set()

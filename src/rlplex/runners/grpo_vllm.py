@@ -1,5 +1,8 @@
 """GRPO's rollouts on vLLM: the policy is a LoRA adapter of the frozen model, trained here and
-served by a vLLM server this runner starts (`GRPOLMConfig.inference.engine = "vllm"`).
+served by a vLLM server this runner starts (`GRPOLMConfig.inference.engine = "vllm"`), or by
+one that already runs: `inference.endpoint_dir` names its folder (`endpoint.json` and `api_key`,
+as a main job's inference role writes them), and the runner starts no server of its own. That
+server must serve the same base model with LoRA enabled, ranks up to `lora_rank`.
 
 The trainer trains the adapter with the same `MultiLoRALinear` code the multi-run trainer uses
 and, after each step, writes it as a PEFT folder (`adapters/v<version>`, a new folder per
@@ -12,6 +15,7 @@ policy's log-probabilities, which are the behaviour log-probabilities of the GRP
 from __future__ import annotations
 
 import secrets
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +25,11 @@ from torch import nn
 
 from rlplex.algos.lm_interfaces import EnvReward, group_samples
 from rlplex.dataflow.stream import RolloutWorker, StalenessController, StreamDataset, WeightBroadcaster
+from rlplex.errors import InferenceUnavailableError
 from rlplex.inference.client import VLLMClient
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.engine import SamplingParams
-from rlplex.inference.vllm_server import Endpoint, VLLMServer, free_port, require_vllm
+from rlplex.inference.vllm_server import ENDPOINT_FILE, Endpoint, VLLMServer, free_port, read_endpoint, require_vllm
 from rlplex.models.hf import Tokenizer, encode_prompt, model_stop_ids
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir.peft_export import write_peft_adapter
@@ -55,13 +60,28 @@ class ServedLoRAPolicy:
         self.base_config = getattr(model, "config", None)
         self.module = OneAdapter(model, self.lora)
         self.adapters = work_dir / "adapters"
-        self.api_key = secrets.token_urlsafe(32)
-        port = inference.port or free_port(inference.host)
-        self.server = VLLMServer(spec, inference, self.api_key, port, work_dir / "vllm_server.log")
         self.clients: list[VLLMClient] = []
+        self.server: VLLMServer | None = None
+        if inference.endpoint_dir is None:
+            self.api_key = secrets.token_urlsafe(32)
+            port = inference.port or free_port(inference.host)
+            self.server = VLLMServer(spec, inference, self.api_key, port, work_dir / "vllm_server.log")
 
     def start(self) -> float:
-        """Start the server; return the seconds until it answered /health."""
+        """Start the server (or wait for the one at `endpoint_dir`); return the seconds until it
+        answered."""
+        if self.server is None:
+            started = time.monotonic()
+            endpoint_dir = Path(str(self.inference.endpoint_dir))
+            deadline = started + self.inference.startup_timeout_s
+            while read_endpoint(endpoint_dir) is None:
+                if time.monotonic() > deadline:
+                    raise InferenceUnavailableError(
+                        f"{endpoint_dir / ENDPOINT_FILE}: no server within {self.inference.startup_timeout_s:g} s "
+                        "(field 'inference.endpoint_dir')"
+                    )
+                time.sleep(0.2)  # polling the endpoint file for a server another process starts
+            return time.monotonic() - started
         self.server.start()
         return self.server.wait_ready(self.inference.startup_timeout_s)
 
@@ -78,14 +98,18 @@ class ServedLoRAPolicy:
         )
 
     def client(self) -> VLLMClient:
-        client = VLLMClient(Endpoint((self.server.url,), 0), self.api_key, self.inference)
+        if self.server is None:
+            client = VLLMClient.for_settings(self.inference)
+        else:
+            client = VLLMClient(Endpoint((self.server.url,), 0), self.api_key, self.inference)
         self.clients.append(client)
         return client
 
     def close(self) -> None:
         for client in self.clients:
             client.close()
-        self.server.stop()
+        if self.server is not None:
+            self.server.stop()
 
 
 def served_rollout_worker(
