@@ -28,9 +28,6 @@ def cartpole():  # type: ignore[no-untyped-def]
     return EnvConfig(id="CartPole-v1")
 
 
-# tryfirst: pytest-xdist reads the xdist_group markers in its own hook of this name: the markers
-# must be there before it runs (tests/test_tiers.py checks that the groups reach the scheduler).
-@pytest.hookimpl(tryfirst=True)
 @pytest.fixture(scope="session")
 def ray_address(request: pytest.FixtureRequest) -> Iterator[str]:
     """One local Ray (num_cpus=2) for the whole pytest process, shared by every Ray test; yields its
@@ -52,6 +49,9 @@ def _stop_ray() -> None:
     _RAY.close()
 
 
+# tryfirst: pytest-xdist reads the xdist_group markers in its own hook of this name: the markers
+# must be there before it runs (tests/test_tiers.py checks that the groups reach the scheduler).
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tiers, time scale and worker groups.
 

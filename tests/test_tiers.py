@@ -14,10 +14,15 @@ STARTS = ("PrimeMaster.create(", "PrimeMaster.resume(", "run_main_job(", "local_
 
 
 @pytest.mark.xdist_group("tiers")
-def test_an_xdist_group_reaches_the_scheduler(request: pytest.FixtureRequest) -> None:
+def test_every_xdist_group_reaches_the_scheduler(request: pytest.FixtureRequest) -> None:
+    """tests/conftest.py adds most groups in its collection hook: they count only if they are there
+    before pytest-xdist's own hook reads them (and suffixes the node id with the group)."""
     if not request.config.getvalue("loadgroup"):
         pytest.skip("runs under `--dist loadgroup` (make test)")
     assert request.node.nodeid.endswith("@tiers"), request.node.nodeid
+    grouped = [item for item in request.session.items if item.get_closest_marker("xdist_group") is not None]
+    lost = [item.nodeid for item in grouped if "@" not in item.nodeid]
+    assert len(grouped) > 1 and lost == [], lost[:5]
 
 
 def test_every_test_that_starts_a_job_a_server_or_ray_is_e2e(request: pytest.FixtureRequest) -> None:
