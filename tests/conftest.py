@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import contextlib
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,8 +16,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # A test that asks for one of these starts a job, a vLLM server or Ray: it is `e2e` without saying so.
 E2E_FIXTURES = {"job_dir", "served", "ray_address"}
 TESTS = Path(__file__).resolve().parent
-_RAY = contextlib.ExitStack()
-_RAY_ADDRESS: list[str] = []
 
 
 @pytest.fixture
@@ -28,25 +25,18 @@ def cartpole():  # type: ignore[no-untyped-def]
     return EnvConfig(id="CartPole-v1")
 
 
-@pytest.fixture(scope="session")
-def ray_address(request: pytest.FixtureRequest) -> Iterator[str]:
-    """One local Ray (num_cpus=2) for the whole pytest process, shared by every Ray test; yields its
-    GCS address. Its workers import this checkout's rlplex and the tests' worker modules first.
-    Like the vLLM server (tests/inference/conftest.py) it stops when pytest exits, not when a
-    pytest-xdist worker tears session fixtures down between two batches of tests."""
-    if not _RAY_ADDRESS:
-        from node_helpers import local_ray
-        from rlplex.control.backends.ray import NAMESPACE
+@pytest.fixture(scope="module")
+def ray_address() -> Iterator[str]:
+    """A local Ray (num_cpus=2) for the module's tests; yields its GCS address. Its workers import
+    this checkout's rlplex and the tests' worker modules first. Per module, not per process: a
+    Ray driver listens on every interface, which the tests that check a job's ports are on
+    loopback would see in their own process (the module's tests stay on one xdist worker, so
+    each module starts one)."""
+    from node_helpers import local_ray
+    from rlplex.control.backends.ray import NAMESPACE
 
-        paths = (TESTS.parent / "src", TESTS / "control", TESTS)
-        _RAY_ADDRESS.append(_RAY.enter_context(local_ray(*paths, namespace=NAMESPACE)))
-        request.config.add_cleanup(_stop_ray)
-    yield _RAY_ADDRESS[0]
-
-
-def _stop_ray() -> None:
-    _RAY_ADDRESS.clear()
-    _RAY.close()
+    with local_ray(TESTS.parent / "src", TESTS / "control", TESTS, namespace=NAMESPACE) as address:
+        yield address
 
 
 # tryfirst: pytest-xdist reads the xdist_group markers in its own hook of this name: the markers

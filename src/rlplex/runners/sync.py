@@ -354,6 +354,7 @@ class SyncLauncher:
                 raise WaitTimeoutError(
                     f"SyncLauncher: ranks {waiting} did not finish within timeout_s={self.timeout_s} s"
                 )
+            failed: list[tuple[int, RankOutcome | None]] = []
             for rank in waiting:
                 process, conn = self.processes[rank], conns[rank]
                 if conn not in ready and process.sentinel not in ready:
@@ -363,8 +364,14 @@ class SyncLauncher:
                 if outcome is not None and outcome.error is None:
                     outcomes[rank] = outcome
                     continue
+                failed.append((rank, outcome))
+            if failed:
+                # A rank gone without a report (killed, crashed) is the cause: the errors the others
+                # report at the same time are their collectives failing on the lost peer.
+                rank, outcome = min(failed, key=lambda failure: failure[1] is not None)
                 if outcome is not None and outcome.user_error_type is not None:
                     raise _user_error(outcome.user_error_type, f"rank {rank}: {outcome.error}")
+                process = self.processes[rank]
                 process.join(timeout=5.0)
                 code = "still running" if process.exitcode is None else f"exit code {process.exitcode}"
                 detail = outcome.error if outcome is not None else "no report (killed or crashed)"
