@@ -175,7 +175,8 @@ def test_a_slow_optimizer_gets_a_lower_ratio_and_both_sides_keep_running() -> No
 def test_a_floor_makes_the_sampler_wait_for_a_slow_optimizer() -> None:
     """`min_replay_ratio` bounds the run from the other side (Sample Factory's policy lag): with
     the same slow optimizer, the sampler waits, and the achieved ratio stays at the floor (less
-    the two batches the double buffer holds) in every interval, not only on average."""
+    the two batches the double buffer holds and one update's worth of steps) in every interval, not
+    only on average."""
     floor, batch_size, batch_steps = 4.0, 512, 64 * 2
     run = runner(replay_ratio=64.0, n_steps=4096, hidden=(512, 512), batch_size=batch_size, log_interval_steps=1024,
                  min_replay_ratio=floor)  # fmt: skip
@@ -184,7 +185,7 @@ def test_a_floor_makes_the_sampler_wait_for_a_slow_optimizer() -> None:
     assert result.env_steps == 4096
     for row in result.history:
         steps = row["charts/env_steps"]
-        lower = floor * (steps - 2 * batch_steps) / steps
+        lower = floor * (steps - 2 * batch_steps - batch_size / floor) / steps  # and one update's worth
         assert row["charts/replay_ratio_cumulative"] >= lower, (row, lower)
     with pytest.raises(ConfigError, match=r"field 'runner.min_replay_ratio': must be positive and at most"):
         runner(replay_ratio=2.0, n_steps=64, min_replay_ratio=4.0)
@@ -209,7 +210,9 @@ def test_a_floor_equal_to_the_ceiling_never_stalls() -> None:
     assert result.env_steps == 2048
     for row in result.history:
         steps = row["charts/env_steps"]
-        assert row["charts/replay_ratio_cumulative"] >= 2.0 * (steps - 2 * 128) / steps, row
+        # The floor's bound (AsyncRl._limit_sampling): the two batches the double buffer holds, and
+        # the one update's worth of steps (24 / 2) the sampler may run ahead of the updates done.
+        assert row["charts/replay_ratio_cumulative"] >= 2.0 * (steps - 2 * 128 - 24 / 2) / steps, row
 
 
 @pytest.mark.slow

@@ -44,36 +44,51 @@ def supervised_config(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_sigkilled_run_is_restarted_from_its_newest_snapshot_and_logs_each_step_once(tmp_path: Path) -> None:
+def test_sigterm_then_resume_then_a_sigkilled_node_each_step_logged_once_to_the_end(tmp_path: Path) -> None:
+    """SIGTERM stops the job (exit 143, nothing left running); the same command with --resume goes
+    on from the snapshot; its node is then SIGKILLed with its sampler workers, the job's failure
+    policy starts it again from its newest snapshot, and the run ends at n_steps, each step once."""
     out = tmp_path / "out"
-    command = [str(RLPLEX), "train", str(supervised_config(tmp_path)), "--supervise", "--n-steps", str(N_STEPS)]
-    log = (tmp_path / "command.log").open("wb")
-    process = subprocess.Popen([*command, "--output", str(out)], stdout=log, stderr=subprocess.STDOUT)
+    command = [str(RLPLEX), "train", str(supervised_config(tmp_path)), "--supervise", "--output", str(out)]
+    snapshots = out / "snapshots"
+
+    def start(*flags: str, log_name: str) -> subprocess.Popen[bytes]:
+        with (tmp_path / log_name).open("wb") as log:
+            return subprocess.Popen([*command, *flags, "--n-steps", str(N_STEPS)], stdout=log, stderr=subprocess.STDOUT)
+
+    process = start(log_name="first.log")
     try:
-        snapshots = out / "snapshots"
         wait_for(lambda: any(snapshots.glob("itr_*/state.json")), 120, "the run's first snapshot")
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=scaled(60)) == 128 + signal.SIGTERM
+        assert "continue with --resume" in (tmp_path / "first.log").read_text()
+        assert psutil.wait_procs(job_processes(out.resolve()), timeout=10)[1] == []  # nothing left running
+        stopped_at = int(read_metrics_csv(out / "progress.csv")[-1]["step"])
+        assert stopped_at < N_STEPS
+        first_snapshots = set(snapshots.glob("itr_*/state.json"))
+        process = start("--resume", log_name="resumed.log")
+        wait_for(lambda: set(snapshots.glob("itr_*/state.json")) - first_snapshots, 120, "a snapshot after resume")
         (node,) = node_processes(out / "train_job")
         workers = node.children(recursive=True)
         assert len(workers) >= 2, workers  # the parallel sampler's workers are the node's children
         node.send_signal(signal.SIGKILL)
         _, alive = psutil.wait_procs([node, *workers], timeout=30)
         assert not alive, f"the sampler workers outlived their node: {alive}"
-        assert process.wait(timeout=scaled(240)) == 0, (tmp_path / "command.log").read_text()[-3000:]
+        assert process.wait(timeout=scaled(240)) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
         for leftover in job_processes(out.resolve()):
             leftover.kill()
-        log.close()
-    shown = (tmp_path / "command.log").read_text()
+    shown = (tmp_path / "resumed.log").read_text()
     assert "--- train-0 incarnation 1" in shown and "every node finished" in shown, shown[-3000:]
     store = JobStore.latest(out / "train_job")
     assert store is not None
-    (node,) = store.nodes()
-    assert node.progress == {"env_steps": N_STEPS}  # each logged row reached the node's heartbeats
+    (node_row,) = store.nodes()
+    assert node_row.progress == {"env_steps": N_STEPS}  # each logged row reached the node's heartbeats
     steps = [int(row["step"]) for row in read_metrics_csv(out / "progress.csv")]
-    assert steps == list(range(2048, N_STEPS + 1, 2048)), steps  # each step once, to the end
+    assert steps == list(range(2048, N_STEPS + 1, 2048)), steps  # on from each snapshot, each step once
     assert (out / "learning_curve.png").exists()
 
 
@@ -97,29 +112,3 @@ def test_a_resumed_log_drops_the_rows_logged_after_its_snapshot(tmp_path: Path) 
         (200, 200.0),
         (300, 301.0),
     ]
-
-
-def test_sigterm_stops_the_job_and_the_same_command_with_resume_goes_on(tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    command = [str(RLPLEX), "train", str(supervised_config(tmp_path)), "--supervise", "--output", str(out)]
-    log_path = tmp_path / "first.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen([*command, "--n-steps", str(N_STEPS)], stdout=log, stderr=subprocess.STDOUT)
-        try:
-            wait_for(lambda: any((out / "snapshots").glob("itr_*/state.json")), 120, "the run's first snapshot")
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=scaled(60)) == 128 + signal.SIGTERM
-        finally:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    assert "continue with --resume" in log_path.read_text()
-    assert psutil.wait_procs(job_processes(out.resolve()), timeout=10)[1] == []  # nothing left running
-    stopped_at = int(read_metrics_csv(out / "progress.csv")[-1]["step"])
-    assert stopped_at < N_STEPS
-    done = subprocess.run(
-        [*command, "--resume", "--n-steps", str(N_STEPS)], capture_output=True, text=True, timeout=240
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    steps = [int(row["step"]) for row in read_metrics_csv(out / "progress.csv")]
-    assert steps == list(range(2048, N_STEPS + 1, 2048)), steps  # on from the snapshot, each step once

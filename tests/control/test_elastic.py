@@ -144,9 +144,21 @@ def test_the_rendezvous_store_is_where_rank_0_runs() -> None:
     assert node_host("192.0.2.1") == ray.util.get_node_ip_address()
 
 
-def test_elastic_job_trains_to_completion(job_dir: Path) -> None:
-    with PrimeMaster.create(elastic_job(job_dir)) as master:
-        master.start()  # prepare() runs the node check of both ranks
+def test_elastic_job_trains_to_completion_with_every_port_on_loopback(job_dir: Path) -> None:
+    """The job trains to its end; while it trains, the master's listener, every node's RPC, the
+    rendezvous store of the check and of the training round, and gloo's own sockets are all on
+    127.0.0.1 on the local backend (the store authenticates no one)."""
+    with PrimeMaster.create(elastic_job(job_dir, step_delay=0.05)) as master:
+        master.start()  # prepare() runs the node check of both ranks: a gloo group of its own
+        wait_for(lambda: progress(job_dir, "trainer-1").get("step", 0) >= 3, 40, "both ranks training")
+        nodes = node_processes(job_dir)
+        processes = [psutil.Process(), *nodes, *(c for n in nodes for c in n.children(recursive=True))]
+        assert sum(SCRIPT in " ".join(p.cmdline()) for p in processes) == 2  # both scripts are being looked at
+        found = listening_sockets(processes)
+        store_port = read_elastic_status(job_dir)["rounds"][-1]["port"]
+        assert any(port == store_port for _, _, port in found), found  # the round's store is among them
+        assert len(found) >= 1 + len(nodes) + 1
+        assert [f for f in found if f[1] not in ("127.0.0.1", "::1")] == []
         assert master.wait(timeout=scaled(60)) == JobState.STOPPED
         done = result(job_dir)
         assert done["steps"] == STEPS and done["world"] == 2
@@ -198,24 +210,6 @@ def test_local_rank_counts_the_ranks_on_the_same_machine() -> None:
     assert all(e["TORCHELASTIC_USE_AGENT_STORE"] == "True" and "GLOO_SOCKET_IFNAME" not in e for e in envs)
     one_machine = local_layout(["127.0.0.1"] * 2)
     assert [(x["local_rank"], x["local_world"], x["group_rank"]) for x in one_machine] == [(0, 2, 0), (1, 2, 0)]
-
-
-def test_every_port_of_a_job_is_on_loopback(job_dir: Path) -> None:
-    """The master's listener, every node's RPC, the rendezvous store of the check and of the training
-    round, and gloo's own sockets: all on 127.0.0.1 on the local backend (the store authenticates no one)."""
-    with PrimeMaster.create(elastic_job(job_dir, step_delay=0.05)) as master:
-        master.start()  # prepare() ran the node check: a gloo group of its own
-        wait_for(lambda: progress(job_dir, "trainer-1").get("step", 0) >= 3, 40, "both ranks training")
-        nodes = node_processes(job_dir)
-        processes = [psutil.Process(), *nodes, *(c for n in nodes for c in n.children(recursive=True))]
-        assert sum(SCRIPT in " ".join(p.cmdline()) for p in processes) == 2  # both scripts are being looked at
-        found = listening_sockets(processes)
-        store_port = read_elastic_status(job_dir)["rounds"][-1]["port"]
-        assert any(port == store_port for _, _, port in found), found  # the round's store is among them
-        assert len(found) >= 1 + len(nodes) + 1
-        assert [f for f in found if f[1] not in ("127.0.0.1", "::1")] == []
-        assert master.wait(timeout=scaled(60)) == JobState.STOPPED
-        assert result(job_dir)["steps"] == STEPS
 
 
 def test_sigkilled_script_then_node_rerendezvous_and_resume_from_checkpoints(job_dir: Path) -> None:
