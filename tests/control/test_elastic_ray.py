@@ -8,7 +8,7 @@ import signal
 from pathlib import Path
 
 import pytest
-from test_elastic import CKPT_EVERY, STEPS, elastic_job, job_processes, progress, result
+from test_elastic import CKPT_EVERY, STEPS, elastic_job, job_processes, progress, restart_causes, result
 
 from node_helpers import wait_for
 from rlplex.control import JobState, PrimeMaster, parse_job
@@ -36,7 +36,7 @@ def test_elastic_job_on_ray_recovers_from_a_killed_node_actor(ray_address: str, 
         os.kill(victim.pid, signal.SIGKILL)  # the actor's process: its script dies with it
         assert master.wait(timeout=scaled(90)) == JobState.STOPPED
         done = result(job_dir)
-        assert done["steps"] == STEPS and done["restarts"] == 1 and done["world"] == 2
+        assert done["steps"] == STEPS and done["restarts"] == 1 and done["world"] == 2, restart_causes(job_dir)
         assert done["resumed_from"] >= CKPT_EVERY and done["final_loss"] < 0.1
         status = read_elastic_status(job_dir)
         assert [r["world"] for r in status["rounds"]] == [2, 2] and status["members"]["trainer-1"]["incarnation"] == 1

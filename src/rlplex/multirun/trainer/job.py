@@ -67,6 +67,10 @@ def trainer_roles(config: TrainerConfig, world_size: int, max_restarts: int) -> 
                 "max_nodes": world_size,
                 "join_timeout_s": 60.0,
                 "member_timeout_s": 30.0,
+                # The node check imports torch and forms a gloo group in a fresh process on every
+                # rank, as slow as a node's start on a busy machine (start_timeout_s, job_timing);
+                # the default 60 s failed a main job's prepare on Ray beside two busy loops.
+                "check_timeout_s": 180.0,
                 "max_restarts": max_restarts,
             },
         },
