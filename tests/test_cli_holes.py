@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_helpers import rlplex_in_process
 from rlplex.control.job.store import SqliteStateStore
 from rlplex.mainjob.config import RunEntry
 from rlplex.mainjob.registry import write_registry
@@ -39,22 +40,8 @@ ORCH = 'env = { name = "reverse" }\nmax_steps = 2\nbatch_size = 8\ngroup_size = 
 
 
 def rlplex(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """The command through its typer app in this process, 200 columns wide (a child process per
-    case costs seconds of imports on two cores; tests/test_readme_commands.py runs each command
-    as a real process). `timeout` is kept for the cases that read FIFOs: `rlplex_process`."""
-    from typer.testing import CliRunner
-
-    from rlplex.cli import app, console
-
-    width = console.width
-    console.width = 200
-    try:
-        result = CliRunner().invoke(app, list(args))
-    finally:
-        console.width = width
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return subprocess.CompletedProcess(list(args), result.exit_code, result.output, "")
+    """The command in this process, 200 columns wide; `timeout` is for `rlplex_process`'s cases."""
+    return rlplex_in_process(*args, width=200)
 
 
 def rlplex_process(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

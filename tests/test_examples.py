@@ -24,6 +24,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from cli_helpers import rlplex_in_process
 from rlplex.cli import app
 from rlplex.cli_mainjob import FILE_KINDS, check_file_kind
 from rlplex.control.job.spec import load_job
@@ -51,13 +52,9 @@ def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
 
 
 def train(*args: str) -> subprocess.CompletedProcess[str]:
-    """`rlplex train ARGS` through its typer app in this process (a child process per example costs
-    seconds of torch import on two cores; the real entry point trains in
-    test_cartpole_example_trains_through_the_cli and in tests/test_readme_commands.py)."""
-    result = CliRunner().invoke(app, ["train", *args])
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return subprocess.CompletedProcess(["train", *args], result.exit_code, result.output, "")
+    """`rlplex train ARGS` in this process; the real entry point trains in
+    test_cartpole_example_trains_through_the_cli and in tests/test_readme_commands.py."""
+    return rlplex_in_process("train", *args)
 
 
 def read_csv(path: Path) -> list[dict[str, float]]:

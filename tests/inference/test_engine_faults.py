@@ -213,10 +213,15 @@ def test_grpo_on_a_server_that_never_comes_names_its_endpoint_folder(tmp_path: P
     from rlplex.models.hf import load_causal_lm
     from rlplex.runners.grpo_vllm import ServedLoRAPolicy
 
+    folder = tmp_path / "nobody"
+    folder.mkdir()
+    (folder / API_KEY_FILE).write_text("key")
     spec = ModelSpec(name=str(small_tiny_model()))
-    inference = InferenceConfig(engine="vllm", endpoint_dir=str(tmp_path / "nobody"), startup_timeout_s=0.3)
+    inference = InferenceConfig(engine="vllm", endpoint_dir=str(folder), reconnect_timeout_s=0.3)
     policy = ServedLoRAPolicy(spec, load_causal_lm(spec), inference, 4, tmp_path)
-    assert policy.server is None  # it starts none of its own
-    with pytest.raises(InferenceUnavailableError, match=r"nobody/endpoint\.json: no server within 0\.3 s"):
-        policy.start()
-    policy.close()
+    assert policy.server is None and policy.start() == 0.0  # it starts none of its own
+    try:
+        with pytest.raises(InferenceUnavailableError, match=r"nobody: no inference endpoint after 0\.3 s"):
+            policy.client().load_adapter("policy-w0", tmp_path / "adapter")
+    finally:
+        policy.close()

@@ -15,7 +15,6 @@ policy's log-probabilities, which are the behaviour log-probabilities of the GRP
 from __future__ import annotations
 
 import secrets
-import time
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +24,10 @@ from torch import nn
 
 from rlplex.algos.lm_interfaces import EnvReward, group_samples
 from rlplex.dataflow.stream import RolloutWorker, StalenessController, StreamDataset, WeightBroadcaster
-from rlplex.errors import InferenceUnavailableError
 from rlplex.inference.client import VLLMClient
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.engine import SamplingParams
-from rlplex.inference.vllm_server import ENDPOINT_FILE, Endpoint, VLLMServer, free_port, read_endpoint, require_vllm
+from rlplex.inference.vllm_server import Endpoint, VLLMServer, free_port, require_vllm
 from rlplex.models.hf import Tokenizer, encode_prompt, model_stop_ids
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir.peft_export import write_peft_adapter
@@ -68,20 +66,11 @@ class ServedLoRAPolicy:
             self.server = VLLMServer(spec, inference, self.api_key, port, work_dir / "vllm_server.log")
 
     def start(self) -> float:
-        """Start the server (or wait for the one at `endpoint_dir`); return the seconds until it
-        answered."""
+        """Start the server; return the seconds until it answered /health. A server at
+        `endpoint_dir` is not started here: each client waits for its endpoint on its first call
+        (up to `reconnect_timeout_s`), as a main job's orchestrators do."""
         if self.server is None:
-            started = time.monotonic()
-            endpoint_dir = Path(str(self.inference.endpoint_dir))
-            deadline = started + self.inference.startup_timeout_s
-            while read_endpoint(endpoint_dir) is None:
-                if time.monotonic() > deadline:
-                    raise InferenceUnavailableError(
-                        f"{endpoint_dir / ENDPOINT_FILE}: no server within {self.inference.startup_timeout_s:g} s "
-                        "(field 'inference.endpoint_dir')"
-                    )
-                time.sleep(0.2)  # polling the endpoint file for a server another process starts
-            return time.monotonic() - started
+            return 0.0
         self.server.start()
         return self.server.wait_ready(self.inference.startup_timeout_s)
 
