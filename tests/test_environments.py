@@ -82,6 +82,48 @@ def test_arithmetic_system_prompt_and_defaults() -> None:
     assert example.prompt_text == example.messages[1]["content"]
 
 
+def test_arithmetic_keeps_its_problems_for_a_seed() -> None:
+    # A setting that did not exist must not change what a seed draws (benchmarks quote seeds).
+    (first,) = load_environment("arithmetic").sample(1, np.random.default_rng(0))
+    assert first.prompt_text == "A box holds 11 apples. Li takes out 7. How many apples are left in the box?"
+
+
+def test_arithmetic_steps_grade_the_problems_and_chain_operations() -> None:
+    env = load_environment({"name": "arithmetic", "steps": [2, 3], "operations": ["add", "subtract", "multiply"]})
+    for example in env.sample(60, np.random.default_rng(2)):
+        text = example.prompt_text
+        numbers = [int(v) for v in re.findall(r"\d+", text)]
+        count = numbers[0]
+        for action, b in zip(re.findall(r"(buys|gives|times)", text), numbers[1:], strict=True):
+            count = count + b if action == "buys" else count - b if action == "gives" else count * b
+            assert count > 0
+        assert example.answer == str(count) and len(numbers) - 1 in (2, 3)
+
+
+def test_arithmetic_heldout_split_is_disjoint_seeded_and_by_problem() -> None:
+    def keys(split: str, seed: int) -> set[str]:
+        spec = {"name": "arithmetic", "max_operand": 9, "heldout_fraction": 0.2, "split": split}
+        return {re.sub(r"[A-Z][a-z]+ |apples|pencils|marbles|books|cookies|stickers", "", e.prompt_text)
+                for e in load_environment(spec).sample(400, np.random.default_rng(seed))}  # fmt: skip
+
+    train, heldout = keys("train", 0), keys("heldout", 1)
+    assert heldout and train and not (train & heldout)  # no held-out problem, in any wording, is trained on
+    assert keys("heldout", 1) == heldout and keys("train", 3) & train
+    with pytest.raises(ConfigError, match="needs a heldout_fraction above 0"):
+        load_environment({"name": "arithmetic", "split": "heldout"})
+    with pytest.raises(ConfigError, match=r"steps must each be 1, 2 or 3"):
+        load_environment({"name": "arithmetic", "steps": [4]})
+
+
+def test_arithmetic_answer_format_and_its_reward() -> None:
+    env = load_environment({"name": "arithmetic", "answer_format": True, "format_weight": 0.25})
+    (example,) = env.sample(1, np.random.default_rng(0))
+    assert example.prompt_text.endswith("Give the final answer as a number after 'Answer:'.")
+    replies = ["11 - 7 = 4. Answer: 4", "Answer: 4.", "It is 4 apples.", "Answer: 5", "4 Answer: 3 is wrong"]
+    assert env.correct([example] * 5, replies) == [1.0, 1.0, 1.0, 0.0, 0.0]
+    assert env.score([example] * 5, replies) == [1.25, 1.25, 1.0, 0.25, 0.0]
+
+
 ARITHMETIC_CASES = [("8", 1.0), ("The answer is 8.", 1.0), ("\\boxed{8}", 1.0), ("9", 0.0), ("", 0.0)]
 
 

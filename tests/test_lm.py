@@ -24,7 +24,7 @@ from rlplex.models.hf import (
     resolve_device,
     stop_token_ids,
 )
-from rlplex.models.lm import generate, mean_reward, token_logprobs
+from rlplex.models.lm import evaluate, generate, mean_reward, token_logprobs
 from rlplex.models.spec import ModelSpec
 from rlplex.models.tiny import SETTINGS_FILE, TinyModelConfig, build_tiny_model
 from rlplex.tasks import Example, load_environment
@@ -88,6 +88,24 @@ def test_tiny_checkpoint_is_a_warmed_up_hugging_face_model() -> None:
     assert tokenizer.chat_template and tokenizer.eos_token == "<|im_end|>"
     # The warm-up gave the policy a signal on its task (an untrained model scores about 0.1).
     assert mean_reward(model, tokenizer, load_environment("reverse"), 128, seed=3) > 0.4
+
+
+def test_evaluate_scores_fixed_examples_greedy_and_sampled() -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_model()
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+    env = load_environment("reverse")
+    examples = env.sample(48, np.random.default_rng(5))
+    greedy = evaluate(model, tokenizer, env, examples, temperature=0.0, batch_size=16)
+    assert greedy == evaluate(model, tokenizer, env, examples, temperature=0.0, batch_size=16)  # greedy is fixed
+    assert greedy.n == 48 and 0.2 < greedy.accuracy <= greedy.reward <= 1.0  # positional: partial credit
+    sampled = [evaluate(model, tokenizer, env, examples, temperature=1.0, seed=seed) for seed in (1, 2)]
+    assert sampled[0] != sampled[1] and all(e.temperature == 1.0 for e in sampled)
+    # An environment's own notion of right (`correct`) is the accuracy, whatever its reward adds.
+    arithmetic = load_environment({"name": "arithmetic", "format_weight": 0.5})
+    marked = evaluate(model, tokenizer, arithmetic, arithmetic.sample(4, np.random.default_rng(0)), max_new_tokens=2)
+    assert marked.accuracy == 0.0 and marked.reward == 0.0
 
 
 def test_tiny_build_is_cached_by_settings_and_refuses_other_settings(tmp_path: Path) -> None:

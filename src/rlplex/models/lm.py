@@ -19,7 +19,7 @@ import torch
 
 from rlplex.models.device import model_device
 from rlplex.models.hf import Tokenizer, decode_completion, encode_answer, encode_prompt, stop_token_ids
-from rlplex.tasks import Environment
+from rlplex.tasks import Environment, Example
 
 
 @dataclass
@@ -177,6 +177,42 @@ def supervised_warmup(
     return losses
 
 
+@dataclass(frozen=True)
+class Evaluation:
+    """A model's score on a fixed set of examples."""
+
+    accuracy: float  # share of right answers (the environment's `correct`, else a full reward)
+    reward: float  # mean reward, as training sees it (format terms included)
+    n: int
+    temperature: float
+
+
+def evaluate(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    environment: Environment,
+    examples: Sequence[Example],
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = 64,
+    max_new_tokens: int | None = None,
+) -> Evaluation:
+    """Generate one completion per example (greedy at temperature 0) and score it: a held-out
+    evaluation when `examples` come from the environment's held-out split."""
+    generator = torch.Generator(device=model_device(model)).manual_seed(seed)
+    completions: list[str] = []
+    for start in range(0, len(examples), batch_size):
+        chunk = examples[start : start + batch_size]
+        prompts = [encode_prompt(tokenizer, e) for e in chunk]
+        tokens = max_new_tokens or environment.max_new_tokens
+        completions += generate(model, tokenizer, prompts, tokens, temperature, generator).completions
+    rewards = environment.score(examples, completions)
+    correct = getattr(environment, "correct", None)
+    right = correct(examples, completions) if callable(correct) else [float(r >= 1.0) for r in rewards]
+    n = max(len(examples), 1)
+    return Evaluation(sum(right) / n, sum(rewards) / n, len(examples), temperature)
+
+
 def mean_reward(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
@@ -185,8 +221,6 @@ def mean_reward(
     seed: int,
     temperature: float = 1.0,
 ) -> float:
+    """The mean reward of `n` fresh examples drawn with `seed`, sampled at `temperature`."""
     examples = environment.sample(n, np.random.default_rng(seed))
-    generator = torch.Generator(device=model_device(model)).manual_seed(seed)
-    prompts = [encode_prompt(tokenizer, e) for e in examples]
-    rollouts = generate(model, tokenizer, prompts, environment.max_new_tokens, temperature, generator)
-    return float(np.mean(environment.score(examples, rollouts.completions)))
+    return evaluate(model, tokenizer, environment, examples, temperature, seed, batch_size=max(n, 1)).reward

@@ -13,21 +13,15 @@ Letters and digits are split into single characters before BPE (as Llama and Qwe
 digits): the toy tasks are character puzzles, and a 2-layer model learns them in a minute
 only when each character is one token. Merges still form on everything else.
 
-The folder is cached by its settings: a second call with the same settings returns at once;
-a folder built with other settings is refused rather than replaced under a job that may be
-reading it. Two processes asking at once serialise on a lock file beside the folder; the
-model is built in a hidden sibling and renamed into place, so a reader never sees half of it.
+The folder is cached by its settings (`rlplex.models.cache.build_cached`): a second call with
+the same settings returns at once; a folder built with other settings is refused.
 """
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import os
-import shutil
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -35,7 +29,7 @@ import torch
 from pydantic import Field
 
 from rlplex.config import StrictModel
-from rlplex.errors import ConfigError
+from rlplex.models.cache import build_cached, read_settings
 from rlplex.tasks import Environment, EnvSpec, Example, load_environment
 
 SETTINGS_FILE = "rlplex_tiny.json"
@@ -148,41 +142,10 @@ def _build(out: Path, config: TinyModelConfig, on_step: Callable[[int, float], N
     hf_logging.disable_progress_bar()  # its "Writing model shards" bar would interleave with rlplex's own
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)  # type: ignore[attr-defined]
-    settings = {"key": config.key(), "settings": config.model_dump(mode="json")}
-    (out / SETTINGS_FILE).write_text(json.dumps(settings, indent=2) + "\n", encoding="utf-8")
 
 
 def read_tiny_settings(out_dir: Path) -> dict[str, object] | None:
-    path = Path(out_dir) / SETTINGS_FILE
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
-@contextmanager
-def locked_folder(out: Path) -> Iterator[None]:
-    """Hold an exclusive lock beside `out` (released when the file closes, also if this process dies)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "a") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
-
-
-def build_folder(out: Path, build: Callable[[Path], None]) -> None:
-    """Run `build` into a hidden sibling and rename it to `out` (absent or empty): a reader never
-    sees half a model. Call it under `locked_folder(out)`."""
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        build(tmp)
-        if out.exists():
-            out.rmdir()
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return read_settings(out_dir, SETTINGS_FILE)
 
 
 def build_tiny_model(
@@ -196,26 +159,21 @@ def build_tiny_model(
     `replace`: a tiny model of other settings there (an older rlplex's, say) is rebuilt; a
     folder that is not a tiny model is never touched."""
     config = config or TinyModelConfig()
-    out = Path(out_dir).expanduser().resolve()
-    with locked_folder(out):
-        existing = read_tiny_settings(out)
-        if existing is not None and existing.get("key") == config.key():
-            return out
-        if existing is not None and replace:
-            shutil.rmtree(out)
-        elif out.exists() and any(out.iterdir()):
-            what = "a tiny model built with other settings" if existing else "something that is not a tiny model"
-            raise ConfigError(f"{out}: holds {what}; build into another folder (or delete this one, or --replace)")
-        build_folder(out, lambda tmp: _build(tmp, config, on_step))
-    return out
+    return build_cached(
+        out_dir,
+        SETTINGS_FILE,
+        config.key(),
+        config.model_dump(mode="json"),
+        lambda tmp: _build(tmp, config, on_step),
+        replace=replace,
+        what="tiny model",
+    )
 
 
 __all__ = [
     "CHAT_TEMPLATE",
     "TinyModelConfig",
-    "build_folder",
     "build_tiny_model",
-    "locked_folder",
     "read_tiny_settings",
     "train_tokenizer",
 ]

@@ -143,7 +143,16 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         print("usage: python -m rlplex.control.elastic.entry MODULE:FUNCTION < CONFIG.json", file=sys.stderr)
         return EXIT_BAD_CONFIG
-    return run_entry(args[0], sys.stdin.read())
+    try:
+        return run_entry(args[0], sys.stdin.read())
+    finally:
+        # The work is over. Python gives SIGTERM its default action back while it finalizes
+        # (torch's teardown takes seconds on a busy machine), so a repeated stop request landing
+        # then would turn this clean exit into -15, which the ElasticMaster reads as a crash and
+        # answers with a restart. A hard stop still ends the process: `kill_tree` escalates to SIGKILL.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 if __name__ == "__main__":

@@ -130,6 +130,7 @@ class ElasticWorker(Worker):
         self.master_role = self._find_master_role()
         self._lock = threading.Lock()
         self._script: subprocess.Popen[bytes] | None = None
+        self._signalled: subprocess.Popen[bytes] | None = None  # the script `request_stop` has signalled
         self._script_epoch = ""
         self._script_exit: int | None = None
         self._check: subprocess.Popen[bytes] | None = None
@@ -196,7 +197,10 @@ class ElasticWorker(Worker):
             script = self._script
             if script is None or script.poll() is not None:
                 return False
-            script.send_signal(signal.SIGTERM)
+            # One SIGTERM per script: it has heard the first; repeats only race its exit.
+            if self._signalled is not script:
+                script.send_signal(signal.SIGTERM)
+                self._signalled = script
             return True
 
     def stop(self) -> None:
