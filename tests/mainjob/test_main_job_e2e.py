@@ -36,7 +36,9 @@ def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tm
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
     runs = {
-        "run_a": run_config(1, 3),
+        # run_a is evaluated on fixed examples, greedy and sampled: at policy step 0, once among steps
+        # 2..3 (the first it sees: it runs a step ahead), and at 3, its last.
+        "run_a": run_config(1, 3, "evaluation = { every = 2, examples = 8 }"),
         "run_b": run_config(2, 30, "optim = { lr = 3e-3 }"),
         "run_wide": run_config(4, 2, "model = { lora = { rank = 16 } }"),  # above the trainer's rank
     }
@@ -74,7 +76,12 @@ def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tm
             "rejected",
         ):
             assert section in report, section
-        for png in ("rewards.png", "run_a.png", "run_c.png"):
+        evaluations = runs["run_a"].evaluations
+        assert [row["step"] for row in evaluations] in ([0.0, 2.0, 3.0], [0.0, 3.0]), evaluations
+        assert all(0 <= row["eval/accuracy_t0"] <= row["eval/reward_t0"] <= 1 for row in evaluations)
+        assert all("eval/accuracy_t1" in row for row in evaluations) and not runs["run_c"].evaluations
+        assert "## Held-out evaluation" in report and f"| run_a | {len(evaluations)} | 0..3 |" in report
+        for png in ("rewards.png", "run_a.png", "run_c.png", "heldout.png"):
             assert (out / "plots" / png).stat().st_size > 1000
         assert list((out / "tb" / "run_a").glob("events.out.tfevents.*"))
     finally:
@@ -84,13 +91,15 @@ def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tm
     assert not alive, f"processes left behind: {[p.pid for p in alive]}"
 
 
-def test_main_job_trains_an_independent_llama_on_a_user_chat_file(
+def test_main_job_trains_pretrained_smollm2_on_a_user_chat_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`rlplex run`'s whole path (elastic trainer ranks, orchestrator nodes, conductor) on a second
-    checkpoint: another architecture, tokenizer and chat template, with a user's JSONL of chat
-    messages and a reward named by dotted path (the nodes inherit the master's sys.path)."""
-    from lm_models import random_llama
+    """`rlplex run`'s whole path (elastic trainer ranks, orchestrator nodes, conductor) on a real
+    pretrained model, SmolLM2-135M-Instruct converted from its GGUF package: another architecture
+    (Llama), tokenizer and chat template (with a default system prompt) than the tiny model's,
+    with a user's JSONL of chat messages and a reward named by dotted path (the nodes inherit
+    the master's sys.path)."""
+    from lm_models import smollm2
 
     (tmp_path / "user").mkdir()
     (tmp_path / "user" / "user_rewards_mainjob.py").write_text(
@@ -108,14 +117,15 @@ def test_main_job_trains_an_independent_llama_on_a_user_chat_file(
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
     config = f"{{ {env}, seed = 1, max_steps = 3, batch_size = 8, group_size = 4 }}"
-    path.write_text(tiny_job("mj-llama", out, {"run_llama": config}, model=random_llama(), world_size=1))
+    path.write_text(tiny_job("mj-smollm2", out, {"run_smol": config}, model=smollm2(), world_size=1))
     try:
         state = run_main_job(load_main_job(path), Console(file=open(tmp_path / "console.txt", "w")), live=False)
         assert state == JobState.STOPPED, (out / "report.md").read_text()
         (run,) = collect(out).runs
-        assert (run.run_id, run.state, run.trained_steps) == ("run_llama", "finished", 3)
-        adapter = json.loads((out / "runs" / "run_llama" / "broadcast" / "step_3" / "adapter_config.json").read_text())
-        assert adapter["base_model_name_or_path"] == str(random_llama())
+        assert (run.run_id, run.state, run.trained_steps) == ("run_smol", "finished", 3)
+        adapter = json.loads((out / "runs" / "run_smol" / "broadcast" / "step_3" / "adapter_config.json").read_text())
+        assert adapter["base_model_name_or_path"] == str(smollm2())
+        assert adapter["target_modules"] and adapter["r"] == 8
     finally:
         _gone, alive = psutil.wait_procs(job_processes(out), timeout=10.0)
         for process in alive:

@@ -93,3 +93,21 @@ def test_strings_with_newlines_and_lists_write_valid_toml(tmp_path: Path) -> Non
     config = make_config(env={"name": "jsonl", "path": 'a "quoted"\nname\\x', "fields": ["a", "b"]})
     path = write(tmp_path / "orch.toml", orch_config_to_toml(config))
     assert read_orch_config(path) == config
+
+
+def test_evaluation_defaults_to_the_held_out_split_and_names_bad_settings(tmp_path: Path) -> None:
+    env = {"name": "arithmetic", "heldout_fraction": 0.1, "split": "train"}
+    config = make_config(env=env, evaluation={"every": 5})
+    assert config.evaluation is not None and config.evaluation.temperatures == [0.0, 1.0]
+    assert config.evaluation.env_spec(config.env).model_extra == {"heldout_fraction": 0.1, "split": "heldout"}
+    # Without a held-out share, the run's own environment (a fixed, seeded set of its examples).
+    plain = make_config(evaluation={})
+    assert plain.evaluation is not None and plain.evaluation.env_spec(plain.env) == plain.env
+    assert read_orch_config(write(tmp_path / "e.toml", orch_config_to_toml(config))) == config
+    for body, field in (
+        (f"{HEAD}[evaluation]\nevery = 0\n", "evaluation.every"),
+        (f"{HEAD}[evaluation]\ntemperatures = [0.0, 11.0]\n", "evaluation.temperatures"),
+        (f"{HEAD}rollout_workers = 2\n[evaluation]\nexamples = 4\n", "evaluation"),
+    ):
+        with pytest.raises(RunConfigError, match=field):
+            read_orch_config(write(tmp_path / "bad.toml", body))

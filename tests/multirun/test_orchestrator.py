@@ -28,7 +28,7 @@ from rlplex.errors import RunConfigError
 from rlplex.models.hf import load_causal_lm
 from rlplex.models.lm import token_logprobs
 from rlplex.multirun import OrchestratorConfig, RunDir, apply_multi_lora, orch_config_to_toml, write_peft_adapter
-from rlplex.multirun.orchestrator.config import read_orch_config
+from rlplex.multirun.orchestrator.config import create_run, read_orch_config
 from rlplex.multirun.orchestrator.graph import orchestrator_mfcs
 from rlplex.multirun.orchestrator.loop import MAX_EMPTY_BATCH_ATTEMPTS, WaitOptions, main, run_orchestrator
 from rlplex.multirun.rundir import write_eviction
@@ -365,3 +365,31 @@ def test_example_config_is_valid() -> None:
     config = read_orch_config(Path(__file__).parents[2] / "examples" / "multirun_orch.toml")
     assert (config.env.name, config.batch_size, config.group_size, config.max_async_level) == ("reverse", 64, 8, 1)
     assert config.model.name == "outputs/models/tiny-reverse"
+
+
+def test_the_evaluator_scores_fixed_examples_and_skips_what_a_restart_already_evaluated(
+    tmp_path: Path, base_cache: Path
+) -> None:
+    from rlplex.models.hf import load_tokenizer
+    from rlplex.multirun.orchestrator.evaluator import RunEvaluator
+
+    out = new_output(tmp_path, base_cache)
+    config = make_config(max_steps=7, evaluation={"every": 3, "examples": 6, "temperatures": [0.0]})
+    run = create_run(out, "run_v", config)
+    tokenizer = load_tokenizer(config.model)
+
+    class Echo:  # the actor's engine answers every prompt with its own text: a fixed, checkable reply
+        def complete(self, step: int, prompts: list[list[int]], temperature: float, seed: int, n: int) -> list[str]:
+            return [tokenizer.decode(p) for p in prompts]
+
+    evaluator = RunEvaluator(run, config, tokenizer, tensorboard=False)
+    assert [evaluator.due(s) for s in range(8)] == [True] * 8  # nothing evaluated yet
+    (result,) = evaluator.evaluate(Echo(), 0)  # type: ignore[arg-type]
+    assert result.n == 6 and result.temperature == 0.0 and 0 <= result.accuracy <= result.reward <= 1
+    assert [evaluator.due(s) for s in range(1, 8)] == [False, False, True, True, True, True, True]
+    evaluator.evaluate(Echo(), 4)  # type: ignore[arg-type]
+    evaluator.close()
+    again = RunEvaluator(run, config, tokenizer, tensorboard=False)  # a restarted orchestrator
+    assert again.examples == evaluator.examples and again.done == {0, 4}
+    assert [again.due(s) for s in (4, 5, 6, 7)] == [False, False, True, True]
+    again.close()

@@ -101,7 +101,7 @@ def _take(lines: list[Text], room: int, what: str, states: Sequence[str] = (), h
 
 
 # When rows must be left out, these come first: what may still change, or went wrong.
-RUN_ATTENTION = {"running": 0, "waiting": 1, "evicted": 2, "rejected": 3, "finished": 4}
+RUN_ATTENTION = {"running": 0, "evaluating": 0, "waiting": 1, "evicted": 2, "rejected": 3, "finished": 4}
 NODE_ATTENTION: dict[str, int] = {
     NodeState.FAILED: 0,
     NodeState.PENDING: 1,

@@ -52,7 +52,7 @@ ADAPTER_LOAD_COLUMN = "charts/adapter_load_s"
 @dataclass
 class RunView:
     run_id: str
-    state: str  # waiting, running, finished, evicted, rejected
+    state: str  # waiting, running, evaluating (trained, its last evaluation pending), finished, evicted, rejected
     trained_steps: int
     max_steps: int
     reward: float | None = None
@@ -63,6 +63,7 @@ class RunView:
     trainer_rows: list[dict[str, float]] = field(default_factory=list)
     adapter_loads_s: list[float] = field(default_factory=list)  # each step's adapter load, when one was loaded
     rollout_tokens_per_s: list[float] = field(default_factory=list)  # each written step's generation rate
+    evaluations: list[dict[str, float]] = field(default_factory=list)  # held-out evaluations, by policy step
     started_at: float | None = None  # wall clock: when its folder was made (its identity written)
     ended_at: float | None = None  # wall clock: when it finished, was evicted or was rejected
 
@@ -289,6 +290,7 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
     if curve:
         view.reward = curve[-1][1]
     view.trainer_rows = read_progress_rows(run.root / "logs" / "trainer_progress.csv")
+    view.evaluations = read_progress_rows(run.evaluations / "progress.csv")
     if view.trainer_rows:
         view.trained_tokens = int(view.trainer_rows[-1].get("total_tokens", 0))
     if rows:
@@ -304,7 +306,9 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
     elif run.config_error.exists():
         view.state, view.reason = "rejected", _read_reason(run.config_error, run.root)
     elif run.is_finished():
-        view.state = "finished"
+        # Trained; a run with an evaluation ends when its orchestrator has evaluated the last step.
+        evaluated = any(int(row.get("step", -1)) == max_steps for row in view.evaluations)
+        view.state = "evaluating" if entry.config.get("evaluation") and not evaluated else "finished"
     elif not broadcasts:
         view.state = "waiting"
     view.started_at = _mtime(run.identity_file)

@@ -20,6 +20,7 @@ import torch
 from rlplex.models.device import model_device
 from rlplex.models.hf import Tokenizer, decode_completion, encode_answer, encode_prompt, stop_token_ids
 from rlplex.tasks import Environment, Example
+from rlplex.tasks.evaluation import Evaluation, score_evaluation
 
 
 @dataclass
@@ -177,16 +178,6 @@ def supervised_warmup(
     return losses
 
 
-@dataclass(frozen=True)
-class Evaluation:
-    """A model's score on a fixed set of examples."""
-
-    accuracy: float  # share of right answers (the environment's `correct`, else a full reward)
-    reward: float  # mean reward, as training sees it (format terms included)
-    n: int
-    temperature: float
-
-
 def evaluate(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
@@ -206,11 +197,7 @@ def evaluate(
         prompts = [encode_prompt(tokenizer, e) for e in chunk]
         tokens = max_new_tokens or environment.max_new_tokens
         completions += generate(model, tokenizer, prompts, tokens, temperature, generator).completions
-    rewards = environment.score(examples, completions)
-    correct = getattr(environment, "correct", None)
-    right = correct(examples, completions) if callable(correct) else [float(r >= 1.0) for r in rewards]
-    n = max(len(examples), 1)
-    return Evaluation(sum(right) / n, sum(rewards) / n, len(examples), temperature)
+    return score_evaluation(environment, examples, completions, temperature)
 
 
 def mean_reward(

@@ -51,6 +51,40 @@ class OptimConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0)
 
 
+class EvaluationConfig(_Strict):
+    """`evaluation` of a run: its policy scored on fixed examples it never trains on, as it learns.
+
+    The examples come from `env` when given, else from the run's environment with
+    `split = "heldout"` when it sets a `heldout_fraction` (problems no step draws), else from the
+    run's environment itself (a fixed, seeded set). Each evaluation generates one completion per
+    example with the run's current adapter on the run's engine, once per temperature (0 =
+    greedy), and appends accuracy and mean reward to the run's `eval.csv` (and TensorBoard)."""
+
+    every: int = Field(
+        10, ge=1, description="Evaluate policy step 0, once in each block of `every` steps after it, and the last."
+    )
+    examples: int = Field(200, ge=1, le=100_000)
+    temperatures: list[float] = Field([0.0, 1.0], min_length=1, description="One evaluation each; 0 = greedy.")
+    seed: int = Field(1_000_003, description="Seed of the evaluation's examples and sampling (the same every time).")
+    env: EnvSpec | None = None
+
+    @field_validator("temperatures")
+    @classmethod
+    def _temperatures(cls, value: list[float]) -> list[float]:
+        if any(not 0 <= t <= 10 for t in value):
+            raise ValueError(f"each temperature must be between 0 and 10 (got {value})")
+        return value
+
+    def env_spec(self, run_env: EnvSpec) -> EnvSpec:
+        if self.env is not None:
+            return self.env
+        settings = dict(run_env.model_extra or {})
+        fraction = settings.get("heldout_fraction")
+        if isinstance(fraction, int | float) and fraction > 0:
+            settings["split"] = "heldout"
+        return EnvSpec(name=run_env.name, **settings)
+
+
 class OrchestratorConfig(_Strict):
     """What one run asks of the shared trainer. Unknown keys are errors."""
 
@@ -75,6 +109,7 @@ class OrchestratorConfig(_Strict):
     inference: EngineSettings = Field(
         EngineSettings(), description="How rollouts are generated: in process (hf) or on the job's vLLM servers."
     )
+    evaluation: EvaluationConfig | None = Field(None, description="Score the policy on held-out examples as it learns.")
 
     @model_validator(mode="after")
     def _engine_is_reachable(self) -> OrchestratorConfig:
@@ -87,6 +122,11 @@ class OrchestratorConfig(_Strict):
                 raise ValueError(
                     f"rollout_workers: {self.rollout_workers} with engine 'vllm' (the server batches; use 1)"
                 )
+        if self.evaluation is not None and self.rollout_workers != 1:
+            raise ValueError(
+                f"evaluation: the orchestrator evaluates on its own engine; rollout_workers = {self.rollout_workers} "
+                "leaves it none (use 1)"
+            )
         return self
 
     @field_validator("group_size")

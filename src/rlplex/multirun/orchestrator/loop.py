@@ -48,6 +48,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -58,6 +59,7 @@ from rlplex.errors import ConfigError, MultiRunError, RlplexError, RunConfigErro
 from rlplex.io.safe_files import read_regular_text
 from rlplex.models.hf import Tokenizer
 from rlplex.multirun.orchestrator.config import OrchestratorConfig, config_changes, create_run, read_orch_config
+from rlplex.multirun.orchestrator.evaluator import RunEvaluator, evaluation_env
 from rlplex.multirun.orchestrator.graph import orchestrator_graph
 from rlplex.multirun.orchestrator.models import ActorModel, EnvRewardModel, Handoff, RolloutHandoff, StepPrompts
 from rlplex.multirun.rundir import RunDir, parse_step, write_eviction
@@ -297,22 +299,30 @@ def run_orchestrator(
         env = load_environment(config.env)
     except ConfigError as error:
         raise RunConfigError(f"orch config of {run_id}: {error}") from None
+    if config.evaluation is not None:
+        evaluation_env(config)  # a bad evaluation env fails the start, not the first evaluation
     run = open_run(output_dir, run_id, config)
     check_evicted(run)
     step = first_unfinished_step(run, config.max_steps)
     if step:
         _say(f"{run_id}: resuming at step {step} (rollouts of steps 0..{step - 1} are STABLE)")
     generated = 0
-    if step < config.max_steps:
+    if step < config.max_steps or config.evaluation is not None:
         run.ensure_dir()  # MetricsLogger makes missing parents: never let it recreate a deleted run
         with (
             StepDataflow(output_dir, run, config, env, actor_workers) as dataflow,
             MetricsLogger(run.root, tensorboard) as metrics,
+            ExitStack() as stack,
         ):
+            evaluator = None
+            if config.evaluation is not None:
+                evaluator = RunEvaluator(run, config, dataflow.dataset.tokenizer, tensorboard)
+                stack.callback(evaluator.close)
             empty = 0
             while step < config.max_steps:
                 check_evicted(run)
                 policy_step = wait_for_broadcast(run, step - config.max_async_level, f"step {step}", wait)
+                _evaluate_if_due(evaluator, dataflow, run_id, policy_step)
                 try:
                     result, timings = dataflow.run_step(step, empty, policy_step)
                 except Exception:
@@ -349,10 +359,22 @@ def run_orchestrator(
                     f"tokens/s {tokens_per_s:.0f} policy_step {policy_step} lag {step - policy_step}"
                 )
                 step += 1
+            if evaluator is not None:
+                final = wait_for_broadcast(run, config.max_steps, "finished,", wait)
+                _evaluate_if_due(evaluator, dataflow, run_id, final)
     # Done when the trainer has trained the last step (see the module docstring).
     wait_for_broadcast(run, config.max_steps, "finished,", wait)
     _say(f"{run_id}: done ({config.max_steps} steps trained)")
     return generated
+
+
+def _evaluate_if_due(evaluator: RunEvaluator | None, dataflow: StepDataflow, run_id: str, policy_step: int) -> None:
+    if evaluator is None or not evaluator.due(policy_step):
+        return
+    assert dataflow.actor is not None  # the config allows an evaluation only with rollout_workers = 1
+    _say(f"{run_id}: evaluating policy step {policy_step} on {len(evaluator.examples)} held-out examples")
+    results = evaluator.evaluate(dataflow.actor, policy_step)
+    _say(f"{run_id}: policy step {policy_step}: {evaluator.summary(results)}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,6 +155,16 @@ class ActorModel:
             self.unreported_load_s = seconds
             return
 
+    def complete(
+        self, policy_step: int, prompts: Sequence[list[int]], temperature: float, seed: int, max_new_tokens: int
+    ) -> list[str]:
+        """The texts of one completion per prompt from the policy of `policy_step` (an evaluation)."""
+        if policy_step != self.loaded_step:
+            self._load(policy_step)
+        params = SamplingParams(max_new_tokens, temperature, self.stop_ids, seed)
+        completions = self.engine.generate(self.run.run_id, prompts, params)
+        return [decode_completion(self.tokenizer, c.token_ids, self.stop_ids) for c in completions]
+
     def generate(self, mfc: MFCDef, inputs: Inputs) -> dict[str, list[Any]]:
         policy_step = int(_the_one(mfc, inputs, "policy_steps"))
         if policy_step != self.loaded_step:

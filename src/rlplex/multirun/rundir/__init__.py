@@ -164,6 +164,11 @@ class RunDir:
     def broadcast(self) -> Path:
         return self.root / "broadcast"
 
+    @property
+    def evaluations(self) -> Path:
+        """The held-out evaluation's `progress.csv` (and TensorBoard files), one row per policy step."""
+        return self.root / "eval"
+
     def checkpoint_step(self, step: int) -> Path:
         return self.checkpoints / step_dir_name(step)
 
