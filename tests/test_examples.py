@@ -199,6 +199,7 @@ LOADERS: dict[str, tuple[str, Callable[[Path], Any]]] = {  # file: (kind for the
     "elastic_job.toml": ("job", _load_job),
     "selfloop_job.toml": ("job", _load_job),
     "multirun_demo.toml": ("main", load_main_job),  # rlplex run (checks every run's orchestrator config too)
+    "smollm2_arithmetic.toml": ("main", load_main_job),  # make demo-real
     "multirun_orch.toml": ("orch", read_orch_config),  # rlplex runs add --config, or an orchestrator's orch.toml
     "models/qwen2.5-0.5b.toml": ("main", load_main_job),  # a real model on a GPU box
 }
@@ -235,6 +236,19 @@ def test_the_real_model_example_validates_without_downloading(tmp_path: Path, mo
     # Before any process starts, `rlplex run` checks the model; offline and uncached, it says so.
     with pytest.raises(ModelLoadError, match=r"'Qwen/Qwen2\.5-0\.5B-Instruct'.*not in the Hugging Face cache"):
         check_model(config)
+
+
+def test_the_smollm2_example_trains_three_learning_rates_scored_on_held_out_problems() -> None:
+    from rlplex.inference.config import resolve_engine
+
+    config = load_main_job(EXAMPLES / "smollm2_arithmetic.toml")
+    runs = [entry.orch_config("example") for entry in config.runs]
+    assert len({run.optim.lr for run in runs}) == 3 and config.trainer.max_runs == 3
+    assert config.model.name.endswith("outputs/models/smollm2-135m")  # what `make demo-real` converts into
+    assert config.inference.engine == resolve_engine("auto")
+    for run in runs:
+        assert run.evaluation is not None and run.env.model_extra and run.env.model_extra["split"] == "train"
+        assert run.evaluation.env_spec(run.env).model_extra == {**run.env.model_extra, "split": "heldout"}
 
 
 def test_every_example_script_is_run_by_a_test() -> None:

@@ -64,6 +64,10 @@ RUN = CARTPOLE + SUPERVISED + NOOP_JOB + ELASTIC_JOB + SELFLOOP_JOB + MAIN_JOB
 SKIPPED = {
     "make demo": "the full demo (minutes); CI runs it, and MAIN_JOB here runs its job with tiny budgets",
     "make test": "this test suite itself",
+    "rlplex model smollm2 outputs/models/smollm2-135m": (
+        "a 25-s conversion into a 538 MB folder; the same function converts it into the tests' cache in "
+        "tests/test_gguf_models.py, and `rlplex model gguf` runs through the CLI there"
+    ),
     "python -m benchmarks.elastic_recovery": "a benchmark: 4 ranks, one killed, minutes on two cores (`make bench`)",
     "rlplex job run examples/job_noop.toml --backend ray": (
         "starts a Ray of its own (about 30 s on two shared cores); `job run --backend ray` on the same "

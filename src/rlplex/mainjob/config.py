@@ -17,7 +17,7 @@ config = { ... }
 when = { run = "run_fast", step = 3 }
 add_run = "run_late"
 
-[inference]                         # optional; engine = "hf" (in-process) when left out
+[inference]                         # optional; engine = "auto" (vLLM on a GPU, else "hf") when left out
 engine = "vllm"                     # one vLLM server for every run's adapter
 max_loras = 4
 
@@ -36,7 +36,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlplex.config import StrictModel, load_config
-from rlplex.inference.config import InferenceConfig
+from rlplex.inference.config import InferenceConfig, resolve_engine
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.orchestrator.config import OrchestratorConfig, parse_orch_config
 from rlplex.multirun.rundir import is_valid_run_name
@@ -144,7 +144,13 @@ class MainJobConfig(StrictModel):
             inference = InferenceConfig.model_validate(data.get("inference", {}))
         except ValueError:
             return data  # reported by the fields' own validation
-        data = {**data, "model": model.model_dump()}
+        # "auto" becomes the engine it stands for here, once, so every run gets a concrete one.
+        inference = inference.model_copy(update={"engine": resolve_engine(inference.engine, model.device)})
+        data = {
+            **data,
+            "model": model.model_dump(),
+            "inference": {**data.get("inference", {}), "engine": inference.engine},
+        }
         endpoint_dir = Path(str(data.get("output_dir", "."))) / INFERENCE_DIR
         for key in ("runs", "later_runs"):
             entries = data.get(key)

@@ -53,7 +53,7 @@ from rlplex.dataflow.stream import (
 )
 from rlplex.diagnostics import MetricsLogger, ProgressLine
 from rlplex.errors import RlplexError, SnapshotError
-from rlplex.inference.config import InferenceConfig
+from rlplex.inference.config import InferenceConfig, resolve_engine
 from rlplex.io.snapshot import (
     check_compatible,
     latest_snapshot,
@@ -85,7 +85,9 @@ class GRPOLMConfig(StrictModel):
     eval_samples: int = Field(256, ge=1)
     target_reward: float | None = None
     seed: int = 0
-    inference: InferenceConfig = Field(InferenceConfig(), description="'hf': in-process; 'vllm': a server")
+    inference: InferenceConfig = Field(
+        InferenceConfig(), description="'auto': vLLM on a CUDA GPU, else 'hf'; 'hf': in-process; 'vllm': a server"
+    )
     lora_rank: int = Field(8, ge=1, description="with engine 'vllm': rank of the trained LoRA adapter")
     decoupled: bool = Field(
         False, description="decoupled PPO: clip against recomputed proximal log-probs, re-weight by behaviour"
@@ -178,7 +180,7 @@ def train_grpo_lm(
     tokenizer, task = load_tokenizer(config.model), load_environment(config.env)
     model: torch.nn.Module = load_causal_lm(config.model).requires_grad_(True)
     served: ServedLoRAPolicy | None = None
-    if config.inference.engine == "vllm":
+    if resolve_engine(config.inference.engine, config.model.device) == "vllm":
         work_dir = Path(log_dir) if log_dir is not None else Path(tempfile.mkdtemp(prefix="rlplex-grpo-vllm-"))
         served = ServedLoRAPolicy(config.model, model, config.inference, config.lora_rank, work_dir)
         model = served.module
