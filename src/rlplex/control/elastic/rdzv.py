@@ -28,7 +28,6 @@ import os
 import socket
 import statistics
 import sys
-import threading
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -175,38 +174,15 @@ class PortReservation:
         self._sock.bind((host, 0))
         self.port = int(self._sock.getsockname()[1])
         self._store: Any = None
-        self._serving: threading.Thread | None = None
-        self._released = False
-        self._lock = threading.Lock()
 
     def serve_store(self, timeout_s: float = 300.0) -> None:
         """Serve the round's torch.distributed store here; the ranks join it as clients, as under
-        torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True in their environment).
-
-        Returns at once: the socket listens now, so the ranks' connections wait in its backlog,
-        and the store is built in a thread. Building it imports torch, which takes half a minute
-        on a busy machine; on the caller's thread (the node's elastic agent) that import would
-        silence the node's syncs until its ElasticMaster counted it lost."""
-        if self._serving is None:
-            self._sock.listen(128)
-            self._serving = threading.Thread(target=self._serve, args=(timeout_s,), name="rdzv-store", daemon=True)
-            self._serving.start()
-
-    def _serve(self, timeout_s: float) -> None:
-        try:
-            store = serve_tcp_store(self._sock, timeout_s)
-        except Exception:
-            if self._released:
-                return  # released (its socket closed) while torch was imported: the round is over
-            raise  # the thread's traceback goes to the node's log; the ranks' joins then time out
-        with self._lock:
-            if not self._released:
-                self._store = store
+        torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE=True in their environment)."""
+        if self._store is None:
+            self._store = serve_tcp_store(self._sock, timeout_s)
 
     def release(self) -> None:
-        with self._lock:
-            self._released = True
-            self._store = None  # the store's server stops and closes the socket it owns
+        self._store = None  # the store's server stops and closes the socket it owns
         self._sock.close()
 
 

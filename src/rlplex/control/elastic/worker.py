@@ -213,6 +213,13 @@ class ElasticWorker(Worker):
     # ---- the agent ---------------------------------------------------------------------------
     def _agent_main(self) -> None:
         try:
+            # Any round may make this node rank 0, whose agent serves the round's store with torch
+            # (`PortReservation.serve_store`). Imported here, before the first sync: in the middle of
+            # a round the import (half a minute on a busy machine) would silence this node's syncs
+            # until its ElasticMaster counted it lost. A member that is still importing has simply
+            # not joined yet, which the rendezvous waits for (join_timeout_s).
+            import torch.distributed  # noqa: F401
+
             while not self.context.should_stop():
                 report = self._report()
                 assignment = self._sync(report)
