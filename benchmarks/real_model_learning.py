@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="2 steps, 16 held-out problems, shared only")
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--examples", type=int, default=100, help="held-out problems per evaluation")
+    parser.add_argument("--examples", type=int, default=50, help="held-out problems per evaluation")
     parser.add_argument("--no-alone", action="store_true", help="skip the runs alone")
     args = parser.parse_args(argv)
     steps, examples = (2, 16) if args.quick else (args.steps, args.examples)

@@ -41,6 +41,7 @@ BENCHMARKS = [
     "datachannel",
     "inference_rollouts",
     "adapter_freshness",
+    "real_model_learning",
 ]
 
 
