@@ -26,7 +26,6 @@ from rlplex.config import read_toml, validate_config
 from rlplex.mainjob.config import MainJobConfig
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect
-from rlplex.models.gguf import build_smollm2
 from rlplex.models.tiny import TinyModelConfig, build_tiny_model
 
 NAME = "main_job_engines"
@@ -78,10 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--job", type=Path, default=DEMO, help="the main job file (default: the demo's)")
     args = parser.parse_args(argv)
     steps = 6 if args.quick else args.steps
-    if args.job.resolve() == DEMO:
+    if args.job.resolve() == DEMO:  # another job's model is its own to build (`rlplex model smollm2 ...`)
         build_tiny_model(ROOT / "outputs" / "models" / "tiny-reverse", TinyModelConfig(warmup_steps=110), replace=True)
-    elif "smollm2" in args.job.name:
-        build_smollm2(ROOT / "outputs" / "models" / "smollm2-135m")
     sides = [run_side(engine, steps, args.job.resolve()) for engine in ("hf", "vllm")]
     hf, vllm = sides
     rows = [

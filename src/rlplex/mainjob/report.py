@@ -82,34 +82,34 @@ def write_report(output_dir: Path, fallback_wall_time_s: float) -> Path:
     return path
 
 
+ACCURACY_PREFIX = "eval/accuracy_t"  # the orchestrator's evaluator logs eval/accuracy_t<temperature>
+
+
 def _evaluation_section(view: JobView, plots: Path) -> list[str]:
     """Each run's held-out accuracy at its first and newest evaluation, per temperature, and the
     curves (x: the policy step evaluated, so a run that joined late starts at its own 0)."""
     runs = [run for run in view.runs if run.evaluations]
     if not runs:
         return []
-    keys = sorted({k for run in runs for row in run.evaluations for k in row if k.startswith("eval/accuracy_t")},
-                  key=lambda k: float(k.removeprefix("eval/accuracy_t")))  # fmt: skip
-    names = {
-        k: "greedy" if float(k.removeprefix("eval/accuracy_t")) == 0 else k.removeprefix("eval/accuracy_") for k in keys
-    }
-    header = ("run", "evaluations", "policy steps", *(f"{names[k]}: first -> newest (rise)" for k in keys))
+    temperatures = sorted({float(k.removeprefix(ACCURACY_PREFIX)) for run in runs for row in run.evaluations
+                           for k in row if k.startswith(ACCURACY_PREFIX)})  # fmt: skip
+    names = ["greedy" if t == 0 else f"t{t:g}" for t in temperatures]
+    header = ("run", "evaluations", "policy steps", *(f"{name}: first -> newest (rise)" for name in names))
     lines = ["", "## Held-out evaluation", "", "Accuracy on the same held-out examples at each evaluation (t: the "
              "sampling temperature).", "", _row(header), _row(("---",) * len(header))]  # fmt: skip
     curves: dict[str, tuple[list[float], list[float]]] = {}
     for run in runs:
         rows = sorted(run.evaluations, key=lambda row: row["step"])
         cells = []
-        for key in keys:
-            values = [row[key] for row in rows if key in row]
-            first, last = (values[0], values[-1]) if values else (None, None)
-            rise = last - first if first is not None and last is not None else None
-            cells.append(f"{_num(first)} -> {_num(last)} ({_num(rise, '+.3f')})")
-        steps = f"{int(rows[0]['step'])}..{int(rows[-1]['step'])}"
-        lines.append(_row((run.run_id, str(len(rows)), steps, *cells)))
-        for key in keys:
-            points = [(row["step"], row[key]) for row in rows if key in row]
-            curves[f"{run.run_id} {names[key]}"] = ([x for x, _ in points], [y for _, y in points])
+        for name, temperature in zip(names, temperatures, strict=True):
+            key = f"{ACCURACY_PREFIX}{temperature:g}"
+            steps, values = [row["step"] for row in rows if key in row], [row[key] for row in rows if key in row]
+            rise = values[-1] - values[0] if values else None
+            cells.append(f"{_num(values[0] if values else None)} -> {_num(values[-1] if values else None)} "
+                         f"({_num(rise, '+.3f')})")  # fmt: skip
+            curves[f"{run.run_id} {name}"] = (steps, values)
+        span = f"{int(rows[0]['step'])}..{int(rows[-1]['step'])}"
+        lines.append(_row((run.run_id, str(len(rows)), span, *cells)))
     plot_learning_curves(curves, plots / "heldout.png", title="held-out accuracy per run", xlabel="policy step",
                          ylabel="accuracy")  # fmt: skip
     return [*lines, "", "![held-out accuracy](plots/heldout.png)"]

@@ -70,7 +70,7 @@ def _convert(gguf_file: Path, out: Path, dtype: GgufDtype) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()  # its per-tensor bars would interleave with rlplex's status line
+    hf_logging.disable_progress_bar()  # its "Loading weights" bar would interleave with rlplex's status line
     folder, name = str(gguf_file.parent), gguf_file.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)

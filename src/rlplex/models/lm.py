@@ -178,6 +178,24 @@ def supervised_warmup(
     return losses
 
 
+def _complete(
+    model: torch.nn.Module,
+    tokenizer: Tokenizer,
+    examples: Sequence[Example],
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    batch_size: int,
+) -> list[str]:
+    """One completion per example, `batch_size` prompts per `generate` call, one seeded generator."""
+    generator = torch.Generator(device=model_device(model)).manual_seed(seed)
+    completions: list[str] = []
+    for start in range(0, len(examples), batch_size):
+        prompts = [encode_prompt(tokenizer, e) for e in examples[start : start + batch_size]]
+        completions += generate(model, tokenizer, prompts, max_new_tokens, temperature, generator).completions
+    return completions
+
+
 def evaluate(
     model: torch.nn.Module,
     tokenizer: Tokenizer,
@@ -190,13 +208,8 @@ def evaluate(
 ) -> Evaluation:
     """Generate one completion per example (greedy at temperature 0) and score it: a held-out
     evaluation when `examples` come from the environment's held-out split."""
-    generator = torch.Generator(device=model_device(model)).manual_seed(seed)
-    completions: list[str] = []
-    for start in range(0, len(examples), batch_size):
-        chunk = examples[start : start + batch_size]
-        prompts = [encode_prompt(tokenizer, e) for e in chunk]
-        tokens = max_new_tokens or environment.max_new_tokens
-        completions += generate(model, tokenizer, prompts, tokens, temperature, generator).completions
+    tokens = max_new_tokens or environment.max_new_tokens
+    completions = _complete(model, tokenizer, examples, tokens, temperature, seed, batch_size)
     return score_evaluation(environment, examples, completions, temperature)
 
 
@@ -208,6 +221,7 @@ def mean_reward(
     seed: int,
     temperature: float = 1.0,
 ) -> float:
-    """The mean reward of `n` fresh examples drawn with `seed`, sampled at `temperature`."""
+    """The mean reward of `n` fresh examples drawn with `seed`, sampled at `temperature` in one batch."""
     examples = environment.sample(n, np.random.default_rng(seed))
-    return evaluate(model, tokenizer, environment, examples, temperature, seed, batch_size=max(n, 1)).reward
+    completions = _complete(model, tokenizer, examples, environment.max_new_tokens, temperature, seed, max(n, 1))
+    return float(np.mean(environment.score(examples, completions)))

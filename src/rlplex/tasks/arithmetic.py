@@ -51,7 +51,7 @@ _TEMPLATES: dict[str, tuple[str, ...]] = {
 _STEP_TEXT: dict[str, str] = {
     "add": "buys {b} more",
     "subtract": "gives {b} to a friend",
-    "multiply": "then has {b} times as many",
+    "multiply": "ends up with {b} times as many",
 }
 _NAMES = ("Tom", "Ana", "Li", "Sam", "Maya", "Omar", "Eva", "Raj")
 _ITEMS = ("apples", "pencils", "marbles", "books", "cookies", "stickers")
@@ -173,7 +173,7 @@ class ArithmeticEnv:
             key.append(f"{operation} {b}")
         story = ", then ".join(actions[:-1]) + f" and then {actions[-1]}"
         text = f"{name} has {key[0]} {items}. {name} {story}. How many {items} does {name} have now?"
-        return text.replace("then then", "then"), " ".join(key), count
+        return text, " ".join(key), count
 
     def correct(self, examples: Sequence[Example], completions: Sequence[str]) -> list[float]:
         """1.0 per right final answer, format aside: the accuracy an evaluation reports."""
