@@ -190,6 +190,13 @@ def test_the_server_gets_the_key_in_its_environment_never_on_its_command_line(tm
     assert command[command.index("--host") + 1] == "127.0.0.1"
     assert command[command.index("--max-loras") + 1] == "3" and command[-1] == "--enforce-eager"
     assert command[command.index("--dtype") + 1] == "float32"  # "auto" on the CPU build: what the trainer uses
+    # The CPU worker runs inside the engine core (one process fewer to start), unless the job asks otherwise.
+    assert command[command.index("--distributed-executor-backend") + 1] == "uni"
+    assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    told = InferenceConfig(engine="vllm", extra_args=["--tensor-parallel-size", "2"])
+    assert "--distributed-executor-backend" not in VLLMServer(ModelSpec(name="m"), told, key, 1, tmp_path).command()
+    gpu = VLLMServer(ModelSpec(name="m"), config, key, 1, tmp_path, build="gpu")
+    assert "--distributed-executor-backend" not in gpu.command()
     shutil.rmtree(tmp_path / "inference")
 
 

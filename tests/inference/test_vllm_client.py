@@ -111,6 +111,10 @@ def test_seeded_sampling_of_many_long_prompts_does_not_kill_the_cpu_server(serve
         client.close()
     assert len(completions) == 48 and all(len(c.token_ids) == N_TOKENS for c in completions)
     assert "--no-enable-chunked-prefill" in served.server.command() and served.server.healthy()
+    # The API server and its engine core, which runs the CPU worker itself (no third process).
+    server = psutil.Process(served.server.pid)
+    engines = [p.name() for p in server.children(recursive=True) if "resource_tracker" not in " ".join(p.cmdline())]
+    assert engines == ["VLLM::EngineCore"], engines
 
 
 def test_a_new_version_loaded_under_the_same_name_takes_effect(served: Served, tmp_path: Path) -> None:

