@@ -228,8 +228,10 @@ def start_ray() -> None:
 
     src = str(Path(__file__).resolve().parents[1] / "src")
     path = os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])
+    from rlplex.control.backends.ray import LOCAL_RAY_SYSTEM_CONFIG
+
     ray.init(num_cpus=2, include_dashboard=False, namespace="rlplex", log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})  # fmt: skip
+             runtime_env={"env_vars": {"PYTHONPATH": path}}, _system_config=LOCAL_RAY_SYSTEM_CONFIG)  # fmt: skip
 
 
 def run_backend(root: Path, backend: str, hang_timeout: float, window_s: float) -> dict[str, Any]:

@@ -150,7 +150,14 @@ def main(argv: list[str] | None = None) -> None:
         import ray
         from ray.util.queue import Queue as RayQueue
 
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": SRC}})
+        from rlplex.control.backends.ray import LOCAL_RAY_SYSTEM_CONFIG
+
+        ray.init(
+            num_cpus=2,
+            include_dashboard=False,
+            runtime_env={"env_vars": {"PYTHONPATH": SRC}},
+            _system_config=LOCAL_RAY_SYSTEM_CONFIG,
+        )
         try:
             for size in RAY_SIZES:
                 nbytes = SIZES[size]

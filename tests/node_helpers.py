@@ -55,8 +55,14 @@ def local_ray(*import_paths: Path | str, namespace: str | None = None) -> Iterat
     import ray
 
     path = os.pathsep.join([*(str(p) for p in import_paths), os.environ.get("PYTHONPATH", "")])
+    from rlplex.control.backends.ray import LOCAL_RAY_SYSTEM_CONFIG
+
     context = ray.init(
-        num_cpus=2, include_dashboard=False, namespace=namespace, runtime_env={"env_vars": {"PYTHONPATH": path}}
+        num_cpus=2,
+        include_dashboard=False,
+        namespace=namespace,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+        _system_config=LOCAL_RAY_SYSTEM_CONFIG,
     )
     try:
         yield str(context.address_info["gcs_address"])

@@ -56,6 +56,12 @@ def child_pythonpath() -> str:
     return os.pathsep.join(dict.fromkeys(entries))
 
 
+# Ray starts its workers at nice 15 (raylet's worker_niceness): on a machine with anything else to
+# run, a job's trainer ranks and agents then get a sliver of the cores, miss their heartbeat
+# deadlines, and a 2-minute node check never ends. A Ray that rlplex starts runs them as the driver.
+LOCAL_RAY_SYSTEM_CONFIG: dict[str, Any] = {"worker_niceness": 0}
+
+
 def connect_ray(address: str | None, capacity: Resources) -> bool:
     """Join `address`, or start a local Ray sized by the job's capacity; True when Ray runs on this machine only."""
     if not ray.is_initialized():
@@ -64,6 +70,7 @@ def connect_ray(address: str | None, capacity: Resources) -> bool:
         if address is None:
             options["num_cpus"] = max(1, math.ceil(capacity.cpu))
             options["num_gpus"] = math.ceil(capacity.gpu)
+            options["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
         ray.init(address=address, **options)
     return len([n for n in ray.nodes() if n.get("Alive")]) <= 1 and address is None
 

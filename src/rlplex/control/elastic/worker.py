@@ -24,6 +24,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any
@@ -143,6 +144,7 @@ class ElasticWorker(Worker):
         # or script was handed (held until the next round, as the script binds it only after its imports).
         self._offered: PortReservation | None = None
         self._handed: PortReservation | None = None
+        self._synced_at = self._complained_at = time.monotonic()
         self._agent = threading.Thread(target=self._agent_main, name=f"{context.node_id}-elastic", daemon=True)
         self._agent.start()
 
@@ -284,8 +286,16 @@ class ElasticWorker(Worker):
                 if self._client is None:
                     return None
             reply: dict[str, Any] = self._client.call("call", "elastic_sync", report, timeout_s=5.0)
+            self._synced_at = time.monotonic()
             return reply
-        except RlplexError:
+        except RlplexError as error:
+            # The master counts a member lost after member_timeout_s without a sync: the node's log
+            # must say whether this agent was trying (and failing) or not running at all.
+            now = time.monotonic()
+            if now - self._complained_at > 5.0:
+                self._complained_at = now
+                print(f"{self.context.node_id}: sync with the master failed ({error}); last sync "
+                      f"{now - self._synced_at:.1f} s ago", flush=True)  # fmt: skip
             if self._client is not None:
                 self._client.close()
             self._client = None  # the master may have moved (restarted): look it up again
