@@ -331,10 +331,14 @@ def test_failing_node_check_fails_prepare_with_the_reason(job_dir: Path, monkeyp
 def test_a_hung_node_check_fails_prepare_within_the_rpc_timeout(job_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RLPLEX_TEST_FAULTS", "hang_check@trainer-0")
     spec = elastic_job(job_dir, entrypoint="control_workers:CheckedElasticWorker")
-    spec = parse_job(spec.model_dump(mode="json") | {"rpc_timeout_s": 3.0})
+    # Long enough for both nodes to start and import torch (their agents join only then) on a
+    # busy machine, so that the hang is the check's: 3 s was seen to end the rendezvous in WAITING.
+    timeout = scaled(6.0)
+    spec = parse_job(spec.model_dump(mode="json") | {"rpc_timeout_s": timeout})
     master = PrimeMaster.create(spec)
     try:
-        with pytest.raises(JobFailedError, match=r"initial rendezvous was still CHECKING .* rpc_timeout_s \(3 s\)"):
+        expected = rf"initial rendezvous was still CHECKING .* rpc_timeout_s \({timeout:g} s\)"
+        with pytest.raises(JobFailedError, match=expected):
             master.start()
         assert node_processes(job_dir) == [] and job_processes(job_dir) == []
     finally:
