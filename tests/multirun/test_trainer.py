@@ -33,7 +33,7 @@ from rlplex.multirun.rundir import RunDir
 from rlplex.multirun.rundir.checkpoint import latest_stable_checkpoint_path, load_checkpoint
 from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE
 from rlplex.multirun.trainer.log import read_progress_csv
-from rlplex.multirun.trainer.loop import MultiRunTrainer
+from rlplex.multirun.trainer.loop import TIMES_FILE, MultiRunTrainer
 from timing import scaled
 
 
@@ -225,6 +225,11 @@ def test_cli_runs_a_job_that_takes_the_model_and_stops_after_steps(tmp_path: Pat
     assert latest_stable_checkpoint_path(RunDir(tmp_path, "run_c")) == RunDir(tmp_path, "run_c").checkpoint_step(2)
     # Not under torchrun, the command ran the trainer as a control-plane job of its own.
     assert (tmp_path / "trainer_job" / "job.sqlite").is_file()
+    # Where its two training iterations spent their time (benchmarks.multirun_throughput reads it).
+    times = json.loads((tmp_path / TIMES_FILE).read_text())
+    assert times["iterations"] == 2 and times["forward_backward_s"] > 0 and times["optimizer_s"] > 0
+    parts = times["forward_backward_s"] + times["optimizer_s"] + times["host_s"]
+    assert abs(parts - times["wall_s"]) < 1e-6 and 0 <= times["host_fraction"] < 1, times
 
 
 def _new_finishing_run(output_dir: Path, run_id: str = "run_b0", steps: int = 2) -> RunDir:

@@ -35,6 +35,7 @@ progress is ahead of its last checkpoint.
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -45,10 +46,11 @@ import torch
 import torch.distributed as dist
 
 from rlplex.algos.rl_math import clipped_surrogate
-from rlplex.errors import MultiRunError
+from rlplex.errors import MultiRunError, RunDirGoneError
 from rlplex.models.hf import load_causal_lm, load_tokenizer, resolve_device
 from rlplex.models.lm import pad_id_of, token_logprobs
 from rlplex.multirun.orchestrator.config import OrchestratorConfig
+from rlplex.multirun.rundir import write_file_atomic
 from rlplex.multirun.rundir.peft_export import is_stable_adapter
 from rlplex.multirun.rundir.retention import remove_orphaned_temporaries
 from rlplex.multirun.rundir.rollouts import MalformedRolloutError, read_rollouts, rollouts_ready
@@ -60,7 +62,9 @@ from rlplex.multirun.trainer.packer import MicroBatch, Packer
 from rlplex.multirun.trainer.run_optim import RunOptimizers, StepStats
 
 log = logging.getLogger(__name__)
-__all__ = ["MultiRunTrainer"]
+__all__ = ["TIMES_FILE", "MultiRunTrainer", "StepTimes"]
+
+TIMES_FILE = "trainer_times.json"
 
 
 @dataclass
@@ -68,6 +72,33 @@ class Prepared:
     stop: bool
     micro_batches: list[MicroBatch]
     steps: list[StepDone]
+
+
+@dataclass
+class StepTimes:
+    """Where this rank's training iterations spend their wall time (perf_counter; on a GPU the
+    forward/backward figure is the host's launch time unless the kernels made it wait)."""
+
+    iterations: int = 0
+    wall_s: float = 0.0
+    forward_backward_s: float = 0.0
+    optimizer_s: float = 0.0
+
+    @property
+    def host_s(self) -> float:
+        """Everything but the maths: reading and packing rollouts, the plan, bookkeeping, outputs."""
+        return max(0.0, self.wall_s - self.forward_backward_s - self.optimizer_s)
+
+    def as_dict(self) -> dict[str, float]:
+        host_fraction = self.host_s / self.wall_s if self.wall_s else 0.0
+        return {
+            "iterations": self.iterations,
+            "wall_s": self.wall_s,
+            "forward_backward_s": self.forward_backward_s,
+            "optimizer_s": self.optimizer_s,
+            "host_s": self.host_s,
+            "host_fraction": host_fraction,
+        }
 
 
 @dataclass
@@ -110,6 +141,7 @@ class MultiRunTrainer:
         self.outputs = RunOutputs(config, self.manager, self.optim, self.lora.fan_in_fan_out)
         self._stop = threading.Event()
         self._rewards: dict[int, tuple[float, int]] = {}
+        self.times = StepTimes()
 
     # ---- set-up ------------------------------------------------------------------------------
     def _same_base(self, config: OrchestratorConfig) -> tuple[bool, str]:
@@ -172,7 +204,12 @@ class MultiRunTrainer:
     # ---- one iteration -----------------------------------------------------------------------
     def iteration(self, master_stop: bool = False) -> IterationResult:
         """One trainer iteration on every rank; `master_stop` (rank 0's say) ends the loop."""
-        return self.execute(self.prepare(master_stop))
+        started = time.perf_counter()
+        result = self.execute(self.prepare(master_stop))
+        if result.micro_batches or result.stepped:
+            self.times.iterations += 1
+            self.times.wall_s += time.perf_counter() - started
+        return result
 
     def prepare(self, master_stop: bool = False) -> Prepared:
         """Steps 1-6: the run table, the stop decision and the packed plan, the same on every rank."""
@@ -196,8 +233,10 @@ class MultiRunTrainer:
         """Steps 7-9: this rank's micro-batches, then the runs whose step is whole."""
         if prepared.stop:
             return IterationResult(True, 0, [])
+        started = time.perf_counter()
         for micro in prepared.micro_batches[self.rank :: self.world_size]:
             self._forward_backward(micro)
+        self.times.forward_backward_s += time.perf_counter() - started
         stepped = self._step_runs(prepared.steps)
         return IterationResult(False, len(prepared.micro_batches), stepped)
 
@@ -289,12 +328,12 @@ class MultiRunTrainer:
         with self.manager.active_adapters(micro.adapter_ids):
             # Each run's rollouts were sampled (and their old log-probabilities taken) at its own
             # temperature; scoring them at 1 would skew every importance ratio of a run at T != 1.
-            temperatures = torch.tensor([self.manager.config[idx].temperature for idx in micro.adapter_ids.tolist()])
+            values = [self.manager.config[idx].temperature for idx in micro.adapter_ids.tolist()]
             device = self.device
+            # Dividing [rows, tokens, vocab] logits by 1 changes nothing and costs a pass, forward and backward.
+            temperatures = None if all(t == 1.0 for t in values) else torch.tensor(values, device=device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=self._autocast):
-                logprobs = token_logprobs(
-                    self.model, micro.tokens.to(device), micro.attention.to(device), temperatures.to(device)
-                )
+                logprobs = token_logprobs(self.model, micro.tokens.to(device), micro.attention.to(device), temperatures)
         # Per row: the sum of its loss tokens' clipped surrogate, each weighted 1 / N_k (run k's
         # loss tokens in its whole step), so a run's gradient does not depend on its packing.
         surrogate = clipped_surrogate(
@@ -312,15 +351,18 @@ class MultiRunTrainer:
         if not steps:
             return []
         idxs = [s.idx for s in steps if not s.dropped]
+        started = time.perf_counter()
         if self.world_size > 1:
             self.optim.all_reduce(idxs)
+        stats_of = {idx: self.optim.step(idx) for idx in idxs}
+        self.times.optimizer_s += time.perf_counter() - started
         stepped = []
         for s in steps:
             run_id = self.manager.idx_2_id[s.idx]
             if s.dropped:
                 stats = StepStats(grad_norm=0.0, lr=self.optim.lr(s.idx), loss=0.0)
             else:
-                stats = self.optim.step(s.idx)
+                stats = stats_of[s.idx]
             if stats.skipped:
                 # The same verdict on every rank (the gradients were all-reduced); rank 0 evicts.
                 if self.is_master:
@@ -364,4 +406,26 @@ class MultiRunTrainer:
                     time.sleep(self.config.poll_interval_s)  # nothing ready: poll the run directories
         finally:
             self.finish()
+            self.report_times()
         return worked
+
+    def report_times(self) -> None:
+        """Log where the training iterations' time went; rank 0 also writes it to
+        `<output_dir>/trainer_times.json` (what benchmarks.multirun_throughput reads)."""
+        times = self.times.as_dict()
+        log.info(
+            "trainer rank %d: %d training iterations in %.2f s: forward+backward %.2f s, optimizer %.2f s, "
+            "host work %.2f s (%.0f %%)",
+            self.rank,
+            times["iterations"],
+            times["wall_s"],
+            times["forward_backward_s"],
+            times["optimizer_s"],
+            times["host_s"],
+            100 * times["host_fraction"],
+        )
+        if self.is_master:
+            try:
+                write_file_atomic(self.config.output_dir / TIMES_FILE, json.dumps(times, indent=1).encode())
+            except (OSError, RunDirGoneError) as error:  # a figure, not a result: never fail the stop
+                log.warning("%s not written: %s", TIMES_FILE, error)
