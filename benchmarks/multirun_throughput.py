@@ -293,6 +293,13 @@ def main() -> None:
         help="steps trained before the timed window (on a GPU: 2, with --steps 30)",
     )
     parser.add_argument("--model", default=None, help="smollm2, tiny or a [model] name (default: smollm2 if installed)")
+    parser.add_argument(
+        "--micro-tokens",
+        type=int,
+        default=None,
+        help="the one trainer's micro-batch (default: a step of every run, one pass for all K; "
+        "a step of one run keeps its activations to one single-run trainer's)",
+    )
     args = parser.parse_args()
     if args.quick:
         args.steps, args.samples = 3, 32
@@ -311,9 +318,9 @@ def main() -> None:
             [(shared_dir, prepare(spec, shared_dir, list(range(k)), batches, steps))],
             args.threads,
             steps,
-            k * step_tokens,
+            args.micro_tokens or k * step_tokens,
             args.warmup_steps,
-        )  # one micro-batch holds one step of every run: one forward pass for all K
+        )
         separate_groups = []
         for i in range(k):
             directory = root / f"separate_{i}"
@@ -343,6 +350,7 @@ def main() -> None:
         "samples": args.samples,
         "width": args.width,
         "threads": args.threads,
+        "micro_tokens": args.micro_tokens or k * step_tokens,
         "tokens": tokens,
         "shared": shared,
         "separate": separate,
