@@ -276,7 +276,9 @@ def test_killed_elastic_master_takes_over_then_a_scaled_down_role_trains_on_with
 
 
 def test_a_scaled_up_role_grows_the_world_and_the_joiner_is_checked_first(job_dir: Path) -> None:
-    spec = elastic_job(job_dir, count=1, step_delay=0.02, min_nodes=1, max_nodes=2)
+    # Slow enough steps that the joiner (a node process importing torch, then its node check)
+    # arrives while rank 0 still trains: with 0.02 s a busy machine saw every step done first.
+    spec = elastic_job(job_dir, count=1, step_delay=scaled(0.1), min_nodes=1, max_nodes=2)
     with PrimeMaster.create(spec) as master:
         master.start()
         wait_for(lambda: progress(job_dir, "trainer-0").get("step", 0) >= CKPT_EVERY + 2, 40, "rank 0 past step 12")

@@ -303,7 +303,15 @@ class ElasticWorker(Worker):
 
     def _connect(self) -> RpcClient | None:
         with JobStore.open_readonly(self.context.output_dir, self.context.job_id) as job:
-            masters = [n for n in job.nodes(self.master_role) if n.address]
+            records = job.nodes(self.master_role)
+        if records and all(n.state == NodeState.FINISHED for n in records):
+            # Every script exited 0 before this node joined (a role scaled up as the work ended):
+            # no round will come, and waiting for one would keep the job running for ever.
+            if not self._finished:
+                print(f"{self.context.node_id}: the elastic master finished before this node joined", flush=True)
+            self._finished = True
+            return None
+        masters = [n for n in records if n.address]
         if not masters:
             return None
         return RpcClient(parse_address(masters[0].address), self.context.token, masters[0].node_id, 5.0)
