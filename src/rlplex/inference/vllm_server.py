@@ -37,6 +37,7 @@ from pathlib import Path
 
 from rlplex.errors import ConfigError, InferenceError, InferenceUnavailableError
 from rlplex.inference.config import SMALL_MACHINE_CORES, InferenceConfig
+from rlplex.inference.server_auth import MIDDLEWARE
 from rlplex.io.shm_reaper import group_pids, release, shm_in_use
 from rlplex.models.spec import ModelSpec
 from rlplex.processes import die_with_parent
@@ -219,6 +220,8 @@ class VLLMServer:
             "--host", config.host,
             "--port", str(self.port),
             "--logprobs-mode", "processed_logprobs",
+            # vLLM's key check covers /v1-style prefixes only; this one covers every route but /health.
+            "--middleware", MIDDLEWARE,
         ]  # fmt: skip
         if model.revision is not None:
             args += ["--revision", model.revision]
