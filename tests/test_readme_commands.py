@@ -337,6 +337,16 @@ def rejected_add(copy: Path, out: Path) -> None:
     line = " ".join(done.stdout.split())  # rich wraps long lines
     assert "rejected:" in line and "model.lora.rank" in line and "admitted" not in line, done.stdout
     assert "run_wide" not in {view.run_id for view in collect(out).runs}
+    # A run id whose folder is a symlink (here to another run's) is refused: not "admitted".
+    (out / "runs" / "run_link").symlink_to(out / "runs" / "run_fast", target_is_directory=True)
+    linked = subprocess.run(
+        [str(RLPLEX), "runs", "add", str(out), "--config", str(wide), "--id", "run_link"],
+        cwd=copy, env=child_env(), capture_output=True, text=True, timeout=150,
+    )  # fmt: skip
+    line = " ".join(linked.stdout.split())
+    assert linked.returncode == 2 and "not a directory" in line and "admitted" not in line, linked.stdout
+    assert "run_link" not in {view.run_id for view in collect(out).runs}
+    (out / "runs" / "run_link").unlink()
 
 
 @pytest.mark.timeout(900)  # minutes on a busy machine: three masters, two starts of the job

@@ -65,6 +65,10 @@ def accept_requests(
         try:
             if entry.id in {e.id for e in registry}:
                 raise ConfigError(f"{request.path}: run {entry.id!r} is already in the job")
+            folder = output_dir / "runs" / entry.id
+            if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+                # The trainer ignores such a folder; the view would show the linked run's curve under this id.
+                raise ConfigError(f"{folder}: not a directory (a symlink or a file): run {entry.id!r} cannot use it")
             run_config = entry.orch_config(str(request.path))
         except RlplexError as error:
             answer(request.path, False, str(error))
