@@ -35,6 +35,7 @@ BENCHMARKS = [
     "multirun_discovery",
     "multirun_learning",
     "multirun_throughput",
+    "multirun_threading",
     "orchestrator_rollouts",
     "multilora",
     "model_loading",
