@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from cli_helpers import rlplex_in_process
 from lm_models import small_tiny_model
 from node_helpers import job_processes, wait_for
 from rlplex.config import read_toml
@@ -337,12 +338,10 @@ def rejected_add(copy: Path, out: Path) -> None:
     line = " ".join(done.stdout.split())  # rich wraps long lines
     assert "rejected:" in line and "model.lora.rank" in line and "admitted" not in line, done.stdout
     assert "run_wide" not in {view.run_id for view in collect(out).runs}
-    # A run id whose folder is a symlink (here to another run's) is refused: not "admitted".
+    # A run id whose folder is a symlink (here to another run's) is refused: not "admitted". In
+    # process: the command's real process was the case above.
     (out / "runs" / "run_link").symlink_to(out / "runs" / "run_fast", target_is_directory=True)
-    linked = subprocess.run(
-        [str(RLPLEX), "runs", "add", str(out), "--config", str(wide), "--id", "run_link"],
-        cwd=copy, env=child_env(), capture_output=True, text=True, timeout=150,
-    )  # fmt: skip
+    linked = rlplex_in_process("runs", "add", str(out), "--config", str(wide), "--id", "run_link")
     line = " ".join(linked.stdout.split())
     assert linked.returncode == 2 and "it is a symlink" in line and "admitted" not in line, linked.stdout
     assert "run_link" not in {view.run_id for view in collect(out).runs}
