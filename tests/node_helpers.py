@@ -12,7 +12,7 @@ import psutil
 
 from timing import wait_for
 
-__all__ = ["job_processes", "listening_sockets", "local_ray", "node_processes", "wait_for"]
+__all__ = ["job_processes", "launched_processes", "listening_sockets", "local_ray", "node_processes", "wait_for"]
 
 
 def node_processes(output_dir: Path) -> list[psutil.Process]:
@@ -30,6 +30,32 @@ def job_processes(output_dir: Path) -> list[psutil.Process]:
     for process in psutil.process_iter(["cmdline"]):
         if any(str(output_dir) in part for part in process.info["cmdline"] or []):
             found.append(process)
+    return found
+
+
+def launched_processes(launcher: psutil.Process) -> list[psutil.Process]:
+    """What `launcher` started and what those started (ranks, samplers, copiers, workers), not
+    multiprocessing's helpers: its resource tracker and fork servers. A fork server's children
+    carry the server's command line; the server's differs from its parent's. [] once the
+    launcher is gone."""
+    try:
+        children = launcher.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+    cmdlines: dict[int, list[str]] = {}
+    for process in [launcher, *children]:
+        with contextlib.suppress(psutil.Error):
+            cmdlines[process.pid] = process.cmdline()
+    found = []
+    for child in children:
+        cmdline = cmdlines.get(child.pid)
+        with contextlib.suppress(psutil.Error):
+            words = set(" ".join(cmdline or []).split())
+            if cmdline is None or "multiprocessing.resource_tracker" in words:
+                continue
+            if "multiprocessing.forkserver" in words and cmdlines.get(child.ppid()) != cmdline:
+                continue
+            found.append(child)
     return found
 
 

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 import pytest
 
+from node_helpers import launched_processes
 from rlplex.agents import DqnAgent
 from rlplex.algos import DQN, DQNConfig
 from rlplex.config import validate_config
@@ -302,14 +304,14 @@ def test_resume_continues_counters_epsilon_and_replay(tmp_path: Path) -> None:
 
 
 def child_pids(pid: int, n: int, timeout: float = 60.0) -> list[int]:
-    """The first `n` children of `pid` (Linux /proc), waiting until that many exist."""
+    """The first `n` processes `pid` started, waiting until that many exist."""
     deadline = time.monotonic() + scaled(timeout)
     children: list[int] = []
     while time.monotonic() < deadline:
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+        children = sorted(child.pid for child in launched_processes(psutil.Process(pid)))
         if len(children) >= n:
             return children[:n]
-        time.sleep(0.05)  # polling /proc for a condition, with a deadline
+        time.sleep(0.05)  # polling for a condition, with a deadline
     raise AssertionError(f"process {pid} has {len(children)} children, expected {n}")
 
 

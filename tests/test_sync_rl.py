@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import signal
 import time
@@ -103,7 +104,7 @@ class SocketProbeSampler(SerialSampler):
 
     def obtain_samples(self, itr: int) -> SampleBatch:
         if itr == 1:
-            launcher = psutil.Process(os.getppid())
+            launcher = psutil.Process(multiprocessing.parent_process().pid)  # type: ignore[union-attr]
             found = [s for p in [launcher, *launcher.children(recursive=True)] for s in listening(p)]
             Path(self.marker).write_text(json.dumps({"launcher": launcher.pid, "sockets": found}))
         return super().obtain_samples(itr)

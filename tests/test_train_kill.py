@@ -18,6 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from node_helpers import launched_processes
 from timing import scaled, wait_for
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="parent-death signals are Linux-only")
@@ -62,19 +63,8 @@ DEATH_S = 2.0  # the parent-death signal arrives at once; this bounds a loaded m
 
 
 def _workers(launcher: psutil.Process) -> list[psutil.Process]:
-    """The launcher's children that train (ranks, sampler, copiers), not Python's resource tracker."""
-    try:
-        children = launcher.children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    found = []
-    for child in children:
-        try:
-            if "resource_tracker" not in " ".join(child.cmdline()):
-                found.append(child)
-        except psutil.NoSuchProcess:
-            pass
-    return found
+    """The launcher's children that train (ranks, sampler, copiers)."""
+    return launched_processes(launcher)
 
 
 def _snapshot_files(out: Path) -> dict[str, float]:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
-from multiprocessing.context import SpawnProcess
+from multiprocessing.process import BaseProcess
 from typing import Any, Self
 
 from rlplex.control.rpc import (
@@ -48,7 +48,7 @@ from rlplex.dataflow.dataplane import DataPlane, DataPlaneError, LocalTensorStor
 from rlplex.dataflow.mfc import MFCDef, MFCExecutionError, ModelInterfaceType
 from rlplex.dataflow.workers import Outputs, drop_when_done
 from rlplex.errors import NodeFailedError, WaitTimeoutError, WorkerDiedError
-from rlplex.processes import CONTEXT, die_with_launcher, start_process, stop_processes
+from rlplex.processes import CONTEXT, start_process, stop_processes
 
 CONNECT_TIMEOUT_S = 30.0  # a live peer answers the handshake in milliseconds; a stopped one never
 CALL_TIMEOUT_S = 600.0  # the default for one MFC call (a model's generate or train step)
@@ -167,7 +167,6 @@ class ModelServer:
 
 
 def _child_main(name: str, factory: InterfaceFactory, authkey: bytes, parent: Connection) -> None:
-    die_with_launcher()  # a model that is loading does not read the pipe that would tell it
     import torch
 
     torch.set_num_threads(1)
@@ -406,7 +405,7 @@ class ProcessModelWorker(RemoteModelWorker):
         self.factory = factory
         self.max_restarts = max_restarts
         self.start_timeout_s = start_timeout_s
-        self.process: SpawnProcess | None = None
+        self.process: BaseProcess | None = None
         self._parent: Connection | None = None  # the child lives while this end is open
 
     def _launch(self) -> Address:

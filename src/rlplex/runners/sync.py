@@ -44,7 +44,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection, wait
-from multiprocessing.context import SpawnProcess
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, Literal
 
@@ -59,7 +59,7 @@ from rlplex.control.elastic.entry import join_group
 from rlplex.control.elastic.rdzv import LOCAL_HOST, dist_env, serve_tcp_store
 from rlplex.errors import ConfigError, RlplexError, RunFailedError, WaitTimeoutError, WorkerDiedError
 from rlplex.models import unwrap_model
-from rlplex.processes import CONTEXT, die_with_launcher, start_process, stop_processes
+from rlplex.processes import CONTEXT, start_process, stop_processes
 from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval, TrainResult
 from rlplex.samplers.rng import process_rng_state, set_process_rng_state
 
@@ -234,8 +234,6 @@ def _rank_main(
     resume_dir: str | None,
     conn: Connection,
 ) -> None:
-    # A rank outlived by nothing: killed with the launcher, it cannot go on writing snapshots.
-    die_with_launcher()
     torch.set_num_threads(1)
     outcome = RankOutcome(rank=rank)
     try:
@@ -293,7 +291,7 @@ class SyncLauncher:
         self.backend: Backend = backend
         self.collective_timeout_s = collective_timeout_s
         self.timeout_s = timeout_s
-        self.processes: list[SpawnProcess] = []
+        self.processes: list[BaseProcess] = []
         self.rank_outcomes: list[RankOutcome] = []
         self._resume_dir: str | None = None
 

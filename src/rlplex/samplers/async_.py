@@ -38,7 +38,7 @@ the master's algorithm object.
 
 Every blocking wait has a timeout: children re-check a stop event and whether their parent
 still lives, and the master checks its children. A killed master leaves no orphan: on Linux
-its children are SIGTERMed by the kernel at once (`die_with_launcher`), elsewhere the sampler
+its children are SIGTERMed by the kernel at once (`start_process`), elsewhere the sampler
 notices within a batch and the copiers within `POLL_S` of it.
 """
 
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import json
 import time
-from multiprocessing.context import SpawnProcess
+from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -110,7 +110,7 @@ class AsyncSampler:
             )
         self.env_config, self.batch_T, self.batch_B, self.n_workers = env, batch_T, batch_B, n_workers
         self.envpool = envpool
-        self.processes: list[SpawnProcess] = []
+        self.processes: list[BaseProcess] = []
         self._owned: list[Any] = []
         self._episodes_read = 0
 

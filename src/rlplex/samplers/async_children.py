@@ -22,7 +22,6 @@ from torch import nn
 
 from rlplex.envs import EnvConfig, EnvSpaces
 from rlplex.errors import RlplexError
-from rlplex.processes import die_with_launcher
 from rlplex.samplers.parallel import ParallelSampler
 from rlplex.samplers.rng import process_rng_state, set_process_rng_state
 from rlplex.samplers.serial import SerialSampler
@@ -126,7 +125,6 @@ class SamplerSpec:
 
 
 def sampler_main(spec: SamplerSpec) -> None:
-    die_with_launcher()
     if spec.n_workers is not None:
         # Terminated (the master's shutdown after its grace, or the master's death): unwind, so
         # that the parallel sampler stops its workers and unlinks the shared memory it created.
@@ -231,7 +229,6 @@ def copier_main(
     counters: SharedArraysHandle,
     sync: SyncObjects,
 ) -> None:
-    die_with_launcher()
     from rlplex.replays import attach_replay
 
     torch.set_num_threads(1)

@@ -49,10 +49,9 @@ exit on their own if the master disappears (their parent pid changes).
 from __future__ import annotations
 
 import json
-import os
 import time
 from dataclasses import dataclass
-from multiprocessing.context import SpawnProcess
+from multiprocessing.process import BaseProcess
 from multiprocessing.synchronize import Event, Semaphore
 from typing import Any
 
@@ -63,7 +62,7 @@ from rlplex.agents.base import Agent, AgentFactory, state_reset_of
 from rlplex.envs import EnvConfig, EnvSpaces, env_seed, make_env, probe_spaces
 from rlplex.errors import ConfigError, RlplexError, SnapshotError, WaitTimeoutError
 from rlplex.models import unwrap_model
-from rlplex.processes import CONTEXT, check_alive, die_with_launcher, start_process, stop_processes
+from rlplex.processes import CONTEXT, check_alive, orphaned, start_process, stop_processes
 from rlplex.samplers.batch import SampleBatch
 from rlplex.samplers.collector import EnvCollector
 from rlplex.samplers.rng import fit_env_states, process_rng_state, set_process_rng_state, streams_digest
@@ -91,7 +90,6 @@ class _WorkerSpec:
     env_stop: int
     seeds: tuple[int, ...]
     rng_seed: int  # the worker's torch and numpy generators (action sampling)
-    parent_pid: int
     rng: SharedArraysHandle  # "lengths" [n_workers, 2], and per worker "save{w}" / "load{w}" bytes
 
 
@@ -157,7 +155,7 @@ class ParallelSampler:
         self.startup_timeout_s = startup_timeout_s
         self.batch_timeout_s = batch_timeout_s
         self.env_seeds: list[tuple[int, ...]] = []  # per worker, set by initialize
-        self.processes: list[SpawnProcess] = []
+        self.processes: list[BaseProcess] = []
         self._agent: Agent | None = None
         self._shared: SharedBatch | None = None
         self._weights: SharedWeights | None = None
@@ -202,7 +200,6 @@ class ParallelSampler:
                     stop,
                     self.env_seeds[w],
                     worker_rng_seed(seed, rank, w),
-                    os.getpid(),
                     self._rng.handle,
                 )
                 process = start_process(
@@ -302,16 +299,15 @@ class ParallelSampler:
                     )
 
 
-def _wait_for_go(go: Semaphore, stop: Event, parent_pid: int) -> bool:
+def _wait_for_go(go: Semaphore, stop: Event) -> bool:
     """True when released for a batch; False when told to stop or orphaned."""
     while not go.acquire(timeout=1.0):
-        if os.getppid() != parent_pid:
+        if orphaned():
             return False
     return not stop.is_set()
 
 
 def _worker_main(spec: _WorkerSpec, go: Semaphore, done: Semaphore, stop: Event) -> None:
-    die_with_launcher()
     # Each worker owns one core's worth of work; torch's own thread pool would oversubscribe.
     torch.set_num_threads(1)
     torch.manual_seed(spec.rng_seed)
@@ -328,7 +324,7 @@ def _worker_main(spec: _WorkerSpec, go: Semaphore, done: Semaphore, stop: Event)
     _save_rng(rng, spec.index, collector)
     done.release()  # started
     try:
-        while _wait_for_go(go, stop, spec.parent_pid):
+        while _wait_for_go(go, stop):
             _load_rng(rng, spec.index, collector)
             if weights.version != loaded_version:
                 loaded_version = weights.version
