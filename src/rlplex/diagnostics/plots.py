@@ -6,11 +6,6 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt
-
 Curve = tuple[Sequence[float], Sequence[float]]
 
 
@@ -32,6 +27,12 @@ def plot_learning_curves(
     related curves can share a colour and differ in line style."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # Imported here: every process that logs metrics imports this package, few of them plot.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
     for label, (xs, ys) in curves.items():
         xs, ys = list(xs), list(ys)

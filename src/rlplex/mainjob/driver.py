@@ -25,7 +25,7 @@ from rlplex.inference.vllm_server import ensure_api_key, require_vllm
 from rlplex.io.safe_files import ensure_output_dir, read_regular_text
 from rlplex.mainjob.build import ROLLOUT_ROLE, build_job_spec
 from rlplex.mainjob.conductor import TERMINAL_RUN_STATES
-from rlplex.mainjob.config import JOB_CONFIG_FILE, MainJobConfig
+from rlplex.mainjob.config import JOB_CONFIG_FILE, MainJobConfig, RunEntry
 from rlplex.mainjob.frame import render
 from rlplex.mainjob.preflight import check_main_job, run_problems
 from rlplex.mainjob.registry import (
@@ -38,7 +38,7 @@ from rlplex.mainjob.registry import (
     write_registry,
 )
 from rlplex.mainjob.report import write_report
-from rlplex.mainjob.view import collect
+from rlplex.mainjob.view import JobView, collect
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir import run_folder_problem, write_file_atomic
 
@@ -176,17 +176,28 @@ def resume_main_job(output_dir: Path, console: Console, live: bool = True) -> Jo
         # Not an error: a stop can land as the last step is trained, and continuing is then done.
         console.print(f"{output_dir}: every run of this job is already done ({view.job_state}); nothing to continue")
         return JobState(view.job_state)
-    registry = read_registry(output_dir)
-    added = {entry.id for entry in registry}
-    # Orchestrator rank r serves registry entry r, so the new job has a node for each entry.
-    config = config.model_copy(
-        update={"runs": registry, "later_runs": [e for e in config.later_runs if e.id not in added]}
-    )
+    config = continued_config(config, read_registry(output_dir), view)
     with contextlib.suppress(FileNotFoundError):
         (output_dir / STOP_REQUEST_FILE).unlink()
     console.print(f"continuing {view.job_state} job in {output_dir}: runs {', '.join(unfinished)}")
     master = PrimeMaster.create(build_job_spec(config, str(output_dir / JOB_CONFIG_FILE)))
     return _drive(master, config, console, live, start=True)
+
+
+def continued_config(config: MainJobConfig, registry: list[RunEntry], view: JobView) -> MainJobConfig:
+    """The file's config as a new job continues it: every run the job took (its registry, in
+    order: orchestrator rank r serves entry r) is a run of its own, and the events that already
+    did their work are gone: a run that was added is not added again, a run that ended is not
+    evicted."""
+    added = {entry.id for entry in registry}
+    ended = {run.run_id for run in view.runs if run.state in TERMINAL_RUN_STATES}
+    return config.model_copy(
+        update={
+            "runs": registry,
+            "later_runs": [e for e in config.later_runs if e.id not in added],
+            "events": [e for e in config.events if e.add_run not in added and e.evict_run not in ended],
+        }
+    )
 
 
 def request_stop(output_dir: Path, reason: str = "stopped by `rlplex stop`") -> Path:
