@@ -15,17 +15,23 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from rlplex.errors import ModelLoadError
 from rlplex.models.device import resolve_device
 from rlplex.models.spec import ModelSpec
 from rlplex.tasks import Example
 
-Tokenizer = PreTrainedTokenizerBase
+# transformers is imported where a tokenizer or model loads: about 3 s of imports (dynamo, sympy,
+# distributed tensors) that a process which only names these types never needs.
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    Tokenizer: TypeAlias = PreTrainedTokenizerBase
+else:
+    Tokenizer = Any
 
 
 def resolve_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
@@ -73,6 +79,8 @@ def _from_pretrained(loader: Any, spec: ModelSpec, what: str, **kwargs: Any) -> 
 
 
 def load_tokenizer(spec: ModelSpec) -> Tokenizer:
+    from transformers import AutoTokenizer
+
     tokenizer: Tokenizer = _from_pretrained(AutoTokenizer, spec, "tokenizer")
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
@@ -83,6 +91,7 @@ def load_tokenizer(spec: ModelSpec) -> Tokenizer:
 
 def load_causal_lm(spec: ModelSpec, device: torch.device | None = None) -> PreTrainedModel:
     """The frozen base model in eval mode on `device` (default: the spec's)."""
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     device = device or resolve_device(spec.device)
