@@ -72,6 +72,18 @@ def test_help_keeps_bracketed_words() -> None:
     assert "[roles.<name>]" in help_text("job", "run")
 
 
+def test_h_is_help_everywhere_and_version_prints_the_package_version() -> None:
+    """Issue 32, hole 8: `-h` beside `--help` (at every level: subcommands inherit it), and
+    `--version`."""
+    from rlplex import __version__
+
+    for command in ((), ("train",), ("runs", "add"), ("job", "run"), ("model", "tiny")):
+        short, long = rlplex_in_process(*command, "-h"), rlplex_in_process(*command, "--help")
+        assert short.returncode == 0 and short.stdout == long.stdout and "Usage: " in short.stdout, (command, short)
+    version = rlplex_in_process("--version")
+    assert (version.returncode, version.stdout.strip()) == (0, f"rlplex {__version__}")
+
+
 @pytest.mark.parametrize(
     ("hidden", "lr", "field"),
     [("[64]", "inf", "algo.ppo.learning_rate"), ("[0]", "1e-3", "agent.hidden.0"), ("[1e9]", "1e-3", "agent.hidden")],

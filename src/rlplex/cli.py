@@ -30,12 +30,26 @@ app = typer.Typer(
     help="rlplex: reinforcement-learning training jobs.",
     no_args_is_help=True,
     add_completion=False,
+    # Every command's subcommands inherit it: `-h` wherever `--help` works.
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 console = Console()
 
 
+def _print_version(asked: bool) -> None:
+    if asked:
+        from rlplex import __version__
+
+        console.print(f"rlplex {__version__}")
+        raise typer.Exit()
+
+
 @app.callback()
-def _root() -> None:
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", help="print rlplex's version and exit", callback=_print_version, is_eager=True)
+    ] = False,
+) -> None:
     """rlplex: reinforcement-learning training jobs, from CartPole to many LLM runs on one trainer."""
 
 
