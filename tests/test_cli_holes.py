@@ -73,13 +73,17 @@ def test_help_keeps_bracketed_words() -> None:
 
 
 def test_h_is_help_everywhere_and_version_prints_the_package_version() -> None:
-    """Issue 32, hole 8: `-h` beside `--help` (at every level: subcommands inherit it), and
-    `--version`."""
+    """Issue 32, hole 8: `-h` beside `--help` (at every level: subcommands inherit it), every
+    command's one line whole in the listings, and `--version`."""
     from rlplex import __version__
 
-    for command in ((), ("train",), ("runs", "add"), ("job", "run"), ("model", "tiny")):
+    groups = ((), ("job",), ("runs",), ("model",))
+    for command in (*groups, ("train",), ("runs", "add"), ("job", "run"), ("model", "tiny")):
         short, long = rlplex_in_process(*command, "-h"), rlplex_in_process(*command, "--help")
         assert short.returncode == 0 and short.stdout == long.stdout and "Usage: " in short.stdout, (command, short)
+        if command in groups:  # no command's line cut with "..." at 80 columns
+            listing = rlplex_in_process(*command, "-h", width=80).stdout.split("Commands:")[-1]
+            assert "..." not in listing and "…" not in listing, listing
     version = rlplex_in_process("--version")
     assert (version.returncode, version.stdout.strip()) == (0, f"rlplex {__version__}")
 

@@ -65,7 +65,7 @@ def _override(config: Any, **runner_fields: Any) -> Any:
     return validate_config(type(config), data, source="command-line flags")
 
 
-@app.command()
+@app.command(short_help="Train a classic RL agent (PPO, DQN, SAC and others) from a TOML file.")
 def train(
     config_file: Annotated[Path, typer.Argument(help="TOML file with [env], [sampler], [agent], [algo], [runner]")],
     output: Annotated[Path | None, typer.Option(help="output folder (default outputs/<file stem>)")] = None,
@@ -260,7 +260,7 @@ def _watch_on_ray(handle: Any, what: str) -> None:
         handle.close()
 
 
-@job_app.command("run")
+@job_app.command("run", short_help="Run a job of roles until its drivers or workers finish.")
 def job_run(
     job_file: Annotated[Path, typer.Argument(help="TOML job file: name, output_dir, [roles.<name>] ...")],
     backend: Annotated[
@@ -286,7 +286,7 @@ def job_run(
     _run_job_command(body, debug)
 
 
-@job_app.command("resume")
+@job_app.command("resume", short_help="Take over a job whose master died: reattach, carry on.")
 def job_resume(
     output_dir: Annotated[Path, typer.Argument(help="the job's output folder (holds job.sqlite)")],
     ray_address: Annotated[
@@ -312,7 +312,7 @@ def job_resume(
     _run_job_command(body, debug)
 
 
-@job_app.command("status")
+@job_app.command("status", short_help="The job's state and every node's role, rank and state.")
 def job_status(
     output_dir: Annotated[Path, typer.Argument(help="the job's output folder (holds job.sqlite)")],
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,

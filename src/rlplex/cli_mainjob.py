@@ -80,7 +80,7 @@ def register(app: typer.Typer, console: Console) -> None:
     )
     app.add_typer(runs_app, name="runs")
 
-    @app.command("run")
+    @app.command("run", short_help="Run many LLM RL runs on one trainer (a main job).")
     def run(
         job_file: Annotated[
             Path,
@@ -125,7 +125,7 @@ def register(app: typer.Typer, console: Console) -> None:
 
         guard(console, debug, body)
 
-    @app.command("resume")
+    @app.command("resume", short_help="Continue a stopped, failed or orphaned main job.")
     def resume(
         output_dir: Annotated[Path, typer.Argument(help="the output folder of a main job")],
         live: Annotated[bool, typer.Option(help="show the live view")] = True,
@@ -143,7 +143,7 @@ def register(app: typer.Typer, console: Console) -> None:
 
         guard(console, debug, body)
 
-    @app.command("stop")
+    @app.command("stop", short_help="Stop a main job gracefully (checkpoints, report).")
     def stop(
         output_dir: Annotated[Path, typer.Argument(help="the main job's output folder")],
         timeout_s: Annotated[float, typer.Option(help="wait this long for the job to stop")] = 180.0,
@@ -160,7 +160,7 @@ def register(app: typer.Typer, console: Console) -> None:
 
         guard(console, debug, body)
 
-    @app.command("status")
+    @app.command("status", short_help="Each run's state, step, reward and ETA; each node's state.")
     def status(
         output_dir: Annotated[Path, typer.Argument(help="the main job's output folder")],
         debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
@@ -179,7 +179,7 @@ def register(app: typer.Typer, console: Console) -> None:
 
         guard(console, debug, body)
 
-    @runs_app.command("add")
+    @runs_app.command("add", short_help="Add a run to a running main job.")
     def runs_add(
         output_dir: Annotated[Path, typer.Argument(help="the running main job's output folder")],
         config: Annotated[Path, typer.Option(help="the run's orch.toml")],
@@ -232,7 +232,7 @@ def register(app: typer.Typer, console: Console) -> None:
 
         guard(console, debug, body)
 
-    @runs_app.command("evict")
+    @runs_app.command("evict", short_help="Evict a run from a running main job.")
     def runs_evict(
         output_dir: Annotated[Path, typer.Argument(help="the main job's output folder")],
         run_id: Annotated[str, typer.Argument(help="the run to evict, e.g. run_fast")],

@@ -30,7 +30,7 @@ def register(app: typer.Typer, console: Console) -> None:
     )
     app.add_typer(model_app, name="model")
 
-    @model_app.command("tiny")
+    @model_app.command("tiny", short_help="Build the tiny Hugging Face model the demo and tests train.")
     def tiny(
         out_dir: Annotated[Path, typer.Argument(help="folder to write the checkpoint to (save_pretrained layout)")],
         task: Annotated[list[str] | None, typer.Option(help="warm-up environment; repeat for several")] = None,
@@ -70,7 +70,7 @@ def register(app: typer.Typer, console: Console) -> None:
 
         guard(console, debug, body)
 
-    @model_app.command("gguf")
+    @model_app.command("gguf", short_help="Convert a GGUF model to a Hugging Face folder.")
     def gguf(
         gguf_file: Annotated[Path, typer.Argument(help="a GGUF file (llama.cpp's format; quantized or not)")],
         out_dir: Annotated[Path, typer.Argument(help="folder to write the model to (save_pretrained layout)")],
@@ -81,7 +81,7 @@ def register(app: typer.Typer, console: Console) -> None:
         """Convert a GGUF model to a Hugging Face folder that every engine loads (cached)."""
         guard(console, debug, lambda: _convert(console, gguf_file, out_dir, dtype, replace))
 
-    @model_app.command("smollm2")
+    @model_app.command("smollm2", short_help="Convert the packaged SmolLM2-135M-Instruct to a folder.")
     def smollm2(
         out_dir: Annotated[Path, typer.Argument(help="folder to write the model to (save_pretrained layout)")],
         dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "float32",
