@@ -62,11 +62,6 @@ log_interval_steps = 64
 DEATH_S = 2.0  # the parent-death signal arrives at once; this bounds a loaded machine's delay
 
 
-def _workers(launcher: psutil.Process) -> list[psutil.Process]:
-    """The launcher's children that train (ranks, sampler, copiers)."""
-    return launched_processes(launcher)
-
-
 def _snapshot_files(out: Path) -> dict[str, float]:
     found = {}
     for path in (out / "snapshots").rglob("*"):
@@ -107,12 +102,12 @@ class Training:
 
         def ready() -> bool:
             assert self.process.poll() is None, f"rlplex train exited early: {self.output()}"
-            workers = _workers(self.launcher)
+            workers = launched_processes(self.launcher)
             self.seen.update({w.pid: w for w in workers})
             return len(workers) == n_workers and bool(list((self.out / "snapshots").glob("itr_*")))
 
         wait_for(ready, 120, f"{n_workers} children and a first snapshot")
-        return _workers(self.launcher)
+        return launched_processes(self.launcher)
 
     def output(self) -> str:
         self.log.flush()

@@ -70,18 +70,23 @@ def die_with_parent(signum: int = signal.SIGTERM, parent_pid: int | None = None)
         os._exit(128 + int(signum))
 
 
+def _fork_server() -> Any:
+    """multiprocessing's one fork server of this process: its pid and "alive" pipe are not public."""
+    from multiprocessing import forkserver
+
+    return forkserver._forkserver
+
+
 def _server_pid(target: Callable[..., Any]) -> int:
     """The pid the next child's OS parent has: the fork server's (started now if it is not
     running, preloading `target`'s module) or, with `spawn`, this process's."""
     if START_METHOD != "forkserver":
         return os.getpid()
-    from multiprocessing import forkserver
-
-    server: Any = forkserver._forkserver  # its pid is not public
+    server = _fork_server()
     with server._lock:
         if server._forkserver_pid is None:
-            forkserver.set_forkserver_preload([*PRELOAD, target.__module__])
-    forkserver.ensure_running()
+            server.set_forkserver_preload([*PRELOAD, target.__module__])
+    server.ensure_running()
     return int(server._forkserver_pid)
 
 
@@ -95,9 +100,7 @@ def _child_main(environ: dict[str, str], parent_pid: int, target: Callable[..., 
         # The server exits when every holder of its "alive" pipe has closed it; a child holds one
         # end from the fork. Closed here, the launcher's is the only one, so the launcher's death
         # ends the server, and that ends this child (below).
-        from multiprocessing import forkserver
-
-        server: Any = forkserver._forkserver
+        server = _fork_server()
         if server._forkserver_alive_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(server._forkserver_alive_fd)
