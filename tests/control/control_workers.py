@@ -82,6 +82,15 @@ class Idle(Worker):
         return {"rank": self.context.rank, "pid": os.getpid()}
 
 
+class PreloadedIdle(Idle):
+    """Idle, once it has imported `preload_probe` (a job that preloads it has done so in its fork server)."""
+
+    def __init__(self, context: WorkerContext) -> None:
+        import preload_probe  # noqa: F401
+
+        super().__init__(context)
+
+
 class Sub(SubMaster):
     def check_child(self) -> None:
         if "check_child" in faults(self.context):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ast
 import os
+import signal
 from functools import partial
 from pathlib import Path
 
+import psutil
 import pytest
 
 from node_helpers import node_processes, wait_for
@@ -88,6 +90,47 @@ def test_a_role_scales_up_and_down_while_running(job_dir: Path) -> None:
         assert len(node_processes(job_dir)) == 1
         master.stop()
         assert master.state == JobState.STOPPED
+
+
+def test_nodes_fork_from_one_server_that_imported_the_preload_once(
+    job_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    probe = job_dir / "imported_by.txt"
+    monkeypatch.setenv("RLPLEX_TEST_PRELOAD_PROBE", str(probe))
+    spec = (
+        JobBuilder("preload", job_dir, capacity={"cpu": 2}, preload=["preload_probe"])
+        .role("idle", entrypoint="control_workers:PreloadedIdle", count=2, resources={"cpu": 0.5},
+              restart={"scope": "worker", "max_restarts": 1})
+        .build()
+    )  # fmt: skip
+    with PrimeMaster.create(spec) as master:
+        master.start()
+        nodes = node_processes(job_dir)
+        assert len(nodes) == 2
+        (server,) = {node.ppid() for node in nodes}
+        # The probe ran once, in the server; the nodes found it imported.
+        assert probe.read_text().split() == [str(server)]
+        assert all(os.getsid(node.pid) == node.pid for node in nodes)  # each leads its own session
+        assert nodes[0].cmdline()[1:] == [
+            "-m", "rlplex.control.node.runtime", "--output-dir", str(job_dir), "--job-id", master.job_id,
+            "--node-id", nodes[0].cmdline()[8], "--incarnation", "0",
+        ]  # fmt: skip
+        # A node killed is restarted from the same server, warm: still one import.
+        victim = master.get_nodes_by_role()["idle"][1].pid
+        os.kill(victim, signal.SIGKILL)
+
+        def restarted() -> bool:
+            master.monitor()
+            node = master.get_nodes_by_role()["idle"][1]
+            return node.pid != victim and node.state == NodeState.RUNNING
+
+        wait_for(restarted, scaled(20), "idle-1 restarted")
+        assert psutil.Process(master.get_nodes_by_role()["idle"][1].pid).ppid() == server
+        assert probe.read_text().split() == [str(server)]
+        cause = [t.cause for t in master.store.transitions(master.job_id) if t.entity == "idle-1" and t.new == "FAILED"]
+        assert cause and "process exited (code -9)" in cause[0]
+        master.stop()
+    assert not psutil.pid_exists(server) or psutil.Process(server).status() == psutil.STATUS_ZOMBIE
 
 
 def test_nodes_stop_themselves_when_no_master_comes_back(job_dir: Path) -> None:

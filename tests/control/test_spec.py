@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,12 @@ def test_bad_roles_are_refused_naming_role_and_field(tmp_path: Path, role: dict[
     with pytest.raises(JobSpecError, match=None) as info:
         build(tmp_path, **role)
     assert needle in str(info.value)
+
+
+def test_a_preload_that_names_no_module_is_refused_naming_field_and_value(tmp_path: Path) -> None:
+    builder = JobBuilder("t", tmp_path, preload=["json", "no_such_module_x.sub"])
+    with pytest.raises(JobSpecError, match=re.escape("field 'preload': no module named 'no_such_module_x.sub'")):
+        builder.role("a", entrypoint="control_workers:Idle").build()
 
 
 def test_colocation_groups_are_checked(tmp_path: Path) -> None:

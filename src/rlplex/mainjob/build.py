@@ -19,6 +19,21 @@ from rlplex.multirun.trainer.config import TrainerConfig
 from rlplex.multirun.trainer.job import job_timing, trainer_roles
 
 ROLLOUT_ROLE = "rollout"  # the role `rollout_node.RolloutNode` serves
+# What the orchestrator and rollout nodes import anyway (a tokenizer, a model, TensorBoard), once
+# for all of them: the local backend forks every node from a server that has these loaded.
+NODE_PRELOAD = [
+    "torch",
+    "torch.utils.tensorboard",
+    "transformers",
+    "transformers.models.auto.auto_factory",
+    "transformers.modeling_layers",
+    "rlplex.multirun.orchestrator.loop",
+    "rlplex.mainjob.orchestrator_node",
+    "rlplex.mainjob.rollout_node",
+    "rlplex.mainjob.conductor",
+    "rlplex.mainjob.inference_node",
+    "rlplex.control.elastic",
+]
 
 
 def trainer_config(config: MainJobConfig) -> TrainerConfig:
@@ -48,6 +63,7 @@ def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec
         "ray_address": config.ray_address,
         "max_restarts": 4 * (trainer.max_restarts + len(config.runs) + len(config.later_runs)) + rollout_restarts,
         **job_timing(world),
+        "preload": NODE_PRELOAD,
         "roles": {
             **trainer_roles(trainer_config(config), world, trainer.max_restarts),
             "orchestrator": {

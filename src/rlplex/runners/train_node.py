@@ -71,6 +71,7 @@ def train_job_spec(config: TrainConfig, output: Path, max_restarts: int = 3) -> 
         "capacity": {"cpu": 2.0},  # placement's books only: the node takes what the run needs
         "heartbeat_interval_s": 0.5,
         "start_timeout_s": 180.0,  # the node imports torch and the environment before it is ready
+        "preload": ["torch", "gymnasium", "rlplex.runners.train_node"],  # once: a restarted node starts warm
         "roles": {
             TRAIN_ROLE: {
                 "entrypoint": "rlplex.runners.train_node:TrainNode",

@@ -1,22 +1,25 @@
 """The local backend: every node is an OS process on this machine.
 
-Each node runs `python -m rlplex.control.node.runtime` in its own session (process group), so that
-killing the master leaves the nodes running for a resumed master, and killing a node kills
-everything it started. Output goes to `<output_dir>/logs/<node_id>.log`. Nodes started by a
-previous master are watched through psutil (pid plus creation time, so a reused pid is never
-mistaken for our node).
+Each node is what `python -m rlplex.control.node.runtime` would be, forked by the master's node
+fork server (`node_forker`: it imports the runtime and the job's `preload` once) into its own
+session (process group), so that killing the master leaves the nodes running for a resumed
+master, and killing a node kills everything it started. Output goes to
+`<output_dir>/logs/<node_id>.log`. The fork server reports each node's exit code; nodes started
+by a previous master are watched through psutil (pid plus creation time, so a reused pid is
+never mistaken for our node).
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
 
+from rlplex.control.backends.node_forker import NODE_MODULE, NodeForker
 from rlplex.control.backends.scheduler import NodeHandle
 from rlplex.control.backends.served import ServedScheduler
 from rlplex.control.job.placement import Bundle
@@ -34,28 +37,43 @@ def _child_pythonpath() -> str:
 
 
 class LocalScheduler(ServedScheduler):
-    def __init__(self, output_dir: str | Path, job_id: str, token: bytes, rpc_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        job_id: str,
+        token: bytes,
+        rpc_timeout_s: float = 10.0,
+        preload: Sequence[str] = (),
+    ) -> None:
         super().__init__(output_dir, job_id, token, rpc_timeout_s)
+        self._preload = list(preload)
+        self._forker: NodeForker | None = None
         # No token here: a node reads it from the job folder (an environment is readable in /proc and
         # inherited by every child); a master that itself runs with the token does not pass it on.
         self._env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         self._env.update(PYTHONPATH=_child_pythonpath(), **{JOB_DIR_ENV: str(Path(output_dir).resolve())})
 
+    def _fork_server(self) -> NodeForker:
+        """The node fork server, started at the first launch (and again if it has gone)."""
+        if self._forker is None or not self._forker.running:
+            if self._forker is not None:
+                self._forker.close()
+            self._forker = NodeForker(self._preload, self._env)
+        return self._forker
+
     def _launch(self, node_id: str, role: str, rank: int, incarnation: int, bundle: int) -> NodeHandle:
-        argv = [sys.executable, "-m", "rlplex.control.node.runtime", "--output-dir", str(self.output_dir)]
-        argv += ["--job-id", self.job_id, "--node-id", node_id, "--incarnation", str(incarnation)]
-        with open(self.log_dir / f"{node_id}.log", "ab") as log:
-            log.write(f"--- {node_id} incarnation {incarnation}\n".encode())
-            log.flush()
-            popen = subprocess.Popen(
-                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=self._env,
-                start_new_session=True,
-            )  # fmt: skip
+        argv = ["--output-dir", str(self.output_dir), "--job-id", self.job_id, "--node-id", node_id]
+        argv += ["--incarnation", str(incarnation)]
+        log = self.log_dir / f"{node_id}.log"
+        with open(log, "ab") as file:
+            file.write(f"--- {node_id} incarnation {incarnation}\n".encode())
+        forker = self._fork_server()
+        pid = forker.launch(argv, self._env, log, " ".join([sys.executable, "-m", NODE_MODULE, *argv]))
         try:
-            create_time = psutil.Process(popen.pid).create_time()
+            create_time = psutil.Process(pid).create_time()
         except psutil.Error:
             create_time = 0.0
-        handle = NodeHandle(node_id, role, rank, incarnation, popen.pid, create_time, bundle, popen)
+        handle = NodeHandle(node_id, role, rank, incarnation, pid, create_time, bundle, forker)
         self._handles[node_id] = handle
         return handle
 
@@ -85,8 +103,8 @@ class LocalScheduler(ServedScheduler):
             return None
 
     def is_alive(self, handle: NodeHandle) -> bool:
-        if isinstance(handle.ref, subprocess.Popen):
-            return handle.ref.poll() is None
+        if isinstance(handle.ref, NodeForker) and handle.ref.exit_code(handle.pid) is not None:
+            return False
         process = self._process(handle)
         try:
             return process is not None and process.status() != psutil.STATUS_ZOMBIE
@@ -94,13 +112,14 @@ class LocalScheduler(ServedScheduler):
             return False
 
     def exit_code(self, handle: NodeHandle) -> int | None:
-        return handle.ref.poll() if isinstance(handle.ref, subprocess.Popen) else None
+        # A node that has just died may not be reaped and reported yet: a moment's wait.
+        return handle.ref.exit_code(handle.pid, timeout_s=1.0) if isinstance(handle.ref, NodeForker) else None
 
     def kill(self, handle: NodeHandle) -> None:
         if handle.pid <= 0:
             return
         shm: set[str] = set()
-        if isinstance(handle.ref, subprocess.Popen) or self._process(handle) is not None:
+        if self._process(handle) is not None:
             # The SIGKILL below takes the group's resource tracker with it: note what shared memory
             # the group holds, to unlink what its processes leave (see rlplex.io.shm_reaper).
             shm = shm_in_use(group_pids(handle.pid))
@@ -108,24 +127,28 @@ class LocalScheduler(ServedScheduler):
                 os.killpg(handle.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        if isinstance(handle.ref, subprocess.Popen):
-            try:
-                handle.ref.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
-                pass
+        if isinstance(handle.ref, NodeForker) and handle.ref.running:
+            handle.ref.exit_code(handle.pid, timeout_s=5.0)  # the server reaps it
         else:
             process = self._process(handle)
             if process is not None:
                 psutil.wait_procs([process], timeout=5.0)
         release(shm)
 
+    def _close_fork_server(self) -> None:
+        if self._forker is not None:
+            self._forker.close()
+            self._forker = None
+
     def cleanup(self) -> None:
         for handle in self._handles.values():
             self.kill(handle)
         self._handles.clear()
+        self._close_fork_server()
         self._server.close()
 
     def detach(self) -> None:
         """Forget the nodes without killing them (tests simulate a master that dies)."""
         self._handles.clear()
+        self._close_fork_server()
         self._server.close()

@@ -16,7 +16,7 @@ from rlplex.control.job.placement import Bundle
 
 @dataclass
 class NodeHandle:
-    """A node as a backend knows it. `ref` is the backend's own object (a Popen, an actor handle)."""
+    """A node as a backend knows it. `ref` is the backend's own object (the node fork server, an actor handle)."""
 
     node_id: str
     role: str

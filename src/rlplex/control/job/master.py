@@ -113,7 +113,7 @@ def make_scheduler(spec: JobSpec, job_id: str, token: bytes) -> Scheduler:
     if spec.backend == "local":
         from rlplex.control.backends.local import LocalScheduler
 
-        return LocalScheduler(spec.output_dir, job_id, token, spec.rpc_timeout_s)
+        return LocalScheduler(spec.output_dir, job_id, token, spec.rpc_timeout_s, spec.preload)
     if spec.backend == "ray":
         try:
             from rlplex.control.backends.ray import RayScheduler

@@ -18,6 +18,7 @@ role and the field.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -86,6 +87,11 @@ class JobSpec(StrictModel):
     rpc_timeout_s: float = Field(default=10.0, gt=0)
     stop_grace_s: float = Field(default=3.0, ge=0)
     master_lost_timeout_s: float = Field(default=60.0, gt=0, description="a node alone this long stops itself")
+    preload: list[str] = Field(
+        default_factory=list,
+        description="modules the local backend imports once, in the fork server its nodes start from: what "
+        "every node imports anyway (torch, transformers); each must start no thread at import",
+    )
 
     def role_order(self) -> list[str]:
         """Start order: workers first, sub-masters next, drivers last (drivers call the others)."""
@@ -120,6 +126,9 @@ def check_job(spec: JobSpec, source: str = "<job>") -> None:
             raise JobSpecError(
                 f"{source}: field 'roles': {name!r} is not a valid role name (expected {SAFE_NAME_RULE})"
             )
+    for module in spec.preload:
+        if not _importable(module):
+            raise JobSpecError(f"{source}: field 'preload': no module named {module!r}")
     for name, role in spec.roles.items():
         try:
             worker = load_entrypoint(role.entrypoint, role.kind)
@@ -143,6 +152,13 @@ def check_job(spec: JobSpec, source: str = "<job>") -> None:
             raise JobSpecError(
                 f"{source}: role '{members[1]}': field 'colocate': roles of group '{group}' need equal counts ({shown})"
             )
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a parent package that does not exist, or an empty name
+        return False
 
 
 def check_role_config(worker: type[Any], role: RoleSpec, where: str) -> None:
