@@ -8,7 +8,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -86,6 +88,28 @@ def test_h_is_help_everywhere_and_version_prints_the_package_version() -> None:
             assert "..." not in listing and "…" not in listing, listing
     version = rlplex_in_process("--version")
     assert (version.returncode, version.stdout.strip()) == (0, f"rlplex {__version__}")
+
+
+def test_no_help_shows_a_type_for_a_placeholder() -> None:
+    """Issue 32, hole 8: an option's placeholder is its choices or a name (`local|ray`, `TASK`,
+    `N`), never `<str>`, `<list[str]>` or `<int range>`; every command's help, walked from the root."""
+    import typer
+
+    from rlplex.cli import app
+
+    def commands(command: Any, path: tuple[str, ...]) -> Iterator[tuple[str, ...]]:
+        if hasattr(command, "list_commands"):
+            for name in command.list_commands(None):
+                yield from commands(command.commands[name], (*path, name))
+        else:
+            yield path
+
+    found = list(commands(typer.main.get_command(app), ()))
+    assert len(found) >= 13 and ("model", "tiny") in found, found
+    for path in found:
+        text = rlplex(*path, "-h").stdout.split("Options:")[-1]
+        for typed in ("<str>", "<list", "range>", "<text>"):
+            assert typed not in text, (path, text)
 
 
 @pytest.mark.parametrize(
@@ -188,6 +212,16 @@ def test_runs_add_with_an_escaping_id_is_one_line(tmp_path: Path) -> None:
     done = rlplex("runs", "add", str(out), "--config", str(config), "--id", "../../escape", "--timeout-s", "1")
     assert_one_line_error(done, "--id", "../../escape")
     assert not (tmp_path / "escape").exists() and not list((out / "requests").glob("*"))
+
+
+def test_adding_a_run_id_the_job_has_is_one_line_naming_the_job_and_no_request(tmp_path: Path) -> None:
+    """Issue 32, hole 8: said at once, without the master's internal request file."""
+    out = make_job_folder(tmp_path / "job")
+    config = tmp_path / "orch.toml"
+    config.write_text(ORCH + '[model]\nname = "some/model"\n')
+    done = rlplex("runs", "add", str(out), "--config", str(config), "--id", "run_a", "--timeout-s", "1")
+    assert_one_line_error(done, str(out), "'run_a' is already in the job", "another --id")
+    assert "requests" not in done.stdout and not list((out / "requests").glob("*"))
 
 
 def test_an_ended_run_cannot_be_evicted(tmp_path: Path) -> None:

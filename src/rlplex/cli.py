@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from rlplex.cli_mainjob import check_file_kind, guard
+from rlplex.cli_mainjob import RAY_ADDRESS_HELP, check_file_kind, guard
 from rlplex.processes import stop_signals_as_interrupt
 
 if TYPE_CHECKING:
@@ -80,7 +80,8 @@ def train(
         typer.Option(help="override runner.schedule_steps (a resume keeps the snapshot's schedule horizon otherwise)"),
     ] = None,
     device: Annotated[
-        str | None, typer.Option(help="override runner.device: auto (CUDA when present), cpu or cuda")
+        str | None,
+        typer.Option(metavar="auto|cpu|cuda", help="override runner.device: auto (CUDA when present), cpu or cuda"),
     ] = None,
     progress: Annotated[bool, typer.Option(help="show a live progress line")] = True,
     supervise: Annotated[
@@ -90,7 +91,9 @@ def train(
             "snapshot when it crashes or is killed"
         ),
     ] = False,
-    max_restarts: Annotated[int, typer.Option(min=0, help="with --supervise: restarts before the run fails")] = 3,
+    max_restarts: Annotated[
+        int, typer.Option(min=0, metavar="N", help="with --supervise: restarts before the run fails")
+    ] = 3,
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
     """Train a classic RL agent with the runners (MinibatchRl, SyncRl, AsyncRl, ...)."""
@@ -225,7 +228,7 @@ def _train_summary(config: TrainConfig, output: Path, result: TrainResult | None
 
 
 job_app = typer.Typer(
-    rich_markup_mode=None, help="Control-plane jobs: run, watch and resume a job of roles.", no_args_is_help=True
+    rich_markup_mode=None, help="Control-plane jobs: run, watch, stop and resume a job of roles.", no_args_is_help=True
 )
 app.add_typer(job_app, name="job")
 
@@ -264,10 +267,12 @@ def _watch_on_ray(handle: Any, what: str) -> None:
 def job_run(
     job_file: Annotated[Path, typer.Argument(help="TOML job file: name, output_dir, [roles.<name>] ...")],
     backend: Annotated[
-        str | None, typer.Option(help="local or ray (default: $RLPLEX_BACKEND, else the job file's)")
+        str | None,
+        typer.Option(metavar="local|ray", help="local or ray (default: $RLPLEX_BACKEND, else the job file's)"),
     ] = None,
     ray_address: Annotated[
-        str | None, typer.Option(help="an existing Ray cluster (default: $RLPLEX_RAY_ADDRESS, else a local Ray)")
+        str | None,
+        typer.Option(metavar="ADDRESS", help=RAY_ADDRESS_HELP + " (default: $RLPLEX_RAY_ADDRESS, else a local Ray)"),
     ] = None,
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
@@ -291,7 +296,10 @@ def job_resume(
     output_dir: Annotated[Path, typer.Argument(help="the job's output folder (holds job.sqlite)")],
     ray_address: Annotated[
         str | None,
-        typer.Option(help="a Ray job's cluster (default: $RLPLEX_RAY_ADDRESS, else the job's, else a local Ray)"),
+        typer.Option(
+            metavar="ADDRESS",
+            help="a Ray job's cluster (default: $RLPLEX_RAY_ADDRESS, else the job's, else a local Ray)",
+        ),
     ] = None,
     debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
 ) -> None:
@@ -310,6 +318,19 @@ def job_resume(
             drive(PrimeMaster.resume(output_dir), console.print)
 
     _run_job_command(body, debug)
+
+
+@job_app.command("stop", short_help="Stop a job: its nodes stop, the master ends it.")
+def job_stop(
+    output_dir: Annotated[Path, typer.Argument(help="the job's output folder (holds job.sqlite)")],
+    timeout_s: Annotated[float, typer.Option(help="wait this long for the job to stop")] = 60.0,
+    debug: Annotated[bool, typer.Option(help="show tracebacks for user errors")] = False,
+) -> None:
+    """Ask the job's master to stop the job and wait until it has; a local job whose master died
+    is taken over and stopped. For a main job, `rlplex stop` also checkpoints and reports."""
+    from rlplex.control.job.master import stop_job
+
+    _run_job_command(lambda: console.print(stop_job(output_dir, timeout_s), highlight=False), debug)
 
 
 @job_app.command("status", short_help="The job's state and every node's role, rank and state.")

@@ -19,6 +19,7 @@ from rlplex.errors import RlplexError
 
 EXIT_JOB_FAILED, EXIT_USER_ERROR = 1, 2
 DEBUG_HELP = "show tracebacks for user errors"
+RAY_ADDRESS_HELP = "an existing Ray cluster, e.g. auto or ray://10.0.0.5:10001"
 
 
 def print_error(console: Console, label: str, message: object) -> None:
@@ -86,8 +87,12 @@ def register(app: typer.Typer, console: Console) -> None:
             Path,
             typer.Argument(help="main job TOML: [trainer], [[runs]], [[events]] (--continue: or its folder)"),
         ],
-        backend: Annotated[str | None, typer.Option(help="local or ray (default: the file's)")] = None,
-        ray_address: Annotated[str | None, typer.Option(help="an existing Ray cluster (default: a local Ray)")] = None,
+        backend: Annotated[
+            str | None, typer.Option(metavar="local|ray", help="local or ray (default: the file's)")
+        ] = None,
+        ray_address: Annotated[
+            str | None, typer.Option(metavar="ADDRESS", help=RAY_ADDRESS_HELP + " (default: a local Ray)")
+        ] = None,
         live: Annotated[bool, typer.Option(help="show the live view")] = True,
         continue_: Annotated[
             bool,
@@ -183,7 +188,9 @@ def register(app: typer.Typer, console: Console) -> None:
     def runs_add(
         output_dir: Annotated[Path, typer.Argument(help="the running main job's output folder")],
         config: Annotated[Path, typer.Option(help="the run's orch.toml")],
-        run_id: Annotated[str | None, typer.Option("--id", help="run id (default: run_<file stem>)")] = None,
+        run_id: Annotated[
+            str | None, typer.Option("--id", metavar="RUN_ID", help="run id (default: run_<file stem>)")
+        ] = None,
         timeout_s: Annotated[float, typer.Option(help="wait this long for the master's answer")] = 30.0,
         wait_s: Annotated[
             float, typer.Option(help="then wait this long for the trainer to admit or reject the run (0: do not)")
@@ -236,7 +243,7 @@ def register(app: typer.Typer, console: Console) -> None:
     def runs_evict(
         output_dir: Annotated[Path, typer.Argument(help="the main job's output folder")],
         run_id: Annotated[str, typer.Argument(help="the run to evict, e.g. run_fast")],
-        reason: Annotated[str, typer.Option(help="why; written to the run's control/evicted.txt")],
+        reason: Annotated[str, typer.Option(metavar="TEXT", help="why; written to the run's control/evicted.txt")],
         debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
     ) -> None:
         """Evict a run: its orchestrator stops and the trainer frees its slot."""

@@ -33,7 +33,9 @@ def register(app: typer.Typer, console: Console) -> None:
     @model_app.command("tiny", short_help="Build the tiny Hugging Face model the demo and tests train.")
     def tiny(
         out_dir: Annotated[Path, typer.Argument(help="folder to write the checkpoint to (save_pretrained layout)")],
-        task: Annotated[list[str] | None, typer.Option(help="warm-up environment; repeat for several")] = None,
+        task: Annotated[
+            list[str] | None, typer.Option(metavar="TASK", help="warm-up environment, e.g. reverse; repeat for several")
+        ] = None,
         warmup_steps: Annotated[int | None, typer.Option(help="supervised warm-up steps")] = None,
         seed: Annotated[int | None, typer.Option(help="seed of the weights, tokenizer and warm-up")] = None,
         replace: Annotated[
@@ -74,7 +76,7 @@ def register(app: typer.Typer, console: Console) -> None:
     def gguf(
         gguf_file: Annotated[Path, typer.Argument(help="a GGUF file (llama.cpp's format; quantized or not)")],
         out_dir: Annotated[Path, typer.Argument(help="folder to write the model to (save_pretrained layout)")],
-        dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "float32",
+        dtype: Annotated[str, typer.Option(metavar="float32|bfloat16", help=DTYPE_HELP)] = "float32",
         replace: Annotated[bool, typer.Option(help="rebuild a converted model of other settings in OUT_DIR")] = False,
         debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
     ) -> None:
@@ -84,7 +86,7 @@ def register(app: typer.Typer, console: Console) -> None:
     @model_app.command("smollm2", short_help="Convert the packaged SmolLM2-135M-Instruct to a folder.")
     def smollm2(
         out_dir: Annotated[Path, typer.Argument(help="folder to write the model to (save_pretrained layout)")],
-        dtype: Annotated[str, typer.Option(help=DTYPE_HELP)] = "float32",
+        dtype: Annotated[str, typer.Option(metavar="float32|bfloat16", help=DTYPE_HELP)] = "float32",
         replace: Annotated[bool, typer.Option(help="rebuild a converted model of other settings in OUT_DIR")] = False,
         debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
     ) -> None:

@@ -243,3 +243,41 @@ def test_cli_user_errors_are_one_line_with_exit_code_2(tmp_path: Path, child_env
     result = subprocess.run(rlplex("run", str(bad), env=child_env), env={**child_env, "COLUMNS": "300"},
                             capture_output=True, text=True, timeout=30)  # fmt: skip
     assert "roles.w.count" in result.stdout
+
+
+def job_cause(store: SqliteStateStore, job_id: str) -> str:
+    return " | ".join(r.cause for r in store.transitions(job_id) if r.entity == "job")
+
+
+@contextmanager
+def _killing_nodes_of(job_dir: Path) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        for process in node_processes(job_dir):
+            process.kill()
+
+
+def test_job_stop_stops_a_running_job_and_takes_over_one_whose_master_died(
+    job_dir: Path, child_env: dict[str, str]
+) -> None:
+    """Issue 32, hole 8: `rlplex job stop` beside `rlplex stop`; the nodes hold, so only a stop ends the job."""
+    with started_master(job_dir, child_env) as (master, store, job_id):
+        stop = subprocess.run(rlplex("stop", str(job_dir), env=child_env), env=child_env, capture_output=True,
+                              text=True, timeout=scaled(60))  # fmt: skip
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert f"job {job_id}: STOPPED" in stop.stdout
+        assert master.wait(timeout=scaled(30)) == 0  # `job run` ended with the job, as stopped
+        assert store.job(job_id).state == "STOPPED" and "`rlplex job stop`" in job_cause(store, job_id)
+        assert node_processes(job_dir) == [] and not (job_dir / "requests" / "stop").exists()
+    second = job_dir.parent / "second"
+    with started_master(second, child_env) as (master, store, job_id), _killing_nodes_of(second):
+        os.kill(master.pid, signal.SIGKILL)
+        master.wait(timeout=scaled(10))
+        stop = subprocess.run(rlplex("stop", str(second), env=child_env), env=child_env, capture_output=True,
+                              text=True, timeout=scaled(60))  # fmt: skip
+        assert stop.returncode == 0 and f"job {job_id}: STOPPED" in stop.stdout, stop.stdout + stop.stderr
+        assert "master was gone" in job_cause(store, job_id) and node_processes(second) == []
+        again = subprocess.run(rlplex("stop", str(second), env=child_env), env=child_env, capture_output=True,
+                               text=True, timeout=scaled(60))  # fmt: skip
+        assert again.returncode == 0 and "nothing to stop" in again.stdout, again.stdout + again.stderr

@@ -16,7 +16,7 @@ import re
 import stat
 from pathlib import Path
 
-from rlplex.errors import ConfigError, UnsafeFileError
+from rlplex.errors import ConfigError, RunDirGoneError, UnsafeFileError
 
 SMALL_FILE_BYTES = 1 << 20
 """Cap of control files (markers, reasons, JSON records, configs)."""
@@ -123,3 +123,34 @@ def ensure_output_dir(path: Path, what: str) -> Path:
             reason = "it is a file, not a folder"
         raise ConfigError(f"{path}: cannot be the output folder ({what}): {reason}") from None
     return path
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a temporary sibling, fsync, rename over `path`; never follow a symlink."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    except FileNotFoundError:
+        raise RunDirGoneError(f"{path.parent}: directory was deleted; {path.name} not written") from None
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)  # the rename itself must survive a power cut
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory `path` (a rename into it) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -19,10 +19,11 @@ from rich.live import Live
 from rlplex.config import validate_config
 from rlplex.control.job.master import PrimeMaster
 from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState
-from rlplex.errors import ConfigError, JobInterruptedError, RlplexError, WaitTimeoutError
+from rlplex.control.job.stop_request import clear_stop_request, request_stop, stop_requested, wait_for_stop
+from rlplex.errors import ConfigError, JobInterruptedError, RlplexError
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.vllm_server import ensure_api_key, require_vllm
-from rlplex.io.safe_files import ensure_output_dir, read_regular_text
+from rlplex.io.safe_files import ensure_output_dir, read_regular_text, write_file_atomic
 from rlplex.mainjob.build import ROLLOUT_ROLE, build_job_spec
 from rlplex.mainjob.conductor import TERMINAL_RUN_STATES
 from rlplex.mainjob.config import JOB_CONFIG_FILE, MainJobConfig, RunEntry
@@ -30,8 +31,8 @@ from rlplex.mainjob.frame import render
 from rlplex.mainjob.preflight import check_main_job, run_problems
 from rlplex.mainjob.registry import (
     REGISTRY_FILE,
-    REQUESTS_DIR,
     answer,
+    duplicate_run,
     pending_requests,
     read_registry,
     rollout_slots,
@@ -40,9 +41,7 @@ from rlplex.mainjob.registry import (
 from rlplex.mainjob.report import write_report
 from rlplex.mainjob.view import JobView, collect
 from rlplex.models.spec import ModelSpec
-from rlplex.multirun.rundir import run_folder_problem, write_file_atomic
-
-STOP_REQUEST_FILE = f"{REQUESTS_DIR}/stop"
+from rlplex.multirun.rundir import run_folder_problem
 
 
 def accept_requests(
@@ -64,7 +63,7 @@ def accept_requests(
         entry = request.entry.with_model(model, inference, endpoint_dir)
         try:
             if entry.id in {e.id for e in registry}:
-                raise ConfigError(f"{request.path}: run {entry.id!r} is already in the job")
+                raise ConfigError(duplicate_run(entry.id))
             folder = output_dir / "runs" / entry.id
             # The trainer would ignore such a folder, and the view show the linked run's curve under this id.
             if os.path.lexists(folder) and (problem := run_folder_problem(folder)):
@@ -177,8 +176,7 @@ def resume_main_job(output_dir: Path, console: Console, live: bool = True) -> Jo
         console.print(f"{output_dir}: every run of this job is already done ({view.job_state}); nothing to continue")
         return JobState(view.job_state)
     config = continued_config(config, read_registry(output_dir), view)
-    with contextlib.suppress(FileNotFoundError):
-        (output_dir / STOP_REQUEST_FILE).unlink()
+    clear_stop_request(output_dir)
     console.print(f"continuing {view.job_state} job in {output_dir}: runs {', '.join(unfinished)}")
     master = PrimeMaster.create(build_job_spec(config, str(output_dir / JOB_CONFIG_FILE)))
     return _drive(master, config, console, live, start=True)
@@ -200,14 +198,6 @@ def continued_config(config: MainJobConfig, registry: list[RunEntry], view: JobV
     )
 
 
-def request_stop(output_dir: Path, reason: str = "stopped by `rlplex stop`") -> Path:
-    """What `rlplex stop` does: the master's loop reads this file and stops the job gracefully."""
-    path = output_dir / STOP_REQUEST_FILE
-    path.parent.mkdir(exist_ok=True)
-    write_file_atomic(path, reason.encode())
-    return path
-
-
 def stop_main_job(output_dir: Path, console: Console, timeout_s: float = 180.0) -> str:
     """What `rlplex stop` does: ask the job's master to stop the job gracefully and wait until
     it has (report written). A job whose master died is taken over by this process and stopped."""
@@ -223,25 +213,9 @@ def stop_main_job(output_dir: Path, console: Console, timeout_s: float = 180.0) 
         finally:
             master.close()
         return f"job {state.value} (its master was gone); report: {write_report(output_dir, 0.0)}"
-    request = request_stop(output_dir)
-    deadline = time.monotonic() + timeout_s
-    while os.path.lexists(request):
-        if time.monotonic() > deadline:
-            raise WaitTimeoutError(f"{request}: the job's master did not stop the job within {timeout_s:g} s")
-        if not collect(output_dir).master_alive:
-            raise ConfigError(f"{output_dir}: the job's master (pid {view.master_pid}) died before stopping the job")
-        time.sleep(0.2)
+    request = request_stop(output_dir, "stopped by `rlplex stop`")
+    wait_for_stop(request, timeout_s, lambda: collect(output_dir).master_alive)
     return f"job {collect(output_dir).job_state}; report: {output_dir / 'report.md'}"
-
-
-def _stop_request(output_dir: Path) -> str | None:
-    path = output_dir / STOP_REQUEST_FILE
-    if not os.path.lexists(path):
-        return None
-    try:
-        return read_regular_text(path).strip() or "stopped by `rlplex stop`"
-    except OSError as error:  # still a stop request, whatever was put there
-        return f"stopped by a stop request ({error})"
 
 
 class _StopSignals:
@@ -286,7 +260,7 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
             with display or contextlib.nullcontext():
                 next_view = 0.0
                 while (state := master.monitor()) not in TERMINAL_JOB_STATES:
-                    if signals.received is not None or (stopped_by := _stop_request(output_dir)) is not None:
+                    if signals.received is not None or (stopped_by := stop_requested(output_dir)) is not None:
                         break
                     accept_requests(master, output_dir, config.model, config.inference, config.endpoint_dir, config)
                     now = time.monotonic()
@@ -307,8 +281,7 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
             state = master.state
             master.close()
             report = write_report(output_dir, time.monotonic() - started)
-            with contextlib.suppress(FileNotFoundError):  # last: `rlplex stop` waits for it to go
-                (output_dir / STOP_REQUEST_FILE).unlink()
+            clear_stop_request(output_dir)  # last: `rlplex stop` waits for it to go
             console.print(f"job {state.value}; report: {report}", highlight=False)
     if stopped_by is not None:
         left = [run.run_id for run in collect(output_dir).runs if run.state not in TERMINAL_RUN_STATES]

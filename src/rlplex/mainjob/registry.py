@@ -22,9 +22,8 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from rlplex.errors import ConfigError, WaitTimeoutError
-from rlplex.io.safe_files import read_regular_text
+from rlplex.io.safe_files import read_regular_text, write_file_atomic
 from rlplex.mainjob.config import RunEntry
-from rlplex.multirun.rundir import write_file_atomic
 
 REGISTRY_FILE = "runs.json"
 REQUESTS_DIR = "requests"
@@ -86,10 +85,16 @@ class AddRequest:
     entry: RunEntry
 
 
+def duplicate_run(run_id: str) -> str:
+    return f"run {run_id!r} is already in the job; add it under another --id"
+
+
 def submit_add(output_dir: Path, entry: RunEntry) -> Path:
     """Ask the running job to add `entry`; returns the request file (see `wait_for_answer`)."""
     if not (output_dir / REGISTRY_FILE).exists():
         raise ConfigError(f"{output_dir}: no main job here ({REGISTRY_FILE} missing)")
+    if entry.id in {e.id for e in read_registry(output_dir)}:  # said at once; the master checks again
+        raise ConfigError(f"{output_dir}: {duplicate_run(entry.id)}")
     requests = output_dir / REQUESTS_DIR
     requests.mkdir(exist_ok=True)
     path = requests / f"add-{time.time_ns()}-{uuid.uuid4().hex[:6]}.json"

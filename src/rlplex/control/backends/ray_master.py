@@ -66,6 +66,8 @@ class MasterActor:
                 if self._stop.is_set():
                     master.stop("stopped by the driver")
                     break
+                if master.stop_if_requested():
+                    break
                 time.sleep(interval)
             self._result.update(state=master.state.value, cause=master.store.job(master.job_id).cause)
         except RlplexError as error:

@@ -33,6 +33,7 @@ from rlplex.control.job.health import FailurePolicy
 from rlplex.control.job.manager import PrimeManager
 from rlplex.control.job.spec import JobSpec, load_job, parse_job
 from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState
+from rlplex.control.job.stop_request import clear_stop_request, request_stop, stop_requested, wait_for_stop
 from rlplex.control.job.store import SqliteStateStore
 from rlplex.control.job.token import read_token, write_token
 from rlplex.control.node.slot import NodeInfo
@@ -182,6 +183,7 @@ class PrimeMaster:
         lock = MasterLock.acquire(spec.output_dir)
         try:
             token = write_token(spec.output_dir)
+            clear_stop_request(spec.output_dir)  # one left by an earlier job in this folder is not for this one
             store = SqliteStateStore.in_dir(spec.output_dir)
             job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}"
             store.create_job(job_id, spec.name, spec.model_dump_json())
@@ -229,6 +231,8 @@ class PrimeMaster:
         deadline = None if timeout is None else time.monotonic() + timeout
         interval = self.manager.spec.monitor_interval_s
         while self.manager.monitor() not in TERMINAL_JOB_STATES:
+            if self.stop_if_requested():
+                break
             if on_tick is not None:
                 on_tick()
             if deadline is not None and time.monotonic() > deadline:
@@ -250,6 +254,16 @@ class PrimeMaster:
 
     def stop(self, cause: str = "stopped by the user") -> None:
         self.manager.stop(cause)
+
+    def stop_if_requested(self) -> bool:
+        """Stop the job if `rlplex job stop` asked for it (see `stop_request`); whether it did."""
+        output_dir = self.manager.spec.output_dir
+        reason = stop_requested(output_dir)
+        if reason is None:
+            return False
+        self.stop(reason)
+        clear_stop_request(output_dir)  # last: the asker waits for it to go
+        return True
 
     def close(self) -> None:
         try:
@@ -273,6 +287,36 @@ class PrimeMaster:
             self.stop("master closed" if error is None else f"master closed after {error!r}")
         finally:
             self.close()
+
+
+def stop_job(output_dir: Path, timeout_s: float = 60.0) -> str:
+    """What `rlplex job stop` does: ask the job's master to stop the job and wait until it has; a
+    local job whose master died is taken over and stopped here. What happened, in one line."""
+    output_dir = Path(output_dir).resolve()
+    store = SqliteStateStore.in_dir(output_dir, create=False)
+    try:
+        job_id = store.latest_job_id()
+        record = store.job(job_id) if job_id is not None else None
+    finally:
+        store.close()
+    if record is None or JobState(record.state) in TERMINAL_JOB_STATES:
+        return f"{output_dir}: job {job_id} is {record.state}; nothing to stop" if record else f"{output_dir}: no job"
+    if MasterLock.held(output_dir):
+        request = request_stop(output_dir, "stopped by `rlplex job stop`")
+        wait_for_stop(request, timeout_s, lambda: MasterLock.held(output_dir))
+    elif resumable_spec(output_dir).backend == "ray":
+        raise ConfigError(f"{output_dir}: job {job_id} has no live master; take it over with `rlplex job resume`")
+    else:
+        master = PrimeMaster.resume(output_dir)
+        try:
+            master.stop("stopped by `rlplex job stop` (its master was gone)")
+        finally:
+            master.close()
+    store = SqliteStateStore.in_dir(output_dir, create=False)
+    try:
+        return f"job {job_id}: {store.job(job_id).state}"  # type: ignore[arg-type]
+    finally:
+        store.close()
 
 
 def drive(master: PrimeMaster, say: Callable[[str], None], on_tick: Callable[[], None] | None = None) -> JobState:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rlplex.errors import MultiRunError, RunDirGoneError
-from rlplex.io.safe_files import is_safe_name, read_regular_file, read_regular_text
+from rlplex.io.safe_files import is_safe_name, read_regular_file, read_regular_text, write_file_atomic
 
 RUN_PREFIX = "run_"
 IDENTITY_FILE = "identity"
@@ -247,37 +247,6 @@ class RunDir:
             os.unlink(path)
         except FileNotFoundError:
             pass
-
-
-def write_file_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary sibling, fsync, rename over `path`; never follow a symlink."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    except FileNotFoundError:
-        raise RunDirGoneError(f"{path.parent}: directory was deleted; {path.name} not written") from None
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)  # the rename itself must survive a power cut
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def fsync_dir(path: Path) -> None:
-    """Make the entries of directory `path` (a rename into it) durable."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_eviction(run: RunDir, reason: str) -> None:

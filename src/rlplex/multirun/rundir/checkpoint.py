@@ -26,16 +26,14 @@ from typing import Any
 from safetensors import SafetensorError, safe_open
 
 from rlplex.errors import CheckpointError, RunDirGoneError, SnapshotError
-from rlplex.io.safe_files import check_regular_file, read_regular_file
+from rlplex.io.safe_files import check_regular_file, fsync_dir, read_regular_file, write_file_atomic
 from rlplex.io.snapshot import MAX_SNAPSHOT_BYTES, read_snapshot, write_snapshot_into
 from rlplex.multirun.rundir import (
     STABLE_MARKER,
     RunDir,
-    fsync_dir,
     parse_step,
     stable_steps,
     step_dir_name,
-    write_file_atomic,
 )
 from rlplex.multirun.rundir.peft_export import (
     ADAPTER_WEIGHTS,

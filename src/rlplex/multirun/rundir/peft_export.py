@@ -29,8 +29,7 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
 from rlplex.errors import AdapterError
-from rlplex.io.safe_files import read_regular_file
-from rlplex.multirun.rundir import fsync_dir
+from rlplex.io.safe_files import fsync_dir, read_regular_file
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -30,8 +30,8 @@ from safetensors.torch import load as load_safetensors
 from safetensors.torch import save as save_safetensors
 
 from rlplex.errors import MultiRunError
-from rlplex.io.safe_files import read_regular_file
-from rlplex.multirun.rundir import STABLE_MARKER, RunDir, write_file_atomic
+from rlplex.io.safe_files import read_regular_file, write_file_atomic
+from rlplex.multirun.rundir import STABLE_MARKER, RunDir
 
 ROLLOUT_FILE = "rollouts.safetensors"
 META_FILE = "meta.json"
