@@ -146,8 +146,31 @@ def test_two_processes_building_at_once_get_one_model(tmp_path: Path) -> None:
 def test_a_hub_id_not_in_the_cache_is_a_clear_error_offline(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
-    with pytest.raises(ModelLoadError, match=r"'nobody-here/no-such-model'.*not in the Hugging Face cache"):
+    with pytest.raises(ModelLoadError, match=r"'nobody-here/no-such-model'.*not in the Hugging Face cache") as info:
         load_tokenizer(ModelSpec(name="nobody-here/no-such-model"))
+    message = str(info.value)
+    assert "\n" not in message and "HF_HUB_OFFLINE is set" in message and "save_pretrained folder" in message
+    assert "internet connection" not in message  # transformers' advice, wrong when offline on purpose
+
+
+def test_an_unreachable_hub_is_one_line_at_once_without_retries(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 32, hole 4: a hub id that is not cached, with no hub to reach, fails on a
+    connection check instead of a minute of download retries."""
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens on the discard port
+    with pytest.raises(ModelLoadError) as info:
+        load_tokenizer(ModelSpec(name="nobody-here/no-such-model"))
+    message = str(info.value)
+    assert "\n" not in message and "'nobody-here/no-such-model'" in message
+    assert "the hub cannot be reached (127.0.0.1:9:" in message and "save_pretrained folder" in message
+    assert "Retrying" not in capfd.readouterr().err
 
 
 def test_a_folder_that_does_not_exist_is_named_as_such(tmp_path: Path) -> None:

@@ -6,7 +6,8 @@
   in eval mode, on `resolve_device(spec.device)`.
 - A hub id is looked up in the local Hugging Face cache first (`local_files_only`), so a
   cached model loads with the network off; only a cache miss goes to the hub, and a miss
-  that cannot be downloaded is a `ModelLoadError` naming the id, never a raw traceback.
+  that cannot be downloaded is a one-line `ModelLoadError` naming the id and what to do, never
+  a raw traceback; an unreachable hub is found in seconds, not after a minute of retries.
 - `encode_prompt` renders an `Example` to token ids: chat messages through the tokenizer's
   chat template (an error if it has none), raw text as is.
 """
@@ -63,19 +64,45 @@ def _from_pretrained(loader: Any, spec: ModelSpec, what: str, **kwargs: Any) -> 
             raise ModelLoadError(f"model {spec.name!r}: cannot load its {what} from the folder: {error}") from None
     try:
         return loader.from_pretrained(spec.name, local_files_only=True, **kwargs)
-    except (OSError, ValueError) as cached_error:
+    except (OSError, ValueError):
+        missing = f"model {spec.name!r} is not a local folder and its {what} is not in the Hugging Face cache"
         if _offline():
-            raise ModelLoadError(
-                f"model {spec.name!r} is not a local folder and its {what} is not in the Hugging Face cache "
-                f"(HF_HUB_OFFLINE is set, so nothing is downloaded): {cached_error}"
-            ) from None
+            raise ModelLoadError(f"{missing} (HF_HUB_OFFLINE is set, so nothing is downloaded); {_REMEDY}") from None
+        if (why := _hub_unreachable()) is not None:
+            raise ModelLoadError(f"{missing}, and the hub cannot be reached ({why}); {_REMEDY}") from None
     try:
         return loader.from_pretrained(spec.name, **kwargs)
     except (OSError, ValueError) as error:
-        raise ModelLoadError(
-            f"model {spec.name!r} is not a local folder, its {what} is not in the Hugging Face cache, "
-            f"and it could not be downloaded: {error}"
-        ) from None
+        reason = " ".join(str(error).split())  # one line
+        raise ModelLoadError(f"model {spec.name!r}: could not download its {what} from the hub: {reason}") from None
+
+
+_REMEDY = (
+    "name a save_pretrained folder instead (`rlplex model tiny DIR` builds one), or download the model "
+    "where the hub is reachable (it then loads from the cache)"
+)
+_PROXY_ENV = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+
+
+def _hub_unreachable(timeout_s: float = 3.0) -> str | None:
+    """Why the hub's host refuses a TCP connection now, or None. A check of seconds where a
+    download from an unreachable hub retries for about a minute; skipped behind a proxy, which
+    only the download itself goes through."""
+    if any(os.environ.get(name) for name in _PROXY_ENV):
+        return None
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    host = url.hostname or "huggingface.co"
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+    except OSError as error:
+        return f"{host}:{port}: {error.strerror or error}"
+    return None
 
 
 def load_tokenizer(spec: ModelSpec) -> Tokenizer:
