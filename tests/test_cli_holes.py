@@ -283,3 +283,22 @@ def test_job_run_refuses_a_wrong_field_of_a_role_config_before_any_process_start
     )
     assert_one_line_error(rlplex("job", "run", str(job)), "role 'elastic'", "field 'config.min_nodez'")
     assert not out.exists()  # nothing was created: no store, no node
+
+
+def test_a_job_whose_every_run_was_rejected_fails_naming_each_run_and_why(tmp_path: Path) -> None:
+    """Issue 32, hole 2: nothing trained is a failure (exit 1 through `guard`), not a quiet STOPPED."""
+    from rlplex.errors import JobFailedError
+    from rlplex.mainjob.driver import _fail_unless_a_run_finished
+
+    out = make_job_folder(tmp_path / "job", ("run_a", "run_b"))
+    RunDir(out / "runs", "run_a").config_error.write_text("lora rank 64 is more than max_lora_rank 8")
+    RunDir(out / "runs", "run_b").config_error.write_text("model other/model is not the trainer's")
+    with pytest.raises(JobFailedError) as info:
+        _fail_unless_a_run_finished(out, out / "report.md")
+    message = str(info.value)
+    assert message.startswith("no run finished: run_a was rejected: lora rank 64") and "\n" not in message
+    assert "run_b was rejected: model other/model" in message and message.endswith(f"report: {out / 'report.md'}")
+    # One run that finished: the job did its work, whatever else was rejected.
+    (RunDir(out / "runs", "run_b").config_error).unlink()
+    RunDir(out / "runs", "run_b").finished.write_text(json.dumps({"step": 2, "time": time.time()}))
+    _fail_unless_a_run_finished(out, out / "report.md")

@@ -404,3 +404,33 @@ def test_env_spec_and_names() -> None:
         load_environment({"name": "arithmetic", "operations": ["divide"]})
     with pytest.raises(ConfigError, match="field 'name'"):
         load_environment({"max_len": 4})
+
+
+@pytest.mark.usefixtures("hf_cache")
+def test_check_environment_calls_the_reward_once_on_a_row_before_any_run_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32, hole 2: a reward that cannot score even a row's own answer fails the check,
+    naming the setting and what went wrong; one that scores passes."""
+    from rlplex.tasks.registry import check_environment
+
+    (tmp_path / "checked_rewards.py").write_text(
+        "def good(prompt, completion, answer):\n    return float(completion == answer)\n"
+        "def raises(prompt, completion, answer):\n    return int(completion) / 0\n"
+        "def text(prompt, completion, answer):\n    return 'yes'\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    path = _write_jsonl(tmp_path / "data.jsonl", PROMPT_ROWS)
+
+    def env(reward: str) -> dict[str, str]:
+        return {"name": "jsonl", "path": str(path), "reward": f"checked_rewards:{reward}"}
+
+    check_environment(env("good"))
+    check_environment("reverse")  # rlplex's own: built is checked
+    with pytest.raises(ConfigError, match=r"field 'reward': 'checked_rewards:raises' raised ZeroDivisionError"):
+        check_environment(env("raises"))
+    with pytest.raises(ConfigError, match=r"'checked_rewards:text' returned 'yes' on a row of its data"):
+        check_environment(env("text"))
+    with pytest.raises(ConfigError, match=r"checked_rewards:missing"):
+        check_environment(env("missing"))
+    sys.modules.pop("checked_rewards", None)

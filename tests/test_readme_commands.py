@@ -53,6 +53,7 @@ ELASTIC_JOB = ["rlplex job run examples/elastic_job.toml"]
 SELFLOOP_JOB = ["rlplex job run examples/selfloop_job.toml"]
 SUPERVISED = ["rlplex train examples/cartpole_ppo.toml --output outputs/cp_supervised --supervise"]
 MAIN_JOB = [
+    "rlplex check examples/multirun_demo.toml",
     "rlplex run examples/multirun_demo.toml",
     "rlplex status outputs/multirun-demo",
     "rlplex runs add outputs/multirun-demo --config examples/multirun_orch.toml --id run_extra",
@@ -75,6 +76,10 @@ SKIPPED = {
         "kind of file is run by tests/control/test_ray_job.py::test_the_same_job_file_runs_on_both_backends"
     ),
     "rlplex job run examples/job_noop.toml --backend ray --ray-address auto": "needs an existing Ray cluster",
+    "rlplex job stop outputs/job_noop": (
+        "test_control_plane_job_commands stops the resumed master the other way, with Ctrl-C; `rlplex job stop` "
+        "of a running job and of one whose master died runs in tests/control/test_failover.py"
+    ),
     "rlplex train examples/halfcheetah_sac.toml --output outputs/hc --n-steps 100000": (
         "100k SAC steps (hours on two cores); the example trains through the CLI with a tiny budget in "
         "tests/test_examples.py::test_mujoco_example_trains_through_the_cli"
@@ -354,10 +359,11 @@ def rejected_add(copy: Path, out: Path) -> None:
 @pytest.mark.timeout(900)  # minutes on a busy machine: three masters, two starts of the job
 @pytest.mark.e2e
 def test_main_job_commands(copy: Path, background: list[Background]) -> None:
-    """run, status, runs add (the trainer admits it), runs evict, stop, resume, run --continue."""
-    run, status, add, evict, stop, resume, continue_ = MAIN_JOB
+    """check, run, status, runs add (the trainer admits it), runs evict, stop, resume, run --continue."""
+    check, run, status, add, evict, stop, resume, continue_ = MAIN_JOB
     out = copy / "outputs" / "multirun-demo"
     log = copy / "job.log"
+    assert "examples/multirun_demo.toml: ok: " in ok(check, copy) and not out.exists()
     try:
         job = Background(run, copy, log)
         background.append(job)

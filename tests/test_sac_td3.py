@@ -232,8 +232,10 @@ def test_async_runner_trains_sac_with_real_sampler_and_copier_processes(tmp_path
         "sampler": {"batch_T": 16, "batch_B": 2},
         "agent": {"hidden": [16]},
         "algo": {"name": "sac", "batch_size": 16, "learning_starts": 64, "critic_hidden": [16]},
-        "runner": {"kind": "async_eval", "n_steps": 512, "replay_ratio": 1.0, "log_interval_steps": 128,
-                   "eval_episodes": 1},
+        # The floor keeps the learner in step on a busy machine: unthrottled, the sampler once took
+        # all 512 steps before the first update, and nothing was trained.
+        "runner": {"kind": "async_eval", "n_steps": 512, "replay_ratio": 1.0, "min_replay_ratio": 0.5,
+                   "log_interval_steps": 128, "eval_episodes": 1},
     }  # fmt: skip
     runner = build_runner(validate_config(TrainConfig, data), tmp_path, show_progress=False)
     result = runner.train()

@@ -130,6 +130,32 @@ def register(app: typer.Typer, console: Console) -> None:
 
         guard(console, debug, body)
 
+    @app.command("check", short_help="Check a main job file as `rlplex run` would; start nothing.")
+    def check(
+        job_file: Annotated[Path, typer.Argument(help="main job TOML: [trainer], [[runs]], [[events]]")],
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Every check `rlplex run` makes before it starts anything: the file, the model (its
+        tokenizer loads), each run's environment (its data is read, its reward called on one row)
+        and what the trainer would reject. Exit 0 when all pass, else 2 with one line per problem."""
+
+        def body() -> int:
+            from rlplex.mainjob.config import load_main_job
+            from rlplex.mainjob.driver import check_model
+            from rlplex.mainjob.preflight import check_main_job
+
+            check_file_kind(job_file, "main")
+            config = load_main_job(job_file)
+            check_model(config)
+            check_main_job(config, str(job_file))
+            runs = f"{len(config.runs)} run(s)" + (f" and {len(config.later_runs)} later" if config.later_runs else "")
+            console.print(
+                f"{job_file}: ok: {runs} on {config.model.name}; nothing was started", highlight=False, soft_wrap=True
+            )
+            return 0
+
+        guard(console, debug, body)
+
     @app.command("resume", short_help="Continue a stopped, failed or orphaned main job.")
     def resume(
         output_dir: Annotated[Path, typer.Argument(help="the output folder of a main job")],

@@ -234,3 +234,18 @@ def test_grpo_on_a_server_that_never_comes_names_its_endpoint_folder(tmp_path: P
             policy.client().load_adapter("policy-w0", tmp_path / "adapter")
     finally:
         policy.close()
+
+
+def test_a_servers_port_is_free_and_below_the_ephemeral_range() -> None:
+    """A port drawn for a vLLM server (bound tens of seconds later) is one the kernel never hands
+    to a socket bound to port 0 meanwhile: a collision once sent the tests' health checks to a
+    node's RPC listener."""
+    import socket
+
+    from rlplex.inference.vllm_server import _ephemeral_low, free_port
+
+    for _ in range(20):
+        port = free_port("127.0.0.1")
+        assert 1024 <= port < _ephemeral_low()
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind(("127.0.0.1", port))  # still free

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 from mainjob_helpers import BATCH, run_config, tiny_job
 
+from cli_helpers import rlplex_in_process
+
 pytestmark = pytest.mark.slow  # a CLI subprocess; no job starts
 
 COMMAND = [sys.executable, "-m", "rlplex.cli"]
@@ -24,7 +26,18 @@ def test_rlplex_run_reports_every_problem_the_files_show_before_anything_starts(
 
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "12 + 30 =", "answer": "42"}\n')
     runs = {
+        # Issue 32, hole 2: mistakes inside a run's environment, found before anything starts.
+        "run_typo": run_config(4, 2, "").replace(
+            'env = { name = "reverse" }',
+            f'env = {{ name = "jsonl", path = "{data}", reward = "rlplex.tasks.rewards:exact_matchh" }}',
+        ),
+        "run_nodata": run_config(5, 2, "").replace(
+            'env = { name = "reverse" }',
+            f'env = {{ name = "jsonl", path = "{tmp_path}/nope.jsonl", reward = "rlplex.tasks.rewards:exact_match" }}',
+        ),
         "run_wide": run_config(1, 2, "model = { lora = { rank = 16 } }"),
         "run_other": run_config(2, 2, f'model = {{ name = "{random_llama()}" }}'),
         "run_huge": run_config(3, 2).replace(f"batch_size = {BATCH}", "batch_size = 4000000000"),
@@ -37,6 +50,8 @@ def test_rlplex_run_reports_every_problem_the_files_show_before_anything_starts(
     assert "Traceback" not in done.stdout + done.stderr
     errors = [line for line in done.stdout.splitlines() if line.startswith("error:")]
     expected = {
+        "run_typo": "exact_matchh",
+        "run_nodata": "nope.jsonl: data file not found",
         "run_wide": "model.lora.rank",
         "run_other": "model.name",
         "run_huge": "batch_size",
@@ -46,3 +61,21 @@ def test_rlplex_run_reports_every_problem_the_files_show_before_anything_starts(
         assert any(key in line and field in line for line in errors), (key, done.stdout)
     assert len(errors) == len(expected), done.stdout
     assert not (out / "job.sqlite").exists()  # nothing was started
+    # `rlplex check` finds the same, and starts nothing either.
+    checked = rlplex_in_process("check", str(path))
+    assert checked.returncode == 2 and "Traceback" not in checked.stdout + checked.stderr
+    assert [line for line in checked.stdout.splitlines() if line.startswith("error:")] == errors
+    assert not out.exists()
+
+
+def test_rlplex_check_passes_a_good_file_and_starts_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    path = tmp_path / "job.toml"
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "12 + 30 =", "answer": "42"}\n')
+    env = f'env = {{ name = "jsonl", path = "{data}", reward = "rlplex.tasks.rewards:exact_match" }}'
+    path.write_text(tiny_job("mj-check", out, {"run_a": run_config(1, 2).replace('env = { name = "reverse" }', env)}))
+    checked = rlplex_in_process("check", str(path))
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert f"{path}: ok: 1 run(s) on " in checked.stdout and "nothing was started" in checked.stdout
+    assert not out.exists()

@@ -22,6 +22,7 @@ import contextlib
 import importlib.metadata
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -112,8 +113,29 @@ def clear_endpoint(endpoint_dir: Path) -> None:
         (endpoint_dir / ENDPOINT_FILE).unlink()
 
 
+def _ephemeral_low(default: int = 32768) -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return default
+
+
 def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+    """A port free now, below the kernel's ephemeral range. A server binds it tens of seconds
+    later (vLLM loads first); a port from the ephemeral range could meanwhile go to any socket
+    bound to port 0 (an RPC listener, an outgoing connection), and the server's clients would
+    then talk to a stranger."""
+    low = _ephemeral_low()
+    draw = random.SystemRandom()
+    for _ in range(100):
+        port = draw.randrange(max(1024, low - 16384), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:  # a crowded machine: any free port
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
 

@@ -20,7 +20,7 @@ from rlplex.config import validate_config
 from rlplex.control.job.master import PrimeMaster
 from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState
 from rlplex.control.job.stop_request import clear_stop_request, request_stop, stop_requested, wait_for_stop
-from rlplex.errors import ConfigError, JobInterruptedError, RlplexError
+from rlplex.errors import ConfigError, JobFailedError, JobInterruptedError, RlplexError
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.vllm_server import ensure_api_key, require_vllm
 from rlplex.io.safe_files import ensure_output_dir, read_regular_text, write_file_atomic
@@ -119,7 +119,7 @@ def run_main_job(
             f"{output_dir}: already holds a main job; choose a new output_dir, or continue it with "
             f"`rlplex resume {output_dir}`"
         )
-    console.print(f"checking the shared base model {config.model.name} ...")
+    console.print(f"checking the shared base model {config.model.name} and the runs ...")
     check_model(config)
     if check_runs:
         check_main_job(config, source)
@@ -293,4 +293,16 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
             )
         if signals.received is not None:
             raise JobInterruptedError(f"job {stopped_by}; report: {report}", signals.received)
+    else:
+        _fail_unless_a_run_finished(output_dir, report)
     return state
+
+
+def _fail_unless_a_run_finished(output_dir: Path, report: Path) -> None:
+    """A job that ended with every run rejected (none finished) trained nothing: a failure, whose
+    line names each run and why, not a quiet STOPPED."""
+    runs = collect(output_dir).runs
+    rejected = [run for run in runs if run.state == "rejected"]
+    if rejected and not any(run.state == "finished" for run in runs):
+        reasons = "; ".join(f"{run.run_id} was rejected: {run.reason or 'no reason given'}" for run in rejected)
+        raise JobFailedError(f"no run finished: {reasons}; report: {report}")

@@ -19,6 +19,7 @@ from rlplex.errors import ConfigError, RlplexError
 from rlplex.mainjob.config import MainJobConfig, RunEntry
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.orchestrator.config import OrchestratorConfig
+from rlplex.tasks.registry import check_environment
 
 FLOAT32_BYTES = 4
 # LoRA weights, their gradients and Adam's two moments, all float32.
@@ -87,13 +88,21 @@ def available_bytes(spec: ModelSpec) -> tuple[int, str]:
 
 
 def run_problems(entry: RunEntry, job: MainJobConfig, source: str) -> list[str]:
-    """What the trainer would reject this run for, one line per problem (the trainer's own rules)."""
+    """What would stop this run, one line per problem: its environment (data and reward), and
+    what the trainer would reject it for (the trainer's own rules)."""
     where = f"{source}: run {entry.id!r}"
     try:
         config: OrchestratorConfig = entry.orch_config(source)
     except RlplexError as error:
         return [str(error)]
     problems = []
+    evaluation = config.evaluation.env_spec(config.env) if config.evaluation is not None else None
+    for env, field in ((config.env, "env"), (evaluation, "evaluation")):
+        if env is not None:
+            try:
+                check_environment(env)
+            except RlplexError as error:
+                problems.append(f"{where}: {field}: {error}")
     if config.model.lora.rank > job.trainer.max_lora_rank:
         problems.append(
             f"{where}: field 'model.lora.rank': {config.model.lora.rank} is more than trainer.max_lora_rank "

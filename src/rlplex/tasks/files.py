@@ -48,10 +48,16 @@ def read_rows(path: Path, file_format: FileFormat, fields: Sequence[str]) -> lis
     import datasets
 
     check_file(path)
+    # Its progress bars ("Generating train split") would only interleave with rlplex's own lines.
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
     try:
         dataset = datasets.load_dataset(file_format, data_files=str(path), split="train")
     except Exception as error:  # datasets and pyarrow raise many types for a malformed file; all mean the same
         raise ConfigError(f"{path}: cannot read as {file_format}: {error!r:.300}") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     if len(dataset) == 0:
         raise ConfigError(f"{path}: data file has no rows")
     missing = [field for field in fields if field not in dataset.column_names]

@@ -60,3 +60,28 @@ def load_environment(spec: EnvSpec | Mapping[str, Any] | str) -> Environment:
         raise ConfigError(f"env: field 'name': unknown environment {spec.name!r}; known environments: {known}")
     settings = validate_config(entry.settings, dict(spec.model_extra or {}), source=f"env {spec.name!r}")
     return entry.build(settings)
+
+
+def check_environment(spec: EnvSpec | Mapping[str, Any] | str) -> None:
+    """What a run's start would find wrong with its environment, found now: its settings, its
+    data (read whole), and its reward (imported, and called once on a row with the row's own
+    answer as the completion: a reward that raises there, or returns no number, is a mistake
+    in it, not in a model's output). Raises `ConfigError`."""
+    import math
+    import numbers
+
+    import numpy as np
+
+    environment = load_environment(spec)
+    reward = getattr(environment, "reward", None)
+    if reward is None:  # rlplex's own environments: built means checked
+        return
+    (example,) = environment.sample(1, np.random.default_rng(0))
+    name = getattr(environment, "name", "env")
+    what = f"env {name!r}: field 'reward': {getattr(environment.settings, 'reward', reward)!r}"  # type: ignore[attr-defined]
+    try:
+        value = reward(example.prompt_text, example.answer, example.answer)
+    except Exception as error:
+        raise ConfigError(f"{what} raised {error!r:.200} on a row of its data (its answer as the completion)") from None
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(f"{what} returned {value!r:.80} on a row of its data; a reward returns a finite number")
