@@ -42,10 +42,21 @@ from rlplex.diagnostics.metrics import MetricsLogger
 from rlplex.models.hf import Tokenizer, encode_prompt, load_causal_lm, load_tokenizer
 from rlplex.models.lm import left_pad, pad_id_of, token_logprobs
 from rlplex.models.spec import ModelSpec
-from rlplex.models.tiny import TinyModelConfig, build_tiny_model
+from rlplex.models.tiny import TinyModelConfig, build_tiny_model, read_tiny_settings
 from rlplex.tasks import Environment, environment_names, load_environment
 
 MFCS = ("actor_gen", "ref_inf", "rew_inf", "actor_train")
+
+
+def tiny_model_for(task: str) -> Path:
+    """`outputs/models/tiny-<task>`: a tiny model warmed up on `task` that is already there
+    (`make demo` builds one with more warm-up steps) is used as it is; else one is built."""
+    folder = Path("outputs/models") / f"tiny-{task}"
+    found = read_tiny_settings(folder)
+    settings = found.get("settings") if found else None
+    if isinstance(settings, dict) and task in settings.get("tasks", ()):
+        return folder.resolve()
+    return build_tiny_model(folder, TinyModelConfig(tasks=(task,)))
 
 
 def padded_logprobs(model: torch.nn.Module, sequences: list[torch.Tensor], pad_id: int) -> torch.Tensor:
@@ -161,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     t0 = time.perf_counter()
-    tiny = TinyModelConfig(tasks=(args.task,))
-    name = args.model or str(build_tiny_model(Path("outputs/models") / f"tiny-{args.task}", tiny))
+    name = args.model or str(tiny_model_for(args.task))
     spec = ModelSpec(name=name)
     tokenizer, env = load_tokenizer(spec), load_environment(args.task)
     model = load_causal_lm(spec).requires_grad_(True)

@@ -149,6 +149,31 @@ def test_atari_example_trains_through_the_cli(name: str, n_steps: int, edits: di
 
 
 # ----- the seed's PPO dataflow graph -------------------------------------------------------
+def test_ppo_dataflow_uses_the_tiny_model_make_demo_left_whatever_its_warm_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32, hole 3: after `make demo` (tiny-reverse warmed up 110 steps), the example no
+    longer stops on "holds other settings ... --replace" (a flag it does not have)."""
+    import importlib.util
+    import shutil
+
+    from lm_models import small_tiny_model
+
+    folder = tmp_path / "outputs" / "models" / "tiny-reverse"
+    shutil.copytree(small_tiny_model(), folder)
+    marker = folder / "rlplex_tiny.json"
+    held = json.loads(marker.read_text())
+    held["settings"]["warmup_steps"], held["key"] = 110, "other-settings"
+    marker.write_text(json.dumps(held))
+    spec = importlib.util.spec_from_file_location("ppo_dataflow_example", EXAMPLES / "ppo_dataflow.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.chdir(tmp_path)
+    assert example.tiny_model_for("reverse") == folder.resolve()
+    assert json.loads(marker.read_text()) == held  # used as it is, not rebuilt
+
+
 @pytest.mark.slow
 def test_ppo_dataflow_example_runs_the_four_mfcs(tmp_path: Path) -> None:
     out = tmp_path / "ppo"
