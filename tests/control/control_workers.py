@@ -90,6 +90,13 @@ class PreloadedIdle(Idle):
 
         super().__init__(context)
 
+    def draws(self) -> list[float]:
+        """The global random states' first draws: a fresh process's differ from its siblings'."""
+        import numpy as np
+        import torch
+
+        return [float(np.random.random()), float(torch.rand(()))]
+
 
 class Sub(SubMaster):
     def check_child(self) -> None:

@@ -13,6 +13,8 @@ import pytest
 
 from node_helpers import node_processes, wait_for
 from rlplex.control import JobBuilder, JobState, LocalDataChannel, NodeState, PrimeMaster, SqliteStateStore
+from rlplex.control.job.token import read_token
+from rlplex.control.node.role_group import RoleGroup
 from timing import scaled
 
 pytestmark = pytest.mark.e2e
@@ -98,7 +100,7 @@ def test_nodes_fork_from_one_server_that_imported_the_preload_once(
     probe = job_dir / "imported_by.txt"
     monkeypatch.setenv("RLPLEX_TEST_PRELOAD_PROBE", str(probe))
     spec = (
-        JobBuilder("preload", job_dir, capacity={"cpu": 2}, preload=["preload_probe"])
+        JobBuilder("preload", job_dir, capacity={"cpu": 2}, preload=["preload_probe", "numpy.random", "torch"])
         .role("idle", entrypoint="control_workers:PreloadedIdle", count=2, resources={"cpu": 0.5},
               restart={"scope": "worker", "max_restarts": 1})
         .build()
@@ -115,6 +117,13 @@ def test_nodes_fork_from_one_server_that_imported_the_preload_once(
             "-m", "rlplex.control.node.runtime", "--output-dir", str(job_dir), "--job-id", master.job_id,
             "--node-id", nodes[0].cmdline()[8], "--incarnation", "0",
         ]  # fmt: skip
+        # Each node has random states of its own, as a process started afresh would.
+        group = RoleGroup.of_job(job_dir, master.job_id, read_token(job_dir), "idle")
+        try:
+            first, second = (future.result(timeout=scaled(30)) for future in group.call("draws"))
+        finally:
+            group.close()
+        assert first[0] != second[0] and first[1] != second[1]
         # A node killed is restarted from the same server, warm: still one import.
         victim = master.get_nodes_by_role()["idle"][1].pid
         os.kill(victim, signal.SIGKILL)

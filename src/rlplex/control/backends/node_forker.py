@@ -69,6 +69,15 @@ def _reap() -> None:
         _write({"exit": pid, "code": os.waitstatus_to_exitcode(status)})
 
 
+def _reseed() -> None:
+    """Fresh global random states, as a new process has: forked siblings would share the server's
+    (numpy's and torch's; Python's `random` reseeds itself after a fork)."""
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
+    if "torch" in sys.modules:
+        sys.modules["torch"].seed()
+
+
 def _run_node(request: dict[str, Any], server_fds: tuple[int, ...]) -> None:
     """In the forked child: become the node process the request describes, then run it."""
     try:
@@ -91,6 +100,7 @@ def _run_node(request: dict[str, Any], server_fds: tuple[int, ...]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        _reseed()
         sys.argv = [request["title"].split(" ", 1)[0], *request["argv"]]
         from rlplex.control.node.runtime import main
 
