@@ -141,13 +141,11 @@ def register(app: typer.Typer, console: Console) -> None:
 
         def body() -> int:
             from rlplex.mainjob.config import load_main_job
-            from rlplex.mainjob.driver import check_model
-            from rlplex.mainjob.preflight import check_main_job
+            from rlplex.mainjob.driver import preflight
 
             check_file_kind(job_file, "main")
             config = load_main_job(job_file)
-            check_model(config)
-            check_main_job(config, str(job_file))
+            preflight(config, str(job_file))
             runs = f"{len(config.runs)} run(s)" + (f" and {len(config.later_runs)} later" if config.later_runs else "")
             console.print(
                 f"{job_file}: ok: {runs} on {config.model.name}; nothing was started", highlight=False, soft_wrap=True

@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from cli_helpers import rlplex_in_process
 from node_helpers import node_processes, wait_for
 from rlplex.control import JobState, PrimeMaster, SqliteStateStore
 from timing import scaled
@@ -274,10 +275,9 @@ def test_job_stop_stops_a_running_job_and_takes_over_one_whose_master_died(
     with started_master(second, child_env) as (master, store, job_id), _killing_nodes_of(second):
         os.kill(master.pid, signal.SIGKILL)
         master.wait(timeout=scaled(10))
-        stop = subprocess.run(rlplex("stop", str(second), env=child_env), env=child_env, capture_output=True,
-                              text=True, timeout=scaled(60))  # fmt: skip
+        # In this process (the command's real subprocess ran above): it takes the master over.
+        stop = rlplex_in_process("job", "stop", str(second))
         assert stop.returncode == 0 and f"job {job_id}: STOPPED" in stop.stdout, stop.stdout + stop.stderr
         assert "master was gone" in job_cause(store, job_id) and node_processes(second) == []
-        again = subprocess.run(rlplex("stop", str(second), env=child_env), env=child_env, capture_output=True,
-                               text=True, timeout=scaled(60))  # fmt: skip
+        again = rlplex_in_process("job", "stop", str(second))
         assert again.returncode == 0 and "nothing to stop" in again.stdout, again.stdout + again.stderr

@@ -94,6 +94,14 @@ def check_model(config: MainJobConfig) -> None:
         require_vllm(config.model)
 
 
+def preflight(config: MainJobConfig, source: str, check_runs: bool = True) -> None:
+    """What `rlplex run` checks before any process starts (`rlplex check` stops there): the
+    model's tokenizer loads, then, with `check_runs`, every run (`preflight.check_main_job`)."""
+    check_model(config)
+    if check_runs:
+        check_main_job(config, source)
+
+
 def read_job_model(output_dir: Path) -> ModelSpec | None:
     """The `[model]` of the main job in `output_dir`, or None when there is none to read."""
     try:
@@ -120,9 +128,7 @@ def run_main_job(
             f"`rlplex resume {output_dir}`"
         )
     console.print(f"checking the shared base model {config.model.name} and the runs ...")
-    check_model(config)
-    if check_runs:
-        check_main_job(config, source)
+    preflight(config, source, check_runs)
     ensure_output_dir(output_dir, f"{source}: field 'output_dir'")
     if config.inference.engine == "vllm":
         ensure_api_key(config.endpoint_dir)  # before any process starts: servers and clients read it

@@ -73,14 +73,12 @@ def check_environment(spec: EnvSpec | Mapping[str, Any] | str) -> None:
     import numpy as np
 
     environment = load_environment(spec)
-    reward = getattr(environment, "reward", None)
-    if reward is None:  # rlplex's own environments: built means checked
+    if not isinstance(environment, FileEnv):  # rlplex's own environments: built means checked
         return
     (example,) = environment.sample(1, np.random.default_rng(0))
-    name = getattr(environment, "name", "env")
-    what = f"env {name!r}: field 'reward': {getattr(environment.settings, 'reward', reward)!r}"  # type: ignore[attr-defined]
+    what = f"env {environment.name!r}: field 'reward': {environment.settings.reward!r}"
     try:
-        value = reward(example.prompt_text, example.answer, example.answer)
+        value = environment.reward(example.prompt_text, example.answer, example.answer)
     except Exception as error:
         raise ConfigError(f"{what} raised {error!r:.200} on a row of its data (its answer as the completion)") from None
     if not isinstance(value, numbers.Real) or not math.isfinite(value):

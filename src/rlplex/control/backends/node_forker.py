@@ -184,8 +184,7 @@ class NodeForker:
         )  # fmt: skip
         self._launching = threading.Lock()  # one request in flight: answers come in request order
         self._changed = threading.Condition()
-        self._pids: list[int] = []
-        self._errors: list[str] = []
+        self._answers: list[dict[str, Any]] = []  # to launches: {"pid": N} or {"error": why}
         self._exits: dict[int, int] = {}
         self._closed = False
         self._send({"preload": list(preload)})
@@ -202,12 +201,10 @@ class NodeForker:
         for line in self._process.stdout:
             message = json.loads(line)
             with self._changed:
-                if "pid" in message:
-                    self._pids.append(int(message["pid"]))
-                elif "exit" in message:
+                if "exit" in message:
                     self._exits[int(message["exit"])] = int(message["code"])
-                elif "error" in message:
-                    self._errors.append(str(message["error"]))
+                else:
+                    self._answers.append(message)
                 self._changed.notify_all()
         with self._changed:
             self._closed = True
@@ -227,14 +224,15 @@ class NodeForker:
 
     def _answer(self, deadline: float, title: str) -> int:
         """The server's answer to the one request in flight (the caller holds the condition)."""
-        while not self._pids and not self._errors:
+        while not self._answers:
             if self._closed:
                 raise NodeFailedError(f"the node fork server exited ({self._process.wait()}); {title}")
             if not self._changed.wait(timeout=max(0.0, deadline - time.monotonic())):
                 raise NodeFailedError(f"the node fork server forked nothing in {self._start_timeout_s:g} s; {title}")
-        if self._errors:
-            raise NodeFailedError(f"the node fork server: {self._errors.pop(0)}; {title}")
-        return self._pids.pop(0)
+        answer = self._answers.pop(0)
+        if "error" in answer:
+            raise NodeFailedError(f"the node fork server: {answer['error']}; {title}")
+        return int(answer["pid"])
 
     def exit_code(self, pid: int, timeout_s: float = 0.0) -> int | None:
         """The exit code of a node this server forked, once the server has reaped it (None before)."""

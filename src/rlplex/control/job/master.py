@@ -34,7 +34,7 @@ from rlplex.control.job.manager import PrimeManager
 from rlplex.control.job.spec import JobSpec, load_job, parse_job
 from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState
 from rlplex.control.job.stop_request import clear_stop_request, request_stop, stop_requested, wait_for_stop
-from rlplex.control.job.store import SqliteStateStore
+from rlplex.control.job.store import JobRecord, SqliteStateStore
 from rlplex.control.job.token import read_token, write_token
 from rlplex.control.node.slot import NodeInfo
 from rlplex.errors import ConfigError, JobFailedError, JobSpecError, MasterRunningError, WaitTimeoutError
@@ -289,34 +289,39 @@ class PrimeMaster:
             self.close()
 
 
+def _latest_job(output_dir: Path) -> JobRecord | None:
+    store = SqliteStateStore.in_dir(output_dir, create=False)
+    try:
+        job_id = store.latest_job_id()
+        return store.job(job_id) if job_id is not None else None
+    finally:
+        store.close()
+
+
 def stop_job(output_dir: Path, timeout_s: float = 60.0) -> str:
     """What `rlplex job stop` does: ask the job's master to stop the job and wait until it has; a
     local job whose master died is taken over and stopped here. What happened, in one line."""
     output_dir = Path(output_dir).resolve()
-    store = SqliteStateStore.in_dir(output_dir, create=False)
-    try:
-        job_id = store.latest_job_id()
-        record = store.job(job_id) if job_id is not None else None
-    finally:
-        store.close()
-    if record is None or JobState(record.state) in TERMINAL_JOB_STATES:
-        return f"{output_dir}: job {job_id} is {record.state}; nothing to stop" if record else f"{output_dir}: no job"
+    record = _latest_job(output_dir)
+    if record is None:
+        return f"{output_dir}: no job"
+    if JobState(record.state) in TERMINAL_JOB_STATES:
+        return f"{output_dir}: job {record.job_id} is {record.state}; nothing to stop"
     if MasterLock.held(output_dir):
         request = request_stop(output_dir, "stopped by `rlplex job stop`")
         wait_for_stop(request, timeout_s, lambda: MasterLock.held(output_dir))
-    elif resumable_spec(output_dir).backend == "ray":
-        raise ConfigError(f"{output_dir}: job {job_id} has no live master; take it over with `rlplex job resume`")
+    elif json.loads(record.spec_json).get("backend") == "ray":
+        raise ConfigError(
+            f"{output_dir}: job {record.job_id} has no live master; take it over with `rlplex job resume`"
+        )
     else:
         master = PrimeMaster.resume(output_dir)
         try:
             master.stop("stopped by `rlplex job stop` (its master was gone)")
         finally:
             master.close()
-    store = SqliteStateStore.in_dir(output_dir, create=False)
-    try:
-        return f"job {job_id}: {store.job(job_id).state}"  # type: ignore[arg-type]
-    finally:
-        store.close()
+    ended = _latest_job(output_dir)
+    return f"job {record.job_id}: {ended.state if ended is not None else 'UNKNOWN'}"
 
 
 def drive(master: PrimeMaster, say: Callable[[str], None], on_tick: Callable[[], None] | None = None) -> JobState:

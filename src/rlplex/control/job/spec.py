@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import Any, Literal
 
@@ -155,10 +157,23 @@ def check_job(spec: JobSpec, source: str = "<job>") -> None:
 
 
 def _importable(module: str) -> bool:
+    """Whether `module` can be found, without importing it or its parents: `find_spec` of a
+    dotted name would import the packages above it (torch, transformers: seconds at every load)."""
+    top, *rest = module.split(".")
     try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a parent package that does not exist, or an empty name
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):  # an empty or odd name
         return False
+    for depth in range(1, len(rest) + 1):
+        if spec is None or spec.submodule_search_locations is None:
+            return False
+        name = ".".join([top, *rest[:depth]])
+        spec = (
+            sys.modules[name].__spec__
+            if name in sys.modules
+            else PathFinder.find_spec(name, list(spec.submodule_search_locations))
+        )
+    return spec is not None
 
 
 def check_role_config(worker: type[Any], role: RoleSpec, where: str) -> None:
