@@ -103,7 +103,7 @@ def rendezvous_steps(master: PrimeMaster) -> list[str]:
 
 def script_of(master: PrimeMaster, node_id: str) -> psutil.Process:
     node = next(n for n in master.get_nodes_by_role()["trainer"] if n.node_id == node_id)
-    (script,) = [p for p in psutil.Process(node.pid).children() if SCRIPT in p.cmdline()]
+    (script,) = [p for p in psutil.Process(node.pid).children(recursive=True) if SCRIPT in " ".join(p.cmdline())]
     return script
 
 

@@ -44,7 +44,7 @@ def trainer_script(out: Path, rank_node: str) -> psutil.Process | None:
     if node is None:
         return None
     try:
-        children = node.children()
+        children = node.children(recursive=True)  # under the node's fork server
     except psutil.NoSuchProcess:
         return None
     scripts = [child for child in children if "rlplex.multirun.trainer" in " ".join(child.cmdline())]

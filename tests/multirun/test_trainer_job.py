@@ -42,7 +42,8 @@ def trainer_scripts(job_dir: Path) -> list[psutil.Process]:
         try:
             if "trainer-0" not in node.cmdline():
                 continue
-            scripts += [c for c in node.children() if "rlplex.multirun.trainer:run_trainer" in c.cmdline()]
+            children = node.children(recursive=True)  # under the node's fork server
+            scripts += [c for c in children if "rlplex.multirun.trainer:run_trainer" in " ".join(c.cmdline())]
         except psutil.Error:
             continue
     return scripts

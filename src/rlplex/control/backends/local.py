@@ -1,7 +1,7 @@
 """The local backend: every node is an OS process on this machine.
 
-Each node is what `python -m rlplex.control.node.runtime` would be, forked by the master's node
-fork server (`node_forker`: it imports the runtime and the job's `preload` once) into its own
+Each node is what `python -m rlplex.control.node.runtime` would be, forked by the master's fork
+server (`rlplex.control.forker`: it imports the runtime and the job's `preload` once) into its own
 session (process group), so that killing the master leaves the nodes running for a resumed
 master, and killing a node kills everything it started. Output goes to
 `<output_dir>/logs/<node_id>.log`. The fork server reports each node's exit code; nodes started
@@ -19,13 +19,16 @@ from pathlib import Path
 
 import psutil
 
-from rlplex.control.backends.node_forker import NODE_MODULE, NodeForker
 from rlplex.control.backends.scheduler import NodeHandle
 from rlplex.control.backends.served import ServedScheduler
+from rlplex.control.forker import ForkRequest, ForkServer
 from rlplex.control.job.placement import Bundle
 from rlplex.control.job.token import TOKEN_ENV
 from rlplex.control.node.runtime import JOB_DIR_ENV
 from rlplex.io.shm_reaper import group_pids, release, shm_in_use
+
+# What every node runs (always preloaded).
+NODE_MODULE = "rlplex.control.node.runtime"
 
 
 def _child_pythonpath() -> str:
@@ -47,18 +50,18 @@ class LocalScheduler(ServedScheduler):
     ) -> None:
         super().__init__(output_dir, job_id, token, rpc_timeout_s)
         self._preload = list(preload)
-        self._forker: NodeForker | None = None
+        self._forker: ForkServer | None = None
         # No token here: a node reads it from the job folder (an environment is readable in /proc and
         # inherited by every child); a master that itself runs with the token does not pass it on.
         self._env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
         self._env.update(PYTHONPATH=_child_pythonpath(), **{JOB_DIR_ENV: str(Path(output_dir).resolve())})
 
-    def _fork_server(self) -> NodeForker:
+    def _fork_server(self) -> ForkServer:
         """The node fork server, started at the first launch (and again if it has gone)."""
         if self._forker is None or not self._forker.running:
             if self._forker is not None:
                 self._forker.close()
-            self._forker = NodeForker(self._preload, self._env)
+            self._forker = ForkServer([NODE_MODULE, *self._preload], self._env)
         return self._forker
 
     def _launch(self, node_id: str, role: str, rank: int, incarnation: int, bundle: int) -> NodeHandle:
@@ -68,7 +71,10 @@ class LocalScheduler(ServedScheduler):
         with open(log, "ab") as file:
             file.write(f"--- {node_id} incarnation {incarnation}\n".encode())
         forker = self._fork_server()
-        pid = forker.launch(argv, self._env, log, " ".join([sys.executable, "-m", NODE_MODULE, *argv]))
+        request = ForkRequest(
+            call=f"{NODE_MODULE}:main", argv=argv, env=self._env, cwd=os.getcwd(), log=str(log), new_session=True
+        )
+        pid = forker.launch(request).pid
         try:
             create_time = psutil.Process(pid).create_time()
         except psutil.Error:
@@ -103,7 +109,7 @@ class LocalScheduler(ServedScheduler):
             return None
 
     def is_alive(self, handle: NodeHandle) -> bool:
-        if isinstance(handle.ref, NodeForker) and handle.ref.exit_code(handle.pid) is not None:
+        if isinstance(handle.ref, ForkServer) and handle.ref.exit_code(handle.pid) is not None:
             return False
         process = self._process(handle)
         try:
@@ -113,7 +119,7 @@ class LocalScheduler(ServedScheduler):
 
     def exit_code(self, handle: NodeHandle) -> int | None:
         # A node that has just died may not be reaped and reported yet: a moment's wait.
-        return handle.ref.exit_code(handle.pid, timeout_s=1.0) if isinstance(handle.ref, NodeForker) else None
+        return handle.ref.exit_code(handle.pid, timeout_s=1.0) if isinstance(handle.ref, ForkServer) else None
 
     def kill(self, handle: NodeHandle) -> None:
         if handle.pid <= 0:
@@ -127,7 +133,7 @@ class LocalScheduler(ServedScheduler):
                 os.killpg(handle.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-        if isinstance(handle.ref, NodeForker) and handle.ref.running:
+        if isinstance(handle.ref, ForkServer) and handle.ref.running:
             handle.ref.exit_code(handle.pid, timeout_s=5.0)  # the server reaps it
         else:
             process = self._process(handle)

@@ -12,8 +12,14 @@ serves the round's store; the script joins it as a client, TORCHELASTIC_USE_AGEN
 as under torchrun), RLPLEX_RESTART_COUNT
 (= TORCHELASTIC_RESTART_COUNT), RLPLEX_CHECKPOINT_DIR and RLPLEX_PROGRESS_FILE, where it may
 write a JSON object of numbers (e.g. {"step": 12, "loss": 0.3}); the worker reads it into its
-heartbeats and reports. The script stays in the node's
-process group, so killing the node kills its script too.
+heartbeats and reports.
+
+Scripts and checks are forked from the node's own fork server (`rlplex.control.forker`), which
+imports torch, torch.distributed and the entrypoint's module once: a restart in a new round costs
+a fork, not seconds of imports. They stay in the node's process group, so killing the node's
+group kills them; and they must not outlive their node however it dies (SIGKILL of the node
+alone, a killed Ray actor): on Linux the server asks for SIGKILL at the death of the agent
+thread that started it (an orphan guard execs it), and each child at the server's.
 """
 
 from __future__ import annotations
@@ -31,26 +37,29 @@ from typing import Any
 
 from rlplex.control.elastic.entry import STOP_ENV
 from rlplex.control.elastic.rdzv import CHECK, FINISH, RUN, PortReservation, ScriptConfig, dist_env, parse_role_config
+from rlplex.control.forker import ChildProcess, ForkedProcess, ForkRequest, ForkServer
 from rlplex.control.job.states import NodeState
 from rlplex.control.job.store import JobStore
 from rlplex.control.node.worker import Worker, WorkerContext
 from rlplex.control.rpc import RpcClient, parse_address
 from rlplex.errors import JobSpecError, RlplexError
 
-# Scripts and checks must not outlive their node, however it dies (SIGKILL of the node alone,
-# a killed Ray actor): on Linux a tiny launcher asks for SIGKILL at its parent's death, then
-# execs the real command (the request survives exec). The parent is the agent thread, which
-# lives as long as the node does.
+# The server's orphan guard: a tiny launcher asks for SIGKILL at its parent's death, then execs the
+# server (the request survives exec). The parent is the agent thread, which lives as long as the
+# node does.
 _ORPHAN_GUARD = (
     "import os, signal, sys\n"
     "from rlplex.processes import die_with_parent\n"
     "die_with_parent(signal.SIGKILL, int(sys.argv[1]))  # exits 137 if the node is already gone\n"
     "os.execv(sys.executable, [sys.executable, *sys.argv[2:]])\n"
 )
+# What every script or check of a node imports (the entrypoint's module joins them).
+SCRIPT_PRELOAD = ["torch", "torch.distributed", "rlplex.control.elastic.entry", "rlplex.control.elastic.check"]
 
 
-def python_argv(*args: str) -> list[str]:
-    """`python *args`, killed with its parent on Linux."""
+def fork_server_command() -> list[str]:
+    """`python -m rlplex.control.forker`, killed with its parent on Linux."""
+    args = ["-m", "rlplex.control.forker"]
     if sys.platform != "linux":
         return [sys.executable, *args]
     return [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *args]
@@ -71,7 +80,7 @@ def read_progress(path: Path) -> dict[str, float]:
     return {k: float(v) for k, v in data.items() if isinstance(v, int | float) and not isinstance(v, bool)}
 
 
-def kill_tree(process: subprocess.Popen[bytes], grace_s: float) -> int | None:
+def kill_tree(process: ChildProcess, grace_s: float) -> int | None:
     """SIGTERM the process and its children, SIGKILL what is left after `grace_s`; returns its exit code."""
     import psutil
 
@@ -130,11 +139,13 @@ class ElasticWorker(Worker):
         self.progress_file = self.dir / "progress" / f"{context.node_id}.json"
         self.master_role = self._find_master_role()
         self._lock = threading.Lock()
-        self._script: subprocess.Popen[bytes] | None = None
-        self._signalled: subprocess.Popen[bytes] | None = None  # the script `request_stop` has signalled
+        self._forker: ForkServer | None = None
+        self._script: ForkedProcess | None = None
+        self._signalled: ForkedProcess | None = None  # the script `request_stop` has signalled
         self._script_epoch = ""
         self._script_exit: int | None = None
-        self._check: subprocess.Popen[bytes] | None = None
+        self._check: ForkedProcess | None = None
+        self.check_file = self.dir / "checks" / f"{context.node_id}.json"
         self._check_epoch = ""
         self._check_result: dict[str, Any] | None = None
         self._finished = False
@@ -211,6 +222,8 @@ class ElasticWorker(Worker):
             self._stop_script()
             self._stop_check()
             self._release_ports()
+            if self._forker is not None:
+                self._forker.close()
 
     # ---- the agent ---------------------------------------------------------------------------
     def _agent_main(self) -> None:
@@ -220,8 +233,13 @@ class ElasticWorker(Worker):
             # a round the import (half a minute on a busy machine) would silence this node's syncs
             # until its ElasticMaster counted it lost. A member that is still importing has simply
             # not joined yet, which the rendezvous waits for (join_timeout_s).
+            # The fork server of its scripts imports torch and the entrypoint's module meanwhile, for
+            # the same reason: the first script of a round must start at once.
+            with self._lock:
+                forker = self._fork_server()
             import torch.distributed  # noqa: F401
 
+            forker.wait_ready(timeout_s=300.0)
             while not self.context.should_stop():
                 report = self._report()
                 assignment = self._sync(report)
@@ -337,13 +355,20 @@ class ElasticWorker(Worker):
 
         A subclass may return a result at once instead (tests inject failing checks so)."""
         env = {**os.environ, **dist_env(assignment), "OMP_NUM_THREADS": str(self.config.omp_num_threads)}
-        argv = python_argv("-m", "rlplex.control.elastic.check", "--size", str(assignment["matmul_size"]))
-        argv += ["--timeout-s", str(assignment["check_timeout_s"]), "--backend", str(assignment.get("backend", "gloo"))]
-        self._check = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        argv = ["--size", str(assignment["matmul_size"]), "--timeout-s", str(assignment["check_timeout_s"])]
+        argv += ["--backend", str(assignment.get("backend", "gloo"))]
+        self.check_file.parent.mkdir(parents=True, exist_ok=True)
+        self.check_file.unlink(missing_ok=True)
+        request = ForkRequest(call="rlplex.control.elastic.check:main", argv=argv, env=env, cwd=os.getcwd(),
+                              stdout=str(self.check_file), die_with_server=True)  # fmt: skip
+        self._check = self._fork_server().launch(request)
         return None
 
-    def _check_outcome(self, check: subprocess.Popen[bytes]) -> dict[str, Any]:
-        out = check.stdout.read().decode(errors="replace") if check.stdout is not None else ""
+    def _check_outcome(self, check: ChildProcess) -> dict[str, Any]:
+        try:
+            out = self.check_file.read_text(errors="replace")
+        except OSError:
+            out = ""
         for line in reversed(out.strip().splitlines()):
             try:
                 result = json.loads(line)
@@ -356,9 +381,20 @@ class ElasticWorker(Worker):
     def _stop_check(self) -> None:
         if self._check is not None:
             kill_tree(self._check, 0.0)
-            if self._check.stdout is not None:
-                self._check.stdout.close()
             self._check = None
+
+    def _fork_server(self) -> ForkServer:
+        """The node's fork server, started at the first check or script (from the agent thread,
+        whose end kills it), and again if it has gone."""
+        if self._forker is None or not self._forker.running:
+            if self._forker is not None:
+                self._forker.close()
+            preload = [*SCRIPT_PRELOAD]
+            if self.config.entrypoint is not None:
+                preload.append(self.config.entrypoint.split(":", 1)[0])
+            env = {**os.environ, "OMP_NUM_THREADS": str(self.config.omp_num_threads), **self.config.env}
+            self._forker = ForkServer(preload, env, command=fork_server_command(), new_session=False)
+        return self._forker
 
     # ---- the script --------------------------------------------------------------------------
     def _start_script(self, assignment: dict[str, Any]) -> None:
@@ -378,28 +414,21 @@ class ElasticWorker(Worker):
             env[STOP_ENV] = "1"
         self.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         self.progress_file.unlink(missing_ok=True)  # progress of an earlier epoch must not count for this one
+        target: dict[str, Any]
         if self.config.entrypoint is not None:
-            target = ["-m", "rlplex.control.elastic.entry", self.config.entrypoint]
-        else:
-            target = ["-m", self.config.module] if self.config.module else [str(self.config.script)]
-        argv = python_argv(*target, *self.config.args)
-        print(f"{self.context.node_id}: epoch {assignment['epoch']}: rank {assignment['rank']} of "
-              f"{assignment['world']}, port {assignment['port']}, restart {restarts}: {argv}", flush=True)  # fmt: skip
-        if self.config.entrypoint is None:
-            self._script = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
-        else:
             # The entrypoint's config crosses into the script once, as its JSON, on stdin.
-            self._script = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE)
-            self._send_config(self._script)
+            target = {"call": "rlplex.control.elastic.entry:main", "argv": [self.config.entrypoint, *self.config.args],
+                      "stdin": json.dumps(self.config.config)}  # fmt: skip
+        elif self.config.module is not None:
+            target = {"module": self.config.module, "argv": list(self.config.args)}
+        else:
+            target = {"path": str(self.config.script), "argv": list(self.config.args)}
+        request = ForkRequest(**target, env=env, cwd=os.getcwd(), die_with_server=True)
+        print(f"{self.context.node_id}: epoch {assignment['epoch']}: rank {assignment['rank']} of "
+              f"{assignment['world']}, port {assignment['port']}, restart {restarts}: {request.command()}",
+              flush=True)  # fmt: skip
+        self._script = self._fork_server().launch(request)
         self._script_epoch, self._script_exit = str(assignment["epoch"]), None
-
-    def _send_config(self, script: subprocess.Popen[bytes]) -> None:
-        assert script.stdin is not None
-        try:
-            script.stdin.write(json.dumps(self.config.config).encode())
-            script.stdin.close()
-        except OSError:  # the script died at once: its exit code tells the master
-            pass
 
     def _stop_script(self) -> None:
         if self._script is not None:
