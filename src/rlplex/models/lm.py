@@ -47,6 +47,16 @@ def _positions(attention_B_L: torch.Tensor) -> torch.Tensor:
     return (attention_B_L.cumsum(-1) - 1).clamp(min=0)
 
 
+def _last_logits_only(model: torch.nn.Module) -> dict[str, int]:
+    """`logits_to_keep=1` where the model takes it: sampling reads the last position's logits only,
+    and the prompt's other positions would cost a [rows, prompt, vocab] projection (a fifth of
+    SmolLM2-135M's prefill, whose vocabulary is 49,152)."""
+    import inspect
+
+    forward = inspect.signature(model.forward).parameters
+    return {"logits_to_keep": 1} if "logits_to_keep" in forward else {}
+
+
 def left_pad(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(ids) for ids in batch)
     tokens = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -86,6 +96,7 @@ def generate(
     new_tokens, new_logprobs, new_mask = [], [], []
     past = None
     step_input, step_attention = tokens, attention
+    last_only = _last_logits_only(model)
     for _ in range(max_new_tokens):
         out = model(
             input_ids=step_input,
@@ -93,6 +104,7 @@ def generate(
             position_ids=_positions(step_attention)[:, -step_input.shape[1] :],
             past_key_values=past,
             use_cache=True,
+            **last_only,
         )
         past = out.past_key_values
         logits = out.logits[:, -1, :].float()
