@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -18,7 +19,7 @@ from cli_helpers import rlplex_in_process
 from rlplex.control.job.store import SqliteStateStore
 from rlplex.mainjob.config import RunEntry
 from rlplex.mainjob.registry import write_registry
-from rlplex.multirun.rundir import RunDir, write_eviction
+from rlplex.multirun.rundir import RunDir, write_eviction, write_finished
 from timing import scaled
 
 TRAIN = """
@@ -302,3 +303,85 @@ def test_a_job_whose_every_run_was_rejected_fails_naming_each_run_and_why(tmp_pa
     (RunDir(out / "runs", "run_b").config_error).unlink()
     RunDir(out / "runs", "run_b").finished.write_text(json.dumps({"step": 2, "time": time.time()}))
     _fail_unless_a_run_finished(out, out / "report.md")
+
+
+MAIN_JOB = """
+name = "advice"
+output_dir = "{out}"
+[model]
+name = "{model}"
+[trainer]
+max_runs = 1
+[[runs]]
+id = "run_a"
+config = {{ env = {{ name = "reverse" }}, max_steps = 2, batch_size = 8, group_size = 4 }}
+"""
+
+
+@pytest.mark.parametrize("state", ["running", "master_gone", "ended"])
+def test_run_into_a_folder_with_a_job_suggests_what_works_in_its_state(tmp_path: Path, state: str) -> None:
+    """Issue 32, hole 5: a live job is watched or stopped (not resumed), an unfinished one resumed,
+    an ended one left alone; each time `--output` starts a new job elsewhere (it routes the job
+    to that folder: here one that holds a job too, so the command stops at the same check)."""
+    out = make_job_folder(tmp_path / "job")
+    store = SqliteStateStore.in_dir(out)
+    store.set_master("mj-1", "", os.getpid() if state == "running" else dead_pid())
+    store.close()
+    if state == "ended":
+        write_finished(RunDir(out / "runs", "run_a"), 2)
+    job_file = tmp_path / "job.toml"
+    job_file.write_text(MAIN_JOB.format(out=out, model=tmp_path / "no-model-needed-yet"))
+    done = rlplex("run", str(job_file), "--no-live")
+    assert_one_line_error(done, str(out), "--output")
+    line = done.stdout + done.stderr
+    if state == "running":
+        assert f"rlplex stop {out}" in line and f"rlplex status {out}" in line and "resume" not in line
+    elif state == "master_gone":
+        assert f"rlplex resume {out}" in line and "run_a" in line
+    else:
+        assert "resume" not in line and str(out / "report.md") in line
+    other = make_job_folder(tmp_path / "other")
+    assert_one_line_error(rlplex("run", str(job_file), "--no-live", "--output", str(other)), str(other))
+
+
+def dead_pid() -> int:
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+def test_train_refused_on_its_device_leaves_nothing_that_blocks_the_corrected_command(tmp_path: Path) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is here: --device cuda is not refused")
+    config = tmp_path / "c.toml"
+    config.write_text(TRAIN.format(hidden="[8]", lr="1e-3"))
+    out = tmp_path / "out"
+    assert_one_line_error(rlplex("train", str(config), "--output", str(out), "--device", "cuda"), "cuda")
+    assert not out.exists() or not any(out.iterdir())
+    assert_one_line_error(rlplex("train", str(config), "--output", str(out), "--resume"), "--overwrite")
+    done = rlplex("train", str(config), "--output", str(out), "--no-progress")
+    assert done.returncode == 0, done.stdout
+
+
+@pytest.mark.slow
+def test_train_stopped_before_its_first_snapshot_suggests_overwrite_which_works(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    slow = TRAIN.format(hidden="[8]", lr="1e-3").replace("n_steps = 64", "n_steps = 10000000")
+    config.write_text(slow.replace("log_interval_steps = 32", "log_interval_steps = 10000000"))
+    out = tmp_path / "out"
+    command = [sys.executable, "-m", "rlplex.cli", "train", str(config), "--output", str(out), "--no-progress"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert process.stdout is not None
+        first = process.stdout.readline()  # "training CartPole-v1 ...": the run has started
+        assert first.startswith("training"), first
+        process.send_signal(signal.SIGINT)
+        rest = process.communicate(timeout=scaled(30))[0]
+    finally:
+        process.kill()
+    assert process.returncode == 128 + signal.SIGINT
+    assert "before its first snapshot; start again with --overwrite" in rest and "--resume" not in rest, rest
+    assert not list((out / "snapshots").glob("itr_*"))
+    done = rlplex("train", str(config), "--output", str(out), "--no-progress", "--overwrite", "--n-steps", "64")
+    assert done.returncode == 0, done.stdout

@@ -118,8 +118,23 @@ def train(
             )
         except KeyboardInterrupt:
             signum = received[-1] if received else signal.SIGINT
-            console.print(f"stopped by {signal.Signals(signum).name}; continue with --resume", highlight=False)
+            console.print(_stopped_advice(signum, _train_output(config_file, output)), highlight=False)
             raise typer.Exit(128 + signum) from None
+
+
+def _train_output(config_file: Path, output: Path | None) -> Path:
+    return output or Path("outputs") / config_file.stem
+
+
+def _stopped_advice(signum: int, output: Path) -> str:
+    """A stopped `rlplex train`'s last line: --resume where a snapshot was written, else --overwrite
+    (--resume would find nothing to continue from)."""
+    from rlplex.io.snapshot import list_snapshots
+
+    stopped = f"stopped by {signal.Signals(signum).name}"
+    if list_snapshots(output / "snapshots"):
+        return f"{stopped}; continue with --resume"
+    return f"{stopped} before its first snapshot; start again with --overwrite"
 
 
 # What a finished or interrupted `rlplex train` leaves in its output folder.
@@ -142,7 +157,7 @@ def _train(
     from rlplex.envs import probe_spaces
     from rlplex.errors import ConfigError
     from rlplex.io.safe_files import ensure_output_dir
-    from rlplex.io.snapshot import latest_snapshot
+    from rlplex.io.snapshot import latest_snapshot, list_snapshots
     from rlplex.models.device import resolve_device
     from rlplex.runners.config import build_runner, check_fits_in_memory, cpu_advice, load_train_config
 
@@ -152,12 +167,20 @@ def _train(
     config = _override(load_train_config(config_file), **runner_fields)
     spaces = probe_spaces(config.env)
     check_fits_in_memory(config, spaces, psutil.virtual_memory().total, str(config_file))
-    output = output or Path("outputs") / config_file.stem
+    output = _train_output(config_file, output)
     earlier = [name for name in TRAIN_OUTPUTS if os.path.lexists(output / name)] if output.is_dir() else []
     if earlier and not resume and not overwrite:
         raise ConfigError(
             f"{output}: holds an earlier run ({', '.join(earlier)}); continue it with --resume, "
             "replace it with --overwrite, or choose another --output"
+        )
+    # Everything that can refuse the run is checked before the folder gets a file: a refused
+    # --device must not leave a config.json that the corrected command then calls an earlier run.
+    device = resolve_device(config.runner.device, "runner.device")
+    if resume and not list_snapshots(output / "snapshots"):
+        raise ConfigError(
+            f"{output / 'snapshots'}: no snapshot to resume from (the run stopped before its first); "
+            "start again with --overwrite"
         )
     ensure_output_dir(output, "--output")
     if overwrite:
@@ -165,9 +188,7 @@ def _train(
             target = output / name
             shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
     (output / "config.json").write_text(config.model_dump_json(indent=2))
-    # None there: the error says so before anything starts.
     snapshot = latest_snapshot(output / "snapshots") if resume else None
-    device = resolve_device(config.runner.device, "runner.device")
     console.print(
         f"training {config.env.id} with {config.algo.name} ({config.runner.kind}) on {device.type}; output in {output}"
     )
@@ -179,7 +200,7 @@ def _train(
 
         code = run_train_job(config, output, supervised_restarts)
         if code >= 128:
-            console.print(f"stopped by {signal.Signals(code - 128).name}; continue with --resume", highlight=False)
+            console.print(_stopped_advice(code - 128, output), highlight=False)
         if code:
             raise typer.Exit(code)
         _train_summary(config, output, None)

@@ -93,6 +93,9 @@ def register(app: typer.Typer, console: Console) -> None:
         ray_address: Annotated[
             str | None, typer.Option(metavar="ADDRESS", help=RAY_ADDRESS_HELP + " (default: a local Ray)")
         ] = None,
+        output: Annotated[
+            Path | None, typer.Option(metavar="FOLDER", help="the job's folder (default: the file's output_dir)")
+        ] = None,
         live: Annotated[bool, typer.Option(help="show the live view")] = True,
         continue_: Annotated[
             bool,
@@ -114,7 +117,7 @@ def register(app: typer.Typer, console: Console) -> None:
             from rlplex.mainjob.driver import resume_main_job, run_main_job
 
             if continue_:
-                folder = job_file if job_file.is_dir() else load_main_job(job_file).output_dir
+                folder = output or (job_file if job_file.is_dir() else load_main_job(job_file).output_dir)
                 state = resume_main_job(folder, console, live=live)
                 return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
             check_file_kind(job_file, "main")
@@ -122,6 +125,7 @@ def register(app: typer.Typer, console: Console) -> None:
             updates = {
                 "backend": backend or os.environ.get("RLPLEX_BACKEND") or config.backend,
                 "ray_address": ray_address or os.environ.get("RLPLEX_RAY_ADDRESS") or config.ray_address,
+                "output_dir": str(output or config.output_dir),
             }
             data = config.model_dump(mode="json") | updates
             config = validate_config(MainJobConfig, data, source=f"{job_file} (with flags and environment)")

@@ -111,6 +111,22 @@ def read_job_model(output_dir: Path) -> ModelSpec | None:
         return None
 
 
+def earlier_job_advice(output_dir: Path, source: str) -> str:
+    """What to do about the main job already in `output_dir`, by what it is doing: each suggested
+    command works in that state (a live job cannot be resumed; a finished one has nothing left)."""
+    elsewhere = f"`rlplex run {source} --output NEW_FOLDER` starts a new job beside it"
+    view = collect(output_dir)
+    if view.job_state not in TERMINAL_JOB_STATES and view.master_alive:
+        return (
+            f"it is running (master pid {view.master_pid}): watch it with `rlplex status {output_dir}`, "
+            f"stop it with `rlplex stop {output_dir}`; {elsewhere}"
+        )
+    left = [run.run_id for run in view.runs if run.state not in TERMINAL_RUN_STATES]
+    if left:
+        return f"unfinished runs {', '.join(left)}: continue them with `rlplex resume {output_dir}`; {elsewhere}"
+    return f"its runs have ended (report: {output_dir / 'report.md'}); {elsewhere}"
+
+
 def run_main_job(
     config: MainJobConfig,
     console: Console,
@@ -123,10 +139,7 @@ def run_main_job(
     output_dir = config.output_dir.resolve()
     config = config.model_copy(update={"output_dir": output_dir})
     if os.path.lexists(output_dir / REGISTRY_FILE):
-        raise ConfigError(
-            f"{output_dir}: already holds a main job; choose a new output_dir, or continue it with "
-            f"`rlplex resume {output_dir}`"
-        )
+        raise ConfigError(f"{output_dir}: already holds a main job: {earlier_job_advice(output_dir, source)}")
     console.print(f"checking the shared base model {config.model.name} and the runs ...")
     preflight(config, source, check_runs)
     ensure_output_dir(output_dir, f"{source}: field 'output_dir'")
