@@ -275,13 +275,18 @@ def _drive_on_ray(job_file: Path, backend: str | None, ray_address: str | None) 
 
 def _watch_on_ray(handle: Any, what: str) -> None:
     """Wait for the job of a master actor to end, then give the actor back."""
+    from rlplex.control.job.states import job_outcome
+    from rlplex.mainjob.view import read_job
+
     spec = handle.spec
     try:
         console.print(f"job {spec.name}: master actor {what} on Ray; status: rlplex job status {spec.output_dir}")
-        state = handle.wait()
-        console.print(f"job {handle.info().get('job_id', spec.name)}: {state.value}")
+        handle.wait()
     finally:
-        handle.close()
+        handle.close()  # a job still running (Ctrl-C here) is stopped first
+        found = read_job(spec.output_dir)
+        if found is not None:
+            console.print(f"job {found[0].job_id}: {job_outcome(found[0].state, found[0].cause)}", highlight=False)
 
 
 @job_app.command("run", short_help="Run a job of roles until its drivers or workers finish.")
@@ -373,9 +378,12 @@ def _print_status(output_dir: Path) -> None:
     if found is None:
         raise ConfigError(f"{output_dir}: no job recorded")
     job, nodes = found
+    from rlplex.control.job.states import job_outcome
+
     cause = f"; cause: {job.cause}" if job.cause else ""
     console.print(
-        f"job {job.job_id} ({job.name}): [bold]{job.state}[/], restarts {job.restarts}{cause}", highlight=False
+        f"job {job.job_id} ({job.name}): [bold]{job_outcome(job.state, job.cause)}[/], restarts {job.restarts}{cause}",
+        highlight=False,
     )
     table = Table()
     for column in ("role", "rank", "state", "restarts", "pid", "heartbeat age", "progress", "last cause"):

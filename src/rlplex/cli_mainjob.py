@@ -66,7 +66,7 @@ def guard(console: Console, debug: bool, body: Callable[[], int | None], failed:
         if debug:
             raise
         if isinstance(error, JobInterruptedError):
-            print_error(console, "stopped", error)
+            console.print(str(error), highlight=False, soft_wrap=True)  # "job STOPPED by SIGINT; ..."
             raise typer.Exit(128 + error.signum) from None
         failed_run = isinstance(error, RunFailedError)
         print_error(console, failed if failed_run else "error", error)

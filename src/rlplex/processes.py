@@ -168,8 +168,16 @@ def handle_stop_signals(on_signal: Callable[[int], None]) -> Iterator[list[int]]
             signal.signal(signum, handler)
 
 
+class StopSignal(KeyboardInterrupt):
+    """SIGTERM, SIGINT or SIGHUP, raised as Ctrl-C is: `signum` says which (the stop's cause)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _interrupt(signum: int) -> None:
-    raise KeyboardInterrupt
+    raise StopSignal(signum)
 
 
 def stop_signals_as_interrupt() -> AbstractContextManager[list[int]]:

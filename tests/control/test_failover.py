@@ -91,7 +91,7 @@ def test_killed_master_is_resumed_without_restarting_live_nodes(job_dir: Path, c
         (job_dir / RELEASE).touch()
 
         resumed = resume(job_dir, child_env)
-        assert "STOPPED" in resumed.stdout
+        assert f"job {job_id}: FINISHED" in resumed.stdout  # its work done: not "STOPPED" (issue 32, hole 6)
         job = store.job(job_id)
         assert job.state == "STOPPED" and job.restarts == 0
         after = store.nodes(job_id)
@@ -107,7 +107,7 @@ def test_killed_master_is_resumed_without_restarting_live_nodes(job_dir: Path, c
         assert status.returncode == 0
         # The final progress: nodes that ended before the resume deliver it in their final message
         # (see the next test); the whole table is shown on failure.
-        assert "STOPPED" in status.stdout and "counter" in status.stdout and "items=30" in status.stdout, status.stdout
+        assert "FINISHED" in status.stdout and "counter" in status.stdout and "items=30" in status.stdout, status.stdout
 
 
 def test_nodes_that_finished_without_a_master_give_the_resumed_master_their_final_progress(

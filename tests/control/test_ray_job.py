@@ -106,7 +106,7 @@ def test_the_same_job_file_runs_on_both_backends(tmp_path: Path, ray_address: st
                "--ray-address", ray_address]  # fmt: skip
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "master actor started on Ray" in result.stdout and "STOPPED" in result.stdout
+    assert "master actor started on Ray" in result.stdout and ": FINISHED" in result.stdout
     assert items_done(out) == list(range(40))
     store = SqliteStateStore.in_dir(out, create=False)
     job_id = store.latest_job_id()
@@ -309,7 +309,7 @@ def test_cli_resume_of_a_ray_job_runs_the_new_master_as_an_actor(
                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
         out, _ = cli.communicate(timeout=120)
         assert cli.returncode == 0, out
-        assert "master actor resumed on Ray" in out and "STOPPED" in out
+        assert "master actor resumed on Ray" in out and ": FINISHED" in out
 
         job = store.job(job_id)
         assert job.state == "STOPPED" and job.master_pid not in (0, first_pid, cli.pid)

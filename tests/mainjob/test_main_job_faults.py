@@ -102,7 +102,14 @@ def test_signals_and_sigkills_of_every_process_lose_and_repeat_no_step(tmp_path:
         job.send_signal(signum)
         assert job.wait(timeout=scaled(120)) == 128 + signum, job_story(tmp_path, out)
         assert collect(out).job_state == "STOPPED"
-        assert "Job state: **STOPPED**" in (out / "report.md").read_text()
+        said = f"STOPPED by {signal.Signals(signum).name}"  # not FINISHED: a stop is no success (issue 32, hole 6)
+        assert f"Job state: **{said}**" in (out / "report.md").read_text()
+        assert log_path.read_text().count(said) == 1, job_story(tmp_path, out)  # said once, as the last line
+        # The stop's promise (README): every run is checkpointed at the step it trained last.
+        for run in collect(out).runs:
+            names = [p.name.removeprefix("step_") for p in RunDir(out / "runs", run.run_id).checkpoints.glob("step_*")]
+            newest = max((int(n) for n in names if n.isdigit()), default=0)
+            assert newest == run.trained_steps, (run.run_id, sorted(names), run.trained_steps)
         _gone, alive = psutil.wait_procs(job_processes(out), timeout=10.0)
         assert not alive, f"processes left behind: {[p.pid for p in alive]}"
 
@@ -151,6 +158,7 @@ def test_signals_and_sigkills_of_every_process_lose_and_repeat_no_step(tmp_path:
         job.wait(10)
         job = start("resume", str(out))
         assert job.wait(timeout=scaled(360)) == 0, job_story(tmp_path, out)
+        assert log_path.read_text().rstrip().splitlines()[-1].startswith("job FINISHED; report: ")
         view = collect(out)
         assert restarts(out, "orchestrator", 0) >= 1 and restarts(out, "rollout", 0) >= 1
         assert elastic_restarts(out) >= 1  # the trainer ranks re-rendezvoused

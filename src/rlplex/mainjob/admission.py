@@ -64,7 +64,7 @@ def pending_text(output_dir: Path, run_id: str, waited_s: float) -> str:
     max_runs = _max_runs(output_dir)
     if _job_over(view):
         gone = f", but its master (pid {view.master_pid}) is gone: `rlplex resume {output_dir}`"
-        why = f"the job is {view.job_state}" + (gone if view.master_gone else "")
+        why = f"the job is {view.outcome}" + (gone if view.master_gone else "")
     elif max_runs is not None and running >= max_runs:
         why = f"it waits for a free slot (all {max_runs} of the trainer's max_runs are taken)"
     else:

@@ -187,16 +187,16 @@ def resume_main_job(output_dir: Path, console: Console, live: bool = True) -> Jo
                 f"still running; stop it first with `rlplex stop {output_dir}`"
             )
         master = PrimeMaster.resume(output_dir)
-        console.print(f"job {master.job_id}: resumed in state {master.state.value}")
+        console.print(f"job {master.job_id}: resumed; from another shell: rlplex status {output_dir}")
         return _drive(master, config, console, live, start=False)
     unfinished = [run.run_id for run in view.runs if run.state not in TERMINAL_RUN_STATES]
     if not unfinished:
         # Not an error: a stop can land as the last step is trained, and continuing is then done.
-        console.print(f"{output_dir}: every run of this job is already done ({view.job_state}); nothing to continue")
+        console.print(f"{output_dir}: every run of this job is already done ({view.outcome}); nothing to continue")
         return JobState(view.job_state)
     config = continued_config(config, read_registry(output_dir), view)
     clear_stop_request(output_dir)
-    console.print(f"continuing {view.job_state} job in {output_dir}: runs {', '.join(unfinished)}")
+    console.print(f"continuing the job in {output_dir} ({view.outcome}): runs {', '.join(unfinished)}")
     master = PrimeMaster.create(build_job_spec(config, str(output_dir / JOB_CONFIG_FILE)))
     return _drive(master, config, console, live, start=True)
 
@@ -223,18 +223,18 @@ def stop_main_job(output_dir: Path, console: Console, timeout_s: float = 180.0) 
     read_saved_config(output_dir)  # a one-line error unless a main job is here
     view = collect(output_dir)
     if view.job_state in {s.value for s in TERMINAL_JOB_STATES} or view.job_state == "UNKNOWN":
-        return f"job {view.job_state}: nothing to stop"
+        return f"job {view.outcome}: nothing to stop"
     if not view.master_alive:
         master = PrimeMaster.resume(output_dir)
         try:
             master.stop("stopped by `rlplex stop` (its master was gone)")
-            state = master.state
         finally:
             master.close()
-        return f"job {state.value} (its master was gone); report: {write_report(output_dir, 0.0)}"
+        report = write_report(output_dir, 0.0)
+        return f"job {collect(output_dir).outcome}; report: {report}"
     request = request_stop(output_dir, "stopped by `rlplex stop`")
     wait_for_stop(request, timeout_s, lambda: collect(output_dir).master_alive)
-    return f"job {collect(output_dir).job_state}; report: {output_dir / 'report.md'}"
+    return f"job {collect(output_dir).outcome}; report: {output_dir / 'report.md'}"
 
 
 class _StopSignals:
@@ -301,18 +301,16 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
             master.close()
             report = write_report(output_dir, time.monotonic() - started)
             clear_stop_request(output_dir)  # last: `rlplex stop` waits for it to go
-            console.print(f"job {state.value}; report: {report}", highlight=False)
-    if stopped_by is not None:
-        left = [run.run_id for run in collect(output_dir).runs if run.state not in TERMINAL_RUN_STATES]
-        if left:
-            console.print(
-                f"{stopped_by}; unfinished runs: {', '.join(left)}; continue with `rlplex resume {output_dir}`",
-                highlight=False,
-                soft_wrap=True,
-            )
-        if signals.received is not None:
-            raise JobInterruptedError(f"job {stopped_by}; report: {report}", signals.received)
-    else:
+            view = collect(output_dir)
+            left = [run.run_id for run in view.runs if run.state not in TERMINAL_RUN_STATES]
+            last = f"job {view.outcome}; report: {report}"
+            if stopped_by is not None and left:
+                last += f"; unfinished runs: {', '.join(left)}: continue with `rlplex resume {output_dir}`"
+            if signals.received is None:
+                console.print(last, highlight=False, soft_wrap=True)
+    if signals.received is not None:  # the command's last line, said once (by `guard`), with its exit code
+        raise JobInterruptedError(last, signals.received)
+    if stopped_by is None:
         _fail_unless_a_run_finished(output_dir, report)
     return state
 

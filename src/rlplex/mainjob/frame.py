@@ -140,7 +140,7 @@ def _fmt(value: float | None, spec: str = ".3f") -> str:
 
 
 def job_lines(view: JobView) -> list[Text]:
-    state = view.job_state + (" (its master is gone)" if view.master_gone else "")
+    state = view.outcome + (" (its master is gone)" if view.master_gone else "")
     elapsed, eta = format_duration(view.elapsed_s), format_duration(view.eta_s)
     rate = view.trainer_tokens_per_s()
     window = f"last {THROUGHPUT_WINDOW_S:.0f} s"

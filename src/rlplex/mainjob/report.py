@@ -43,7 +43,7 @@ def write_report(output_dir: Path, fallback_wall_time_s: float) -> Path:
     lines = [
         f"# Job report: {output_dir.name}",
         "",
-        f"Job state: **{view.job_state}**" + (f" ({view.job_cause})" if view.job_cause else ""),
+        f"Job state: **{view.outcome}**" + (f" ({view.job_cause})" if view.outcome in ("FINISHED", "FAILED") else ""),
         f"Wall time: {wall_time_s:.1f} s; written {time.strftime('%Y-%m-%d %H:%M:%S')}",
     ]
     if trainer_tokens_per_s is not None:

@@ -28,7 +28,7 @@ import psutil
 
 from rlplex.control.elastic.master import rendezvous_summaries
 from rlplex.control.job.master import MasterLock
-from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState
+from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState, job_outcome
 from rlplex.control.job.store import STORE_FILE, JobRecord, JobStore, NodeRecord
 from rlplex.errors import ConfigError
 from rlplex.io.safe_files import check_regular_file, read_regular_text
@@ -153,6 +153,11 @@ class JobView:
     master_pid: int = 0
     updated_at: float | None = None  # the job's last state change (wall clock)
     rollout_runs: list[str] = field(default_factory=list)  # the run rollout node r generates for
+
+    @property
+    def outcome(self) -> str:
+        """The job's state as every command and the report say it (`job_outcome`)."""
+        return job_outcome(self.job_state, self.job_cause)
 
     @property
     def ended_at(self) -> float | None:

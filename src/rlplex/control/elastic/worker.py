@@ -156,6 +156,7 @@ class ElasticWorker(Worker):
         self._offered: PortReservation | None = None
         self._handed: PortReservation | None = None
         self._synced_at = self._complained_at = time.monotonic()
+        self._stopped = threading.Event()  # `stop` has stopped the script: the agent thread may end
         self._agent = threading.Thread(target=self._agent_main, name=f"{context.node_id}-elastic", daemon=True)
         self._agent.start()
 
@@ -224,6 +225,7 @@ class ElasticWorker(Worker):
             self._release_ports()
             if self._forker is not None:
                 self._forker.close()
+        self._stopped.set()
 
     # ---- the agent ---------------------------------------------------------------------------
     def _agent_main(self) -> None:
@@ -247,6 +249,9 @@ class ElasticWorker(Worker):
                     with self._lock:
                         self._reconcile(assignment)
                 self.context.stop_event.wait(self.config.sync_interval_s)
+            # The fork server, and through it the script, die with this thread (PDEATHSIG): it
+            # lives on until `stop` has given the script its graceful stop (a trainer checkpoints).
+            self._stopped.wait(timeout=self.config.stop_grace_s + 10.0)
         except BaseException as error:
             traceback.print_exc()
             self.error = f"elastic agent failed: {type(error).__name__}: {error}"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import signal
 import socket
 import time
 import uuid
@@ -32,7 +33,7 @@ from rlplex.control.backends.scheduler import Scheduler
 from rlplex.control.job.health import FailurePolicy
 from rlplex.control.job.manager import PrimeManager
 from rlplex.control.job.spec import JobSpec, load_job, parse_job
-from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState
+from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState, job_outcome
 from rlplex.control.job.stop_request import clear_stop_request, request_stop, stop_requested, wait_for_stop
 from rlplex.control.job.store import JobRecord, SqliteStateStore
 from rlplex.control.job.token import read_token, write_token
@@ -321,7 +322,7 @@ def stop_job(output_dir: Path, timeout_s: float = 60.0) -> str:
         finally:
             master.close()
     ended = _latest_job(output_dir)
-    return f"job {record.job_id}: {ended.state if ended is not None else 'UNKNOWN'}"
+    return f"job {record.job_id}: {job_outcome(ended.state, ended.cause) if ended is not None else 'UNKNOWN'}"
 
 
 def drive(master: PrimeMaster, say: Callable[[str], None], on_tick: Callable[[], None] | None = None) -> JobState:
@@ -333,9 +334,15 @@ def drive(master: PrimeMaster, say: Callable[[str], None], on_tick: Callable[[],
         if master.state in (JobState.INIT, JobState.READY) and not master.manager.failover_pending:
             master.start()
         say(f"job {master.job_id}: {master.state.value}; status: rlplex job status {master.manager.spec.output_dir}")
-        state = master.wait(on_tick=on_tick)
-        say(f"job {master.job_id}: {state.value} ({master.cause})")
-        return state
+        master.wait(on_tick=on_tick, raise_on_failure=False)
+    except KeyboardInterrupt as interrupt:  # Ctrl-C, or a signal that `stop_signals_as_interrupt` raised as one
+        master.stop(f"stopped by {signal.Signals(getattr(interrupt, 'signum', signal.SIGINT)).name}")
+        raise
     finally:
         master.stop("master exiting")
+        state, cause = master.state, master.cause
         master.close()
+        say(f"job {master.job_id}: {job_outcome(state, cause)}")
+    if state == JobState.FAILED:
+        raise JobFailedError(f"job {master.job_id} failed: {cause}")
+    return state

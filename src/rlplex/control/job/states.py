@@ -65,6 +65,22 @@ NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
 
 LIVE_NODE_STATES = frozenset({N.CREATED, N.CHECKED, N.RUNNING})
 TERMINAL_JOB_STATES = frozenset({J.STOPPED, J.FAILED})
+# The causes with which a job ends because its work is done, not because anyone stopped it.
+DRIVERS_FINISHED, NODES_FINISHED = "every driver finished", "every node finished"
+
+
+def job_outcome(state: str, cause: str) -> str:
+    """A job's state as users read it, the same in every command and report: FINISHED (its work
+    done), STOPPED and by whom ("STOPPED by SIGINT"), or the state itself (RUNNING, FAILED ...).
+    The store keeps STOPPED for both ends: the state machine has one way out of STOPPING."""
+    if state != J.STOPPED:
+        return str(state)
+    if cause in (DRIVERS_FINISHED, NODES_FINISHED):
+        return "FINISHED"
+    if cause.startswith("stopped by "):
+        return f"STOPPED {cause.removeprefix('stopped ')}"
+    return f"STOPPED ({cause})" if cause else "STOPPED"
+
 
 S = TypeVar("S", bound=StrEnum)
 

@@ -263,9 +263,11 @@ class SqliteStateStore:
         now = time.time()
         with self.transaction() as db:
             if entity == "job":
+                # A job's cause is why it ended (FINISHED or STOPPED by whom, or FAILED: `job_outcome`);
+                # a failover's steps on the way keep the cause of the failure that started it.
                 db.execute(
-                    "UPDATE jobs SET state = ?, cause = CASE WHEN ? = 'FAILED' THEN ? ELSE cause END, updated_at = ? "
-                    "WHERE job_id = ?",
+                    "UPDATE jobs SET state = ?, cause = CASE WHEN ? IN ('FAILED', 'STOPPED') THEN ? ELSE cause END, "
+                    "updated_at = ? WHERE job_id = ?",
                     (new, new, cause, now, job_id),
                 )
             else:

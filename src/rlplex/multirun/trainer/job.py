@@ -87,6 +87,10 @@ def job_timing(world_size: int) -> dict[str, Any]:
         # Every node imports torch before it reports ready: minutes on a busy 2-core machine.
         "start_timeout_s": 180.0,
         "rpc_timeout_s": 120.0,
+        # A stopped job waits this long for its nodes before it kills them: each rank's graceful
+        # stop (checkpointing every run ahead of its last checkpoint) must fit, with room to spare.
+        # The default 3 s killed a main job's ranks mid-checkpoint on SIGTERM (issue 32, hole 6).
+        "stop_grace_s": STOP_GRACE_S + 5.0,
     }
 
 
@@ -99,8 +103,6 @@ def trainer_job_spec(config: TrainerConfig, world_size: int = 1, max_restarts: i
         # Each rank's restarts and each re-rendezvous, with room for a master take-over.
         "max_restarts": 4 * max_restarts + 1,
         **job_timing(world_size),
-        # A hard stop (a second Ctrl-C) still gives each rank its graceful stop's time.
-        "stop_grace_s": STOP_GRACE_S + 5.0,
         "roles": trainer_roles(config, world_size, max_restarts),
     }
     return parse_job(data, source="python -m rlplex.multirun.trainer")
