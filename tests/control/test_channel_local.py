@@ -21,7 +21,7 @@ from rlplex.control import ChannelClosedError, ChannelTimeoutError, DataChannel,
 from rlplex.control.channels import ring
 from rlplex.control.channels.base import encode_item
 from rlplex.control.channels.local import INLINE_BYTES
-from timing import wait_for
+from timing import scaled, wait_for
 
 CTX = mp.get_context("spawn")
 
@@ -300,7 +300,7 @@ def test_reader_killed_mid_item_loses_only_that_item(name: str, procs: list[Any]
     channel.put(1)
     claimed = CTX.Event()
     victim = start(procs, claim_and_hang, channel, claimed)
-    assert claimed.wait(20)
+    assert claimed.wait(scaled(20))  # a spawned child imports torch first: slow on a busy machine
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(10)
     channel.put(2, timeout=5)  # needs the dead reader's slot: reclaimed, not blocked forever
@@ -313,7 +313,7 @@ def test_writer_killed_mid_item_loses_only_that_item(name: str, procs: list[Any]
     channel.put("before")
     reserved = CTX.Event()
     victim = start(procs, reserve_and_hang, channel, reserved)
-    assert reserved.wait(20)
+    assert reserved.wait(scaled(20))
     channel.put("after")
     assert channel.get(timeout=5) == "before"
     os.kill(victim.pid, signal.SIGKILL)
@@ -386,7 +386,7 @@ def test_getter_killed_inside_the_lock_leaves_a_small_item_for_the_next(name: st
     channel.put({"seq": 1})
     holding = CTX.Event()
     victim = start(procs, hold_lock_at_head, channel, holding)
-    assert holding.wait(20)
+    assert holding.wait(scaled(20))
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(10)
     channel.put({"seq": 2}, timeout=5)  # the kernel dropped the dead getter's lock
@@ -399,7 +399,7 @@ def test_putter_killed_inside_the_lock_leaves_nothing_half_written(name: str, pr
     channel.put("before")
     holding = CTX.Event()
     victim = start(procs, hold_lock_mid_small_put, channel, holding)
-    assert holding.wait(20)
+    assert holding.wait(scaled(20))
     os.kill(victim.pid, signal.SIGKILL)
     victim.join(10)
     assert channel.qsize() == 1  # its item was never published (its put never returned)
