@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo demo-real demo-cartpole keep-earlier test test-fast lint bench bench-quick clean
+.PHONY: setup bench-setup demo demo-real demo-cartpole keep-earlier test test-fast lint bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -71,10 +71,19 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
 
-bench: $(STAMP)
+# Benchmark-only dependencies (requirements-bench.txt: TRL for benchmarks.vs_trl); the tests never need them.
+BENCH_STAMP := $(VENV)/.bench-installed
+
+bench-setup: $(BENCH_STAMP)
+
+$(BENCH_STAMP): requirements-bench.txt $(STAMP)
+	$(PY) -m pip install --quiet -r requirements-bench.txt
+	touch $(BENCH_STAMP)
+
+bench: $(BENCH_STAMP)
 	$(PY) -m benchmarks.run_all
 
-bench-quick: $(STAMP)
+bench-quick: $(BENCH_STAMP)
 	$(PY) -m benchmarks.run_all --quick
 
 clean:

@@ -44,6 +44,7 @@ BENCHMARKS = [
     "inference_rollouts",
     "adapter_freshness",
     "real_model_learning",
+    "vs_trl",
 ]
 
 
