@@ -22,8 +22,9 @@ alpha and target layers, AdamW at the same learning rate on rlplex's schedule (l
 0.1x over the steps), gradient clipping at 1.0, one optimizer step per batch, PPO clip 0.2 with
 a token-level loss over the step's tokens (TRL's "dapo"), no KL term, float32 on the CPU, steps.
 Threads: rlplex's job as it runs (one trainer rank, orchestrators at torch's default); TRL at
-its best thread count (`--trl-threads`; default 1 on the tiny model, where 1 beat 2, else all
-cores), each of three TRL processes at once a third of it (at least 1).
+its best thread count (`--trl-threads`; default 1: on 2 cores 1 beat 2 on both models), each
+of three TRL processes at once a third of it (at least 1). TRL's micro-batch: 32 rows on the
+tiny model, 8 on SmolLM2 (32 peaked at 14 GB; three at once must fit).
 Not matched, TRL has no such setting: rlplex generates step s+1 while it trains step s
 (max_async_level 1: rollouts one step off-policy, corrected by the clipped ratio); TRL scales
 advantages by the sample std of a group, rlplex by the population std (a constant factor).
@@ -77,10 +78,7 @@ OUTPUTS = ROOT / "outputs" / "bench-vs-trl"
 INSTALL_HINT = "trl is not installed; install the benchmark dependencies: pip install -r requirements-bench.txt"
 PSS_INTERVAL_S = 0.5
 COMMAND_TIMEOUT_S = 4 * 3600.0
-# The trainer's micro-batch, as in the SmolLM2 demo; TRL's micro-batch holds as many rows as
-# rlplex packs into one at these lengths (32 rows of about 128 tokens).
-MICRO_BATCH_TOKENS = 4096
-TRL_MICRO_ROWS = 32
+MICRO_BATCH_TOKENS = 4096  # the trainer's micro-batch, as in the SmolLM2 demo
 ASYNC_LEVEL = 1  # the main job's default: generation of step s+1 overlaps training of step s
 REWARD_WINDOW = 10  # steps averaged for "reward start" and "reward end", as rlplex's report
 # The tiny checkpoint of benchmarks.multirun_learning's arithmetic preset: a 2..7 times table,
@@ -139,6 +137,7 @@ class Preset:
     heldout_examples: int
     temperatures: tuple[float, ...]  # of the held-out evaluations
     trl_threads: int
+    trl_micro_rows: int  # rows of one TRL forward/backward (the step's batch is accumulated)
 
 
 def tiny_preset() -> Preset:
@@ -158,7 +157,9 @@ def tiny_preset() -> Preset:
         steps_b=30,
         heldout_examples=64,
         temperatures=(0.0, 1.0),
-        trl_threads=1,  # measured: TRL with 1 thread was faster than with 2 on the tiny model
+        # Measured on 2 shared cores, 60 steps: TRL took 120 s with 1 thread, 851 s with 2.
+        trl_threads=1,
+        trl_micro_rows=32,  # about the 4096 tokens of rlplex's micro-batch
     )
 
 
@@ -184,7 +185,11 @@ def smollm2_preset() -> Preset:
         steps_b=30,
         heldout_examples=first["evaluation"]["examples"],
         temperatures=tuple(first["evaluation"]["temperatures"]),
-        trl_threads=os.cpu_count() or 1,
+        # Measured on 2 shared cores, 3 steps: TRL took 285 s with 1 thread, 492 s with 2.
+        trl_threads=1,
+        # 32 rows (rlplex's 4096 tokens) peaked at 14 GB RSS: three TRL processes at once would
+        # not fit in 23 GB. 8 rows (one group) keeps each to a third of that.
+        trl_micro_rows=8,
     )
 
 
@@ -293,9 +298,9 @@ def job_toml(data: dict[str, Any]) -> str:
 # --- TRL's side -------------------------------------------------------------------------------
 
 
-def trl_micro_batch(run: RunSettings) -> int:
-    """Rows per TRL forward/backward: TRL_MICRO_ROWS, or the largest whole share of the batch below it."""
-    return max(d for d in range(1, min(TRL_MICRO_ROWS, run.batch_size) + 1) if run.batch_size % d == 0)
+def trl_micro_batch(run: RunSettings, rows: int) -> int:
+    """Rows per TRL forward/backward: `rows`, or the largest whole share of the batch below it."""
+    return max(d for d in range(1, min(rows, run.batch_size) + 1) if run.batch_size % d == 0)
 
 
 def trl_arguments(job: TrlJob) -> dict[str, Any]:
@@ -448,10 +453,10 @@ def rlplex_command(runs: Sequence[RunSettings], output_dir: Path) -> Command:
     return Command(argv, command_env(), output_dir.parent / f"{output_dir.name}.log")
 
 
-def trl_command(run: RunSettings, output_dir: Path, threads: int) -> Command:
+def trl_command(run: RunSettings, output_dir: Path, threads: int, micro_rows: int) -> Command:
     shutil.rmtree(output_dir, ignore_errors=True)
     output_dir.mkdir(parents=True)
-    job = TrlJob(run=run, threads=threads, micro_batch=trl_micro_batch(run), output_dir=str(output_dir))
+    job = TrlJob(run=run, threads=threads, micro_batch=trl_micro_batch(run, micro_rows), output_dir=str(output_dir))
     config = output_dir / "trl_job.json"
     config.write_text(job.model_dump_json(indent=2))
     argv = [sys.executable, "-m", "benchmarks.vs_trl_worker", "trl", str(config)]
@@ -599,7 +604,7 @@ def evaluate_heldout(
 # --- the cases --------------------------------------------------------------------------------
 
 
-def run_case(case: str, runs: list[RunSettings], trl_threads: int) -> list[Side]:
+def run_case(case: str, runs: list[RunSettings], trl_threads: int, micro_rows: int) -> list[Side]:
     """Every side of one case, measured one after the other (never two sides at once)."""
     base = OUTPUTS / f"{Path(runs[0].model).name}-{case}"
     print(f"case {case}: rlplex, one job with {len(runs)} run(s) ...", flush=True)
@@ -611,7 +616,7 @@ def run_case(case: str, runs: list[RunSettings], trl_threads: int) -> list[Side]
         trl_sides.append(("TRL x3 at once", "trl-at-once", max(1, trl_threads // len(runs))))
     for label, folder, threads in trl_sides:
         print(f"case {case}: {label} ...", flush=True)
-        commands = [trl_command(run, base / folder / run.run_id, threads) for run in runs]
+        commands = [trl_command(run, base / folder / run.run_id, threads, micro_rows) for run in runs]
         at_once = folder == "trl-at-once"
         measured = run_at_once(commands) if at_once else run_back_to_back(commands)
         sides.append(Side(label, measured, {}, threads))
@@ -721,7 +726,7 @@ def main(argv: list[str] | None = None) -> None:
     measured = {}
     for case in cases:
         runs = case_runs(preset, model_dir, case, steps_a if case == "A" else steps_b)
-        measured[case] = (runs, run_case(case, runs, trl_threads))
+        measured[case] = (runs, run_case(case, runs, trl_threads, preset.trl_micro_rows))
     figures: dict[str, Any] = {"model": model_dir, "label": label, "trl_threads": trl_threads}
     rows: list[list[Any]] = []
     for case, (runs, sides) in measured.items():

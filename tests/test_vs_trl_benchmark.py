@@ -35,7 +35,8 @@ def test_both_sides_train_the_same_runs(tmp_path: Path, preset: Preset, case: st
     assert job.inference.engine == "hf" and job.model.name == str(tmp_path / "model")
     for entry, run in zip(job.runs, runs, strict=True):
         ours = entry.orch_config("bench")
-        theirs = trl_arguments(TrlJob(run=run, threads=1, micro_batch=trl_micro_batch(run), output_dir="out"))
+        micro = trl_micro_batch(run, preset.trl_micro_rows)
+        theirs = trl_arguments(TrlJob(run=run, threads=1, micro_batch=micro, output_dir="out"))
         lora = lora_arguments(run)
         # Prompts per step and group: rlplex's batch_size is prompts x group; TRL's step is its
         # micro-batches accumulated, one generation of num_generations per prompt.
