@@ -42,6 +42,7 @@ import psutil
 import torch
 
 from benchmarks.common import report, smollm2_checkpoint, tiny_checkpoint
+from benchmarks.process_memory import tree_pss_mb
 from rlplex.errors import ConfigError
 from rlplex.models.gguf import smollm2_gguf
 from rlplex.models.hf import load_causal_lm, load_tokenizer
@@ -160,22 +161,6 @@ def rank_peak_rss_mb(pid: int) -> float:
     """
     tree = [pid, *(child.pid for child in psutil.Process(pid).children(recursive=True))]
     return max(peak_rss_mb(p) for p in tree)
-
-
-def tree_pss_mb(pid: int) -> float:
-    """The PSS of the process `pid` and its descendants now (0 for those that ended meanwhile)."""
-    total = 0
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    for process in processes:
-        try:
-            total += process.memory_full_info().pss
-        except psutil.Error:
-            continue
-    return total / 2**20
 
 
 class PssPeaks:

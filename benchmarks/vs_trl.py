@@ -63,8 +63,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
-
+from benchmarks.process_memory import tree_pss_mb
 from rlplex.config import StrictModel, read_toml, validate_config
 from rlplex.mainjob.config import MainJobConfig
 from rlplex.multirun.orchestrator.config import OptimConfig
@@ -369,22 +368,6 @@ class Measured:
     peak_pss_mb: float
     processes: int  # commands
     ended_s: list[float] = field(default_factory=list)  # each command's seconds from the start
-
-
-def tree_pss_mb(pid: int) -> float:
-    """The PSS of process `pid` and its descendants now (those that end meanwhile count 0)."""
-    try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return 0.0
-    total = 0
-    for process in processes:
-        try:
-            total += process.memory_full_info().pss
-        except psutil.Error:
-            continue
-    return total / 2**20
 
 
 def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
