@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.vs_trl import (
+from benchmarks.vs_trl_runs import (
     INSTALL_HINT,
     TINY_TASK,
     TINY_WARMUP_STEPS,

@@ -7,7 +7,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from benchmarks.vs_trl import (
+from benchmarks.vs_trl_runs import (
     Preset,
     TrlJob,
     case_runs,

@@ -157,7 +157,7 @@ def _train(
     from rlplex.envs import probe_spaces
     from rlplex.errors import ConfigError
     from rlplex.io.safe_files import ensure_output_dir
-    from rlplex.io.snapshot import latest_snapshot, list_snapshots
+    from rlplex.io.snapshot import list_snapshots
     from rlplex.models.device import resolve_device
     from rlplex.runners.config import build_runner, check_fits_in_memory, cpu_advice, load_train_config
 
@@ -177,7 +177,8 @@ def _train(
     # Everything that can refuse the run is checked before the folder gets a file: a refused
     # --device must not leave a config.json that the corrected command then calls an earlier run.
     device = resolve_device(config.runner.device, "runner.device")
-    if resume and not list_snapshots(output / "snapshots"):
+    snapshots = list_snapshots(output / "snapshots") if resume else []
+    if resume and not snapshots:
         raise ConfigError(
             f"{output / 'snapshots'}: no snapshot to resume from (the run stopped before its first); "
             "start again with --overwrite"
@@ -188,7 +189,7 @@ def _train(
             target = output / name
             shutil.rmtree(target) if target.is_dir() and not target.is_symlink() else target.unlink()
     (output / "config.json").write_text(config.model_dump_json(indent=2))
-    snapshot = latest_snapshot(output / "snapshots") if resume else None
+    snapshot = snapshots[-1][1] if snapshots else None  # the newest
     console.print(
         f"training {config.env.id} with {config.algo.name} ({config.runner.kind}) on {device.type}; output in {output}"
     )

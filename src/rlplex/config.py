@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, TypeVar
@@ -67,6 +69,30 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"{path}: not valid TOML: {error}") from None
+
+
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def toml_value(item: Any) -> str:
+    """`item` as a TOML value (tomllib has no writer): tables inline, None fields left out (TOML
+    has no null; they read back as their defaults)."""
+    if isinstance(item, bool):
+        return "true" if item else "false"
+    if isinstance(item, int | float):
+        return repr(item)
+    if isinstance(item, str):
+        return json.dumps(item)  # a JSON string is a TOML basic string, control characters escaped
+    if isinstance(item, list | tuple):
+        return "[" + ", ".join(toml_value(v) for v in item) + "]"
+    if isinstance(item, dict):
+        pairs = (f"{toml_key(k)} = {toml_value(v)}" for k, v in item.items() if v is not None)
+        return "{ " + ", ".join(pairs) + " }"
+    raise TypeError(f"cannot write {type(item).__name__} to TOML")
+
+
+def toml_key(key: str) -> str:
+    return key if _BARE_KEY.match(key) else json.dumps(key)
 
 
 def load_config(model: type[M], path: str | Path) -> M:

@@ -41,15 +41,7 @@ from rlplex.control.job.health import (
 )
 from rlplex.control.job.placement import Bundle, Member, Placement, node_id
 from rlplex.control.job.spec import JobSpec
-from rlplex.control.job.states import (
-    DRIVERS_FINISHED,
-    LIVE_NODE_STATES,
-    NODES_FINISHED,
-    TERMINAL_JOB_STATES,
-    JobState,
-    NodeState,
-    job_machine,
-)
+from rlplex.control.job.states import LIVE_NODE_STATES, TERMINAL_JOB_STATES, JobState, NodeState, WorkDone, job_machine
 from rlplex.control.job.store import StateStore
 from rlplex.control.node.slot import NodeInfo, NodeSlot
 from rlplex.errors import JobFailedError, JobSpecError, PlacementError, RlplexError
@@ -168,7 +160,7 @@ class PrimeManager:
         if decision.action != Action.NONE:
             self._execute(decision)
         if self.job.state == JobState.RUNNING and self._done():
-            self.stop(DRIVERS_FINISHED if self._has_drivers() else NODES_FINISHED)
+            self.stop(WorkDone.DRIVERS_FINISHED if self._has_drivers() else WorkDone.NODES_FINISHED)
         self._flush_heartbeats()
         return self.job.state
 

@@ -65,8 +65,13 @@ NODE_TRANSITIONS: dict[NodeState, frozenset[NodeState]] = {
 
 LIVE_NODE_STATES = frozenset({N.CREATED, N.CHECKED, N.RUNNING})
 TERMINAL_JOB_STATES = frozenset({J.STOPPED, J.FAILED})
-# The causes with which a job ends because its work is done, not because anyone stopped it.
-DRIVERS_FINISHED, NODES_FINISHED = "every driver finished", "every node finished"
+
+
+class WorkDone(StrEnum):
+    """The causes with which a job ends because its work is done, not because anyone stopped it."""
+
+    DRIVERS_FINISHED = "every driver finished"
+    NODES_FINISHED = "every node finished"
 
 
 def job_outcome(state: str, cause: str) -> str:
@@ -75,7 +80,7 @@ def job_outcome(state: str, cause: str) -> str:
     The store keeps STOPPED for both ends: the state machine has one way out of STOPPING."""
     if state != J.STOPPED:
         return str(state)
-    if cause in (DRIVERS_FINISHED, NODES_FINISHED):
+    if cause in set(WorkDone):
         return "FINISHED"
     if cause.startswith("stopped by "):
         return f"STOPPED {cause.removeprefix('stopped ')}"

@@ -9,7 +9,6 @@ because a config that only works by coercion is a typo waiting to bite.
 
 from __future__ import annotations
 
-import json
 import os
 import tomllib
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
-from rlplex.config import StrictModel, format_validation_error
+from rlplex.config import StrictModel, format_validation_error, toml_value
 from rlplex.errors import RunConfigError
 from rlplex.inference.config import EngineSettings
 from rlplex.io.safe_files import read_regular_file
@@ -171,25 +170,14 @@ def read_orch_config(
 
 
 def orch_config_to_toml(config: OrchestratorConfig) -> str:
-    """Serialise a config as TOML (tomllib has no writer; the model is two levels deep)."""
-
-    def value(item: Any) -> str:
-        if isinstance(item, bool):
-            return "true" if item else "false"
-        if isinstance(item, int | float):
-            return repr(item)
-        if isinstance(item, str):
-            return json.dumps(item)  # a JSON string is a TOML basic string, control characters escaped
-        if isinstance(item, list | tuple):
-            return "[" + ", ".join(value(v) for v in item) + "]"
-        raise TypeError(f"cannot write {type(item).__name__} to TOML")
+    """Serialise a config as TOML (the model is two levels deep: one table per section)."""
 
     def table(prefix: str, data: dict[str, Any], out: list[str]) -> None:
         # TOML has no null: a None field is left out and reads back as its default (None).
         scalars = {k: v for k, v in data.items() if not isinstance(v, dict) and v is not None}
         if prefix and scalars:
             out.append(f"[{prefix}]")
-        out.extend(f"{k} = {value(v)}" for k, v in scalars.items())
+        out.extend(f"{k} = {toml_value(v)}" for k, v in scalars.items())
         for key, sub in data.items():
             if isinstance(sub, dict):
                 table(f"{prefix}.{key}" if prefix else key, sub, out)
