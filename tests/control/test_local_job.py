@@ -73,11 +73,13 @@ def test_trainer_driven_driver_calls_role_groups(job_dir: Path) -> None:
 def test_a_role_scales_up_and_down_while_running(job_dir: Path) -> None:
     spec = (
         JobBuilder("scale", job_dir, capacity={"cpu": 2})
-        .role("idle", entrypoint="control_workers:Idle", count=1, resources={"cpu": 0.5})
+        .role("idle", entrypoint="control_workers:Idle", count=1, resources={"cpu": 0.5},
+              restart={"scope": "worker", "max_restarts": 1, "per_node": 2})
         .build()
-    )
+    )  # fmt: skip
     with PrimeMaster.create(spec) as master:
         master.start()
+        job_budget = master.manager.status().max_restarts
 
         def running() -> list[str]:
             master.monitor()
@@ -85,9 +87,13 @@ def test_a_role_scales_up_and_down_while_running(job_dir: Path) -> None:
 
         master.scale_role("idle", 3)
         wait_for(lambda: len(running()) == 3, 20, "3 idle nodes RUNNING")
+        # Two nodes gained, two restarts each (issue 31, hole 4: a run added later brings its budget).
+        assert master.manager.status().role("idle").max_restarts == 1 + 2 * 2
+        assert master.manager.status().max_restarts == job_budget + 2 * 2
         first_pid = master.get_nodes_by_role()["idle"][0].pid
         master.scale_role("idle", 1)
         assert running() == ["idle-0"]
+        assert master.manager.status().role("idle").max_restarts == 5  # a scaled-down node may come back
         assert master.get_nodes_by_role()["idle"][0].pid == first_pid
         assert len(node_processes(job_dir)) == 1
         master.stop()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -16,6 +18,7 @@ from rlplex.multirun.rundir import RunDir
 from rlplex.multirun.rundir.rollouts import RolloutBatch, write_rollouts
 from rlplex.multirun.trainer.config import TrainerConfig
 from rlplex.multirun.trainer.loop import MultiRunTrainer
+from timing import scaled
 
 _BASE: dict[int, torch.nn.Module] = {}
 
@@ -107,6 +110,17 @@ def train_until(trainer: MultiRunTrainer, done: dict[str, int], max_iterations: 
             return
         trainer.iteration()
     raise AssertionError(f"runs did not reach {done}: {steps}")
+
+
+def iterate_until(trainer: MultiRunTrainer, condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
+    """Trainer iterations, polling like `MultiRunTrainer.run`, until `condition` holds (the writer
+    thread writes the finished marker between iterations)."""
+    deadline = time.monotonic() + scaled(timeout_s)
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+        trainer.iteration()
+        time.sleep(0.01)
 
 
 def broadcast_weights(output_dir: Path, run_id: str, step: int) -> dict[str, torch.Tensor]:

@@ -4,8 +4,6 @@ deletion, resume into another slot and another world size."""
 from __future__ import annotations
 
 import shutil
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ from mr_train_helpers import (
     STEPS,
     assert_same_weights,
     broadcast_weights,
+    iterate_until,
     make_runs,
     make_trainer,
     new_train_run,
@@ -33,8 +32,7 @@ from rlplex.multirun.rundir import RunDir
 from rlplex.multirun.rundir.checkpoint import latest_stable_checkpoint_path, load_checkpoint
 from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE
 from rlplex.multirun.trainer.log import read_progress_csv
-from rlplex.multirun.trainer.loop import TIMES_FILE, MultiRunTrainer
-from timing import scaled
+from rlplex.multirun.trainer.loop import TIMES_FILE
 
 
 @pytest.fixture(scope="module")
@@ -243,17 +241,6 @@ def _mtime(path: Path) -> int:
     return path.stat().st_mtime_ns
 
 
-def iterate_until(trainer: MultiRunTrainer, condition: Callable[[], bool], what: str, timeout_s: float = 30) -> None:
-    """Trainer iterations, polling like `MultiRunTrainer.run`, until `condition` holds (the writer
-    thread writes the finished marker between iterations)."""
-    deadline = time.monotonic() + scaled(timeout_s)
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
-        trainer.iteration()
-        time.sleep(0.01)
-
-
 def test_finished_run_frees_its_slot_for_a_waiting_run_and_is_not_readmitted(tmp_path: Path, alone: dict) -> None:
     run = _new_finishing_run(tmp_path)
     make_runs(tmp_path, ["run_c"])
@@ -304,13 +291,15 @@ def test_final_checkpoint_that_fails_is_retried_before_the_run_is_marked_finishe
 ) -> None:
     run = _new_finishing_run(tmp_path)
     run.checkpoints.write_text("in the way")  # the checkpoint cannot be written (like a full disk)
-    trainer = make_trainer(tmp_path, 1, checkpoint_every=10, finish_retry_s=0.05)
+    trainer = make_trainer(tmp_path, 1, checkpoint_every=10, output_retry_s=0.05)
     train_until(trainer, {"run_b0": 2})
     for _ in range(3):
         trainer.iteration()
     trainer.flush()
     assert not run.is_finished() and trainer.manager.id_2_idx == {"run_b0": 0}
-    assert "not marked finished at step 2: checkpoint step 2 not STABLE" in caplog.text
+    # The broadcast waits behind its checkpoint: a resume never trains a published step twice.
+    assert "not marked finished at step 2: checkpoint step 2 and broadcast step 2 not STABLE" in caplog.text
+    assert "broadcast step 2 not written: withheld until a checkpoint is written" in caplog.text
     run.checkpoints.unlink()  # space again
     iterate_until(trainer, lambda: "run_b0" not in trainer.manager.id_2_idx, "the retried finish")
     assert run.finished_step() == 2 and trainer.manager.id_2_idx == {}

@@ -10,15 +10,18 @@ import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from mr_train_helpers import (
+    RUNS,
     STEPS,
     assert_same_weights,
     broadcast_weights,
+    iterate_until,
     make_runs,
     make_trainer,
     new_train_run,
@@ -28,13 +31,13 @@ from mr_train_helpers import (
     write_synthetic,
 )
 
+from disk_helpers import SmallDisk, small_disk
 from rlplex.errors import RunConfigError
-from rlplex.mainjob.view import unwritten_eviction
 from rlplex.multirun.orchestrator.config import orch_config_to_toml, read_orch_config
-from rlplex.multirun.orchestrator.loop import WaitOptions, open_run, wait_for_broadcast
+from rlplex.multirun.orchestrator.loop import RunEvictedError, WaitOptions, check_evicted, open_run, wait_for_broadcast
 from rlplex.multirun.rundir import UNWRITTEN_EVICTIONS, RunDir, stable_steps, write_finished
 from rlplex.multirun.rundir.checkpoint import PROGRESS_FILE, stable_checkpoints
-from rlplex.multirun.rundir.peft_export import is_stable_adapter
+from rlplex.multirun.rundir.peft_export import ADAPTER_WEIGHTS, is_stable_adapter
 from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE, write_rollouts
 from rlplex.multirun.trainer import discovery as discovery_module
 from rlplex.multirun.trainer.log import read_progress_csv
@@ -195,7 +198,7 @@ def test_an_eviction_that_cannot_be_written_still_drops_the_run(
     assert trainer.manager.run_statuses()["run_bad"] == "evicted"
     listed = json.loads((tmp_path / UNWRITTEN_EVICTIONS).read_text())
     assert "No space left" in listed["run_bad"]["reason"]
-    assert unwritten_eviction(tmp_path, "run_bad") is not None  # what `rlplex status` shows
+    assert RunDir(tmp_path, "run_bad").unwritten_eviction() is not None  # what `rlplex status` shows
     train_until(trainer, {"run_a": STEPS})
     monkeypatch.undo()
     again = make_trainer(tmp_path, 2)  # a restarted trainer keeps it out
@@ -272,6 +275,81 @@ def test_a_restart_mid_run_continues_after_the_newest_broadcast(tmp_path: Path) 
     train_until(second, {"run_c": 3})
     steps = [int(r["step"]) for r in read_progress_csv(RunDir(tmp_path, "run_c"))]
     assert steps == [1, 2, 3], steps
+
+
+def test_unreadable_adapters_past_the_checkpoint_evict_the_run_instead_of_training_again(tmp_path: Path) -> None:
+    """Issue 31, hole 6: killed at step 3 with checkpoint_every 10 and every adapter truncated, the
+    run used to start again from a fresh adapter and train steps 1-3 a second time."""
+    make_runs(tmp_path, ["run_c", "run_a"], steps=6)
+    config = {"checkpoint_every": 10}
+    first = make_trainer(tmp_path, 2, **config)
+    train_until(first, {"run_c": 3, "run_a": 3})
+    del first  # killed: steps 1-3 broadcast, nothing checkpointed
+    run = RunDir(tmp_path, "run_c")
+    newer = [step for step, _ in stable_steps(run.broadcast) if step > 0]
+    assert newer == [1, 2, 3]
+    for step in newer:
+        weights = run.broadcast_step(step) / ADAPTER_WEIGHTS
+        weights.write_bytes(weights.read_bytes()[:100])
+    second = make_trainer(tmp_path, 2, **config)
+    _iterate(second)
+    assert second.manager.run_statuses()["run_c"] == "evicted"
+    reason = run.eviction_reason() or ""
+    assert "none of them reads" in reason and "step 3" in reason and ADAPTER_WEIGHTS in reason, reason
+    train_until(second, {"run_a": 4})  # the other run resumes from its own adapter
+    assert [int(r["step"]) for r in read_progress_csv(run)] == [1, 2, 3]  # nothing trained twice
+    assert [int(r["step"]) for r in read_progress_csv(RunDir(tmp_path, "run_a"))] == [1, 2, 3, 4]
+
+
+# ---- issue 31, hole 3: a full disk ----------------------------------------------------------------
+@contextmanager
+def _run_on_a_full_disk(output_dir: Path, **trainer_config: object) -> Iterator[tuple[MultiRunTrainer, SmallDisk]]:
+    """run_a on the test's disk; run_c admitted (its broadcast/step_0 written), its step 0's
+    rollouts waiting, then its folder's disk filled: the trainer trains step 0 and cannot write
+    checkpoint or broadcast step 1, which run_c's orchestrator would wait for."""
+    make_runs(output_dir, ["run_a"])
+    run = new_train_run(output_dir, "run_c", **RUNS["run_c"][0])
+    with small_disk(run.root) as disk:
+        trainer = make_trainer(output_dir, 2, output_retry_s=0.05, **trainer_config)
+        _iterate(trainer)
+        assert is_stable_adapter(run.broadcast_step(0))
+        write_synthetic(output_dir, "run_c", range(1), **RUNS["run_c"][1])  # type: ignore[arg-type]
+        disk.fill()
+        yield trainer, disk
+
+
+def test_a_disk_full_for_a_while_delays_a_run_and_its_outputs_come_when_space_returns(tmp_path: Path) -> None:
+    run = RunDir(tmp_path, "run_c")
+    with _run_on_a_full_disk(tmp_path, max_output_failures=10_000) as (trainer, disk):
+        train_until(trainer, {"run_a": STEPS, "run_c": 1})
+        iterate_until(trainer, lambda: trainer.outputs.retries.is_failing("run_c"), "run_c's outputs to fail")
+        for _ in range(5):  # a few retries while the disk stays full
+            _iterate(trainer)
+        assert not is_stable_adapter(run.broadcast_step(1)) and not trainer.manager.is_leaving("run_c")
+        disk.free()
+        iterate_until(trainer, lambda: is_stable_adapter(run.broadcast_step(1)), "broadcast step 1 once space returned")
+        assert [s for s, _ in stable_checkpoints(run)][-1] == 1  # checkpoint first, as always
+        write_synthetic(tmp_path, "run_c", range(1, STEPS), **RUNS["run_c"][1])  # type: ignore[arg-type]
+        train_until(trainer, {"run_c": STEPS})
+        assert not trainer.outputs.retries.is_failing("run_c")
+    # Nothing trained twice or lost: the weights of the run trained alone on a roomy disk.
+    alone = train_alone(tmp_path / "alone", "run_c")
+    assert_same_weights(broadcast_weights(tmp_path, "run_c", STEPS), alone)
+    assert [int(r["step"]) for r in read_progress_csv(RunDir(tmp_path, "run_a"))] == list(range(1, STEPS + 1))
+
+
+def test_a_disk_that_stays_full_evicts_its_run_alone_and_its_orchestrator_hears_why(tmp_path: Path) -> None:
+    run = RunDir(tmp_path, "run_c")
+    with _run_on_a_full_disk(tmp_path, max_output_failures=3) as (trainer, _):
+        train_until(trainer, {"run_c": 1})
+        iterate_until(trainer, lambda: trainer.manager.run_statuses().get("run_c") == "evicted", "run_c's eviction")
+        reason = run.unwritten_eviction() or ""  # control/evicted.txt could not be written either
+        assert reason.startswith(trainer.manager.status_reason("run_c") or "?")
+        assert "failed 3 times in a row" in reason and "No space left on device" in reason, reason
+        with pytest.raises(RunEvictedError, match="No space left on device"):
+            check_evicted(run.bound(run.read_identity()))  # its orchestrator, waiting for step 1, gives up
+        train_until(trainer, {"run_a": STEPS})
+    assert [int(r["step"]) for r in read_progress_csv(RunDir(tmp_path, "run_a"))] == list(range(1, STEPS + 1))
 
 
 # ---- 8: durability and clean-up -------------------------------------------------------------------

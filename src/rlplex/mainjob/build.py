@@ -36,6 +36,10 @@ NODE_PRELOAD = [
 ]
 
 
+RESTARTS_PER_RUN = 3
+"""Crashes of a run's orchestrator (or rollout node) healed before the job fails."""
+
+
 def trainer_config(config: MainJobConfig) -> TrainerConfig:
     """The trainer's whole config; it reaches the trainer's processes as this model's JSON."""
     trainer = config.trainer
@@ -55,13 +59,15 @@ def trainer_config(config: MainJobConfig) -> TrainerConfig:
 def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec:
     trainer = config.trainer
     world = trainer.world_size
-    rollout_restarts = 3 * len(rollout_slots([*config.runs, *config.later_runs]))
+    # Three restarts per node, as its budget grows with each run added while the job runs
+    # (`later_runs` and `rlplex runs add` scale the roles up).
+    rollout_restarts = RESTARTS_PER_RUN * len(rollout_slots(config.runs))
     data: dict[str, Any] = {
         "name": config.name,
         "output_dir": str(config.output_dir.resolve()),
         "backend": config.backend,
         "ray_address": config.ray_address,
-        "max_restarts": 4 * (trainer.max_restarts + len(config.runs) + len(config.later_runs)) + rollout_restarts,
+        "max_restarts": 4 * (trainer.max_restarts + len(config.runs)) + rollout_restarts,
         **job_timing(world),
         "preload": NODE_PRELOAD,
         "roles": {
@@ -70,7 +76,11 @@ def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec
                 "entrypoint": "rlplex.mainjob.orchestrator_node:OrchestratorNode",
                 "count": len(config.runs),
                 "resources": {"cpu": 0.05},
-                "restart": {"scope": "worker", "max_restarts": 3 * (len(config.runs) + len(config.later_runs))},
+                "restart": {
+                    "scope": "worker",
+                    "max_restarts": RESTARTS_PER_RUN * len(config.runs),
+                    "per_node": RESTARTS_PER_RUN,
+                },
                 "heartbeat_timeout_s": 10.0,
             },
             # The processes runs with `rollout_workers > 1` generate on (see `rollout_node`); a
@@ -79,7 +89,7 @@ def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec
                 "entrypoint": "rlplex.mainjob.rollout_node:RolloutNode",
                 "count": len(rollout_slots(config.runs)),
                 "resources": {"cpu": 0.05},
-                "restart": {"scope": "worker", "max_restarts": rollout_restarts},
+                "restart": {"scope": "worker", "max_restarts": rollout_restarts, "per_node": RESTARTS_PER_RUN},
                 "heartbeat_timeout_s": 10.0,
             },
             "conductor": {

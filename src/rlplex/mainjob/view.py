@@ -35,7 +35,7 @@ from rlplex.io.safe_files import check_regular_file, read_regular_text
 from rlplex.mainjob.config import INFERENCE_DIR, JOB_CONFIG_FILE, RunEntry
 from rlplex.mainjob.registry import REJECTIONS_DIR, read_registry, rejection_reason, rollout_slots
 from rlplex.mainjob.timing import eta_s, job_eta_s, seconds_per_step, step_history
-from rlplex.multirun.rundir import UNWRITTEN_EVICTIONS, RunDir, read_unwritten_evictions, stable_steps
+from rlplex.multirun.rundir import UNWRITTEN_EVICTIONS, RunDir, stable_steps
 
 MAX_PROGRESS_BYTES = 256 << 20
 MAX_STORE_BYTES = 64 << 30
@@ -244,14 +244,6 @@ class JobView:
         return tokens / span if span > 0 else None
 
 
-def unwritten_eviction(runs_dir: Path, run_id: str) -> str | None:
-    """The reason the trainer evicted `run_id` without being able to write its marker (None: it did not)."""
-    entry = read_unwritten_evictions(runs_dir).get(run_id)
-    if entry is None or entry[0] != RunDir(runs_dir, run_id).read_identity():
-        return None  # another run now has that name
-    return entry[1]
-
-
 def _read_reason(path: Path, root: Path) -> str:
     try:
         return read_regular_text(path, within=root).strip()
@@ -306,7 +298,7 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
         view.state, view.reason = "rejected", rejected
     elif run.is_evicted():
         view.state, view.reason = "evicted", run.eviction_reason() or ""
-    elif (unmarked := unwritten_eviction(runs_dir, entry.id)) is not None:
+    elif (unmarked := RunDir(runs_dir, entry.id).unwritten_eviction()) is not None:
         view.state, view.reason = "evicted", unmarked
     elif run.config_error.exists():
         view.state, view.reason = "rejected", _read_reason(run.config_error, run.root)

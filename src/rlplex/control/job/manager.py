@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 from rlplex.control.backends.scheduler import NodeEvent, Scheduler
@@ -402,15 +403,17 @@ class PrimeManager:
         if self._spent is None:  # read once; afterwards kept in step with every spend_restart
             self._spent = self.store.role_restarts(self.job_id)
         spent = self._spent
+        nodes = Counter(slot.role for slot in self.slots.values())  # scaled-down slots stay: the most ever
+        grown = {name: r.restart.per_node * max(0, nodes[name] - r.count) for name, r in self.spec.roles.items()}
         roles = tuple(
-            RoleStatus(name, r.kind, r.restart.scope, r.restart.max_restarts, spent.get(name, 0))
+            RoleStatus(name, r.kind, r.restart.scope, r.restart.max_restarts + grown[name], spent.get(name, 0))
             for name, r in self.spec.roles.items()
         )
         return JobStatus(
             job_id=self.job_id,
             state=self.job.state,
             restarts=sum(spent.values()),
-            max_restarts=self.spec.max_restarts,
+            max_restarts=self.spec.max_restarts + sum(grown.values()),
             roles=roles,
             nodes=tuple(self._node_status(s, now) for s in self.slots.values()),
         )

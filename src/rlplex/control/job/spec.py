@@ -50,6 +50,12 @@ class RestartPolicy(StrictModel):
 
     scope: RestartScope = "worker"
     max_restarts: int = Field(default=3, ge=0)
+    per_node: int = Field(
+        default=0,
+        ge=0,
+        description="restarts each node the role gains while the job runs (scale_role) adds to the role's "
+        "budget and the job's: a job that grows keeps the same budget per node",
+    )
 
 
 def _this_machine() -> Resources:

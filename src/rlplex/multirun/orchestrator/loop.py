@@ -94,9 +94,11 @@ def _say(message: str) -> None:
 
 
 def check_evicted(run: RunDir) -> None:
-    if run.is_evicted():
-        reason = " | ".join((run.eviction_reason() or "no reason given").splitlines())  # one line on stderr
-        raise RunEvictedError(f"{run.run_id} evicted: {reason}")
+    # An eviction the trainer could not mark in the run folder (full, read-only) ends the run too.
+    unwritten = None if run.is_evicted() else run.unwritten_eviction()
+    if run.is_evicted() or unwritten is not None:
+        reason = unwritten or run.eviction_reason() or "no reason given"
+        raise RunEvictedError(f"{run.run_id} evicted: {' | '.join(reason.splitlines())}")  # one line on stderr
 
 
 def latest_stable_broadcast(run: RunDir) -> int | None:

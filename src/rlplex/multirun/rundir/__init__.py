@@ -203,6 +203,14 @@ class RunDir:
         except OSError:
             return None
 
+    def unwritten_eviction(self) -> str | None:
+        """The reason the trainer evicted this run without being able to write its marker (a full
+        or read-only run folder; None: it did not), from `UNWRITTEN_EVICTIONS` beside the runs."""
+        entry = read_unwritten_evictions(self.output_dir).get(self.run_id)
+        if entry is None or entry[0] != self.read_identity():
+            return None  # another run now has that name
+        return entry[1]
+
     def is_finished(self) -> bool:
         return os.path.exists(self.finished)
 

@@ -36,6 +36,7 @@ from rlplex.multirun.rundir import (
     step_dir_name,
 )
 from rlplex.multirun.rundir.peft_export import (
+    ADAPTER_PROGRESS,
     ADAPTER_WEIGHTS,
     MAX_ADAPTER_BYTES,
     is_stable_adapter,
@@ -169,9 +170,10 @@ class ResumePoint:
 def choose_resume(run: RunDir) -> ResumePoint:
     """Rank 0's choice of where `run` resumes (see the module docstring).
 
-    A stable checkpoint that does not read whole (a truncated file, a missing progress) is
-    passed over for the one before it. Raises `CheckpointError` when the run has stable
-    checkpoints and none of them reads.
+    A stable checkpoint or adapter that does not read whole (a truncated file, a missing
+    progress) is passed over for the one before it. Raises `CheckpointError` (the run is then
+    evicted, never silently restarted) when the run has stable checkpoints and none of them
+    reads, or adapters newer than the checkpoint it resumes from and none of them reads.
     """
     checkpoint, progress, faults = None, RunProgress(), []
     for step, path in reversed(stable_checkpoints(run)):
@@ -185,20 +187,45 @@ def choose_resume(run: RunDir) -> ResumePoint:
         break
     if checkpoint is None and faults:
         raise CheckpointError(f"no stable checkpoint of {run.run_id} reads whole: " + "; ".join(faults))
+    adapter_faults = []
     for step, path in reversed(stable_steps(run.broadcast)):
         if step <= (checkpoint or 0):
             break
-        record = read_adapter_progress(path, within=run.root)
-        if record is None or record.get("step") != step or not is_stable_adapter(path):
-            continue  # written before adapters carried their progress, or damaged: try an older one
         try:
-            _check_tensor_file(path / ADAPTER_WEIGHTS, MAX_ADAPTER_BYTES)
-            adapter_progress = RunProgress.from_state_dict(record)
-        except (CheckpointError, KeyError) as error:
+            adapter_progress = _check_adapter(path, step, run.root)
+        except CheckpointError as error:
+            adapter_faults.append(f"step {step}: {error}")
             log.warning("run %s: passing over broadcast step %d: %s", run.run_id, step, error)
             continue
+        if adapter_progress is None:
+            continue  # written before adapters carried their progress: an older one may
         return ResumePoint(checkpoint, step, adapter_progress)
+    if adapter_faults:
+        # The orchestrator sampled from those adapters: starting again from an older state would
+        # train their steps a second time, and from nothing would throw the run's training away.
+        where = f"checkpoint step {checkpoint}" if checkpoint is not None else "no checkpoint"
+        raise CheckpointError(
+            f"{run.run_id} has adapters past its newest readable checkpoint ({where}) and none of them reads: "
+            + "; ".join(adapter_faults)
+        )
     return ResumePoint(checkpoint, None, progress)
+
+
+def _check_adapter(path: Path, step: int, run_root: Path) -> RunProgress | None:
+    """The counters of the STABLE adapter at `path` if it reads whole (None: it carries none,
+    as adapters of older rlplex versions); `CheckpointError` when it is damaged."""
+    if not os.path.lexists(path / ADAPTER_PROGRESS):
+        return None
+    record = read_adapter_progress(path, within=run_root)
+    if record is None or record.get("step") != step:
+        raise CheckpointError(f"{path / ADAPTER_PROGRESS}: unreadable, or not of step {step} ({record!r:.80})")
+    if not is_stable_adapter(path):
+        raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: missing")
+    _check_tensor_file(path / ADAPTER_WEIGHTS, MAX_ADAPTER_BYTES)
+    try:
+        return RunProgress.from_state_dict(record)
+    except KeyError as error:
+        raise CheckpointError(f"{path / ADAPTER_PROGRESS}: no {error} counter") from None
 
 
 def load_checkpoint(path: Path) -> RunCheckpoint:

@@ -168,7 +168,7 @@ def write_peft_adapter(
         tmp.rename(directory)
         _write_synced(directory / STABLE_MARKER, b"")
         fsync_dir(directory.parent)
-    except OSError as error:
+    except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not directory.exists():
             old.rename(directory)  # the previous adapter stays the one readers see

@@ -42,8 +42,16 @@ class TrainerConfig(StrictModel):
         "a run whose max_async_level is higher is rejected.",
     )
     poll_interval_s: float = Field(0.05, gt=0)
-    finish_retry_s: float = Field(
-        5.0, gt=0, description="Seconds before a run whose final checkpoint or broadcast failed is tried again."
+    output_retry_s: float = Field(
+        5.0,
+        gt=0,
+        description="Seconds before a run's checkpoint, broadcast or finished marker that failed is tried again.",
+    )
+    max_output_failures: int = Field(
+        12,
+        ge=1,
+        description="A run whose checkpoint or broadcast failed this many attempts in a row is evicted with the error "
+        "(with output_retry_s 5: a disk full for a minute).",
     )
     # How long `run_trainer` goes on (None: until stopped: SIGTERM, SIGINT, or the control plane's stop).
     steps: int | None = Field(None, ge=0, description="Stop after this many iterations that trained something.")

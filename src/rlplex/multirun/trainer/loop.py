@@ -243,6 +243,8 @@ class MultiRunTrainer:
     def _plan(self) -> tuple[list[MicroBatch], list[StepDone]]:
         """Rank 0: read newly ready steps, pack, and take the complete steps out of the packer."""
         steps = []
+        for idx, run_id, reason in self.outputs.retry_failed():
+            self._evict(idx, run_id, reason)
         for idx, run_id in sorted(self.manager.idx_2_id.items()):
             if run_id in self._evicted or self.manager.is_leaving(run_id) or idx in self.packer.pending:
                 continue

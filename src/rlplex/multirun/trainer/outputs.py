@@ -15,13 +15,14 @@ import logging
 import time
 from dataclasses import dataclass
 
-from rlplex.errors import AdapterError, CheckpointError, MultiRunError, RunDirGoneError
+from rlplex.errors import AdapterError, MultiRunError, RunDirGoneError
 from rlplex.multirun.rundir.checkpoint import RunProgress, save_checkpoint
 from rlplex.multirun.rundir.peft_export import write_peft_adapter
 from rlplex.multirun.rundir.retention import prune_steps
 from rlplex.multirun.trainer.config import TrainerConfig
-from rlplex.multirun.trainer.log import BackgroundWriter, ProgressLog, RunFinisher, final_outputs_missing
+from rlplex.multirun.trainer.log import BackgroundWriter, ProgressLog, RunFinisher
 from rlplex.multirun.trainer.manager import MultiRunManager
+from rlplex.multirun.trainer.output_retry import OutputKind, OutputRetries
 from rlplex.multirun.trainer.run_optim import RunOptimizers, StepStats
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class RunOutputs:
         self.config, self.manager, self.optim = config, manager, optim
         self.fan_in_fan_out = fan_in_fan_out  # GPT-2's Conv1D layers store their weight transposed
         self.writer = BackgroundWriter()
-        self.finisher = RunFinisher(self.writer, config.finish_retry_s)
+        self.finisher = RunFinisher(self.writer, config.output_retry_s)
+        self.retries = OutputRetries(config.output_retry_s, config.max_output_failures)
         self.progress_log = ProgressLog()
         self.checkpoint_due: dict[str, int] = {}
         """The newest checkpoint step submitted per run id."""
@@ -53,6 +55,33 @@ class RunOutputs:
     def forget(self, run_id: str) -> None:
         self.checkpoint_due.pop(run_id, None)
         self.finisher.forget(run_id)
+        self.retries.forget(run_id)
+
+    def _failed(self, run_id: str, kind: OutputKind, step: int, error: str) -> None:
+        """Writer thread: a run's output not written; tried again later (`retry_failed`)."""
+        log.warning(
+            "run %s: %s step %d not written: %s; tried again in %g s", run_id, kind, step, error, self.retries.retry_s
+        )
+        self.retries.report(run_id, kind, step, error)
+
+    def retry_failed(self, now: float | None = None) -> list[tuple[int, str, str]]:
+        """Rank 0: queue again the outputs that failed and whose time has come, at each run's
+        current step; returns (slot, run id, reason) of the runs whose outputs keep failing."""
+        plan = self.retries.plan(time.monotonic() if now is None else now)
+        for run_id, redo_checkpoint in plan.retry:
+            idx = self.manager.id_2_idx.get(run_id)
+            if idx is None:  # gone meanwhile
+                self.retries.forget(run_id)
+                continue
+            step = self.manager.progress[idx].step
+            if redo_checkpoint:
+                self.checkpoint(idx, run_id, step)
+            self.broadcast(idx, run_id, step)
+        return [
+            (self.manager.id_2_idx[run_id], run_id, reason)
+            for run_id, reason in plan.give_up
+            if run_id in self.manager.id_2_idx
+        ]
 
     def broadcast(self, idx: int, run_id: str, step: int) -> None:
         lora_cfg = self.manager.config[idx].model.lora
@@ -68,6 +97,10 @@ class RunOutputs:
         retention = self.config.retention
 
         def job() -> None:
+            withheld = self.retries.checkpoint_failed.get(run_id)
+            if withheld is not None:
+                self._failed(run_id, "broadcast", step, f"withheld until a checkpoint is written ({withheld})")
+                return
             try:
                 run.ensure_dir("broadcast")  # refused if the run was deleted or replaced meanwhile
                 write_peft_adapter(
@@ -81,10 +114,15 @@ class RunOutputs:
                     progress=progress,
                 )
                 run.check_identity()
-                prune_steps(run.broadcast, retention.broadcast, protect={step})
-                prune_steps(run.rollouts, retention.rollouts, below=step)  # rollouts below `step` are trained
-            except (AdapterError, RunDirGoneError, MultiRunError) as error:
+            except RunDirGoneError as error:
                 log.warning("run %s: broadcast step %d not written: %s", run_id, step, error)
+                return
+            except (AdapterError, MultiRunError, OSError) as error:
+                self._failed(run_id, "broadcast", step, str(error))
+                return
+            self.retries.report(run_id, "broadcast", step, None)
+            prune_steps(run.broadcast, retention.broadcast, protect={step})
+            prune_steps(run.rollouts, retention.rollouts, below=step)  # rollouts below `step` are trained
 
         self.writer.submit(job)
 
@@ -101,9 +139,14 @@ class RunOutputs:
             try:
                 save_checkpoint(run, step, adapter, optimizer, scheduler, progress)
                 run.check_identity()
-                prune_steps(run.checkpoints, keep, protect={step})
-            except (RunDirGoneError, CheckpointError, MultiRunError) as error:
+            except RunDirGoneError as error:
                 log.warning("run %s: checkpoint step %d not written: %s", run_id, step, error)
+                return
+            except (MultiRunError, OSError) as error:  # CheckpointError among them
+                self._failed(run_id, "checkpoint", step, str(error))
+                return
+            self.retries.report(run_id, "checkpoint", step, None)
+            prune_steps(run.checkpoints, keep, protect={step})
 
         self.checkpoint_due[run_id] = step
         self.writer.submit(job)
@@ -112,20 +155,15 @@ class RunOutputs:
         """Rank 0: queue `control/finished.txt` of a run at its max_steps behind its final outputs.
 
         The step's checkpoint and broadcast were queued when the run stepped (or, for a run
-        resumed at its last step, when it was created); a checkpoint not yet queued, or an
-        output that failed in an earlier attempt, is queued again first. `now=inf` ignores the
-        wait before a retry (the trainer is stopping).
+        resumed at its last step, when it was created); a checkpoint not yet queued is queued
+        first, and outputs that failed are written again by `retry_failed`. `now=inf` ignores
+        the wait before a retry (the trainer is stopping).
         """
         if not self.finisher.due(run_id, now):
             return
-        run = self.manager.run_dir(run_id)
-        retry = self.finisher.attempts(run_id) > 0
-        missing = final_outputs_missing(run, step) if retry else []
-        if self.checkpoint_due.get(run_id, -1) < step or "checkpoint" in missing:
+        if self.checkpoint_due.get(run_id, -1) < step:
             self.checkpoint(idx, run_id, step)
-        if "broadcast" in missing:
-            self.broadcast(idx, run_id, step)
-        self.finisher.submit(run, step)
+        self.finisher.submit(self.manager.run_dir(run_id), step)
 
     def flush(self) -> None:
         """Wait until every output submitted so far is on disk (or has failed with a warning)."""
@@ -172,6 +210,7 @@ class RunOutputs:
     def finish(self, evicted: set[str]) -> None:
         """Rank 0: checkpoint every run whose progress is ahead of its last checkpoint, and mark
         the runs at their max_steps finished (unless a marker is already queued)."""
+        self.retry_failed(now=float("inf"))  # a last try of what failed; the next trainer judges the rest
         for idx, run_id in sorted(self.manager.idx_2_id.items()):
             step = self.manager.progress[idx].step
             if run_id in evicted or idx in self.optim.resume_failures:
