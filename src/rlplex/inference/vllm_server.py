@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
+import psutil
+
 from rlplex.errors import ConfigError, InferenceError, InferenceUnavailableError
 from rlplex.inference.config import SMALL_MACHINE_CORES, InferenceConfig
 from rlplex.inference.server_auth import MIDDLEWARE
@@ -325,6 +327,33 @@ class VLLMServer:
                 return bool(response.status == 200)
         except (OSError, urllib.error.URLError):
             return False
+
+    def completes_a_token(self, timeout_s: float) -> bool:
+        """Whether a one-token completion of the base model comes back within `timeout_s`.
+
+        `/health` is answered by the API process alone; an engine core that hangs behind it
+        (stopped, deadlocked) shows only in work that has to go through it."""
+        body = json.dumps({"model": SERVED_MODEL_NAME, "prompt": [1], "max_tokens": 1, "temperature": 0.0})
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions",
+            data=body.encode(),
+            headers={"Content-Type": "application/json", "Authorization": f"Bearer {self.api_key}"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return bool(response.status == 200)
+        except (OSError, urllib.error.URLError):
+            return False
+
+    def process_states(self) -> str:
+        """Each process of the server's group and its state ("stopped" says SIGSTOP): for a message."""
+        if self.process is None:
+            return "(not started)"
+        states = []
+        for pid in group_pids(self.process.pid):
+            with contextlib.suppress(psutil.Error):
+                states.append(f"pid {pid} {psutil.Process(pid).status()}")
+        return ", ".join(states) or "(none left)"
 
     def log_tail(self, lines: int = 6) -> str:
         """The log's last lines that say something (not the route table, not access lines)."""

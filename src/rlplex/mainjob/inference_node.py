@@ -3,8 +3,10 @@
 It starts `replicas` servers on the job's model (loopback unless `[inference] host` says
 otherwise, the job's API key required), waits until each answers `/health`, then publishes
 their URLs in `inference/endpoint.json` with this node's incarnation. From then on it checks
-every replica each `health_interval_s`: a server process that exited, or one whose `/health`
-has failed for `hang_timeout_s`, fails the node with the server's log tail. The PrimeMaster
+every replica each `health_interval_s`: a server process that exited, one whose `/health` has
+failed for `hang_timeout_s`, or one whose engine completed no one-token request for as long
+while `/health` answers (an engine core stopped or deadlocked behind a live API process)
+fails the node with the server's log tail or its processes' states. The PrimeMaster
 restarts a failed node (the role's restart budget), which starts fresh servers; orchestrators
 wait for the new endpoint, load their adapters again and redo the step they were generating.
 """
@@ -12,6 +14,7 @@ wait for the new endpoint, load their adapters again and redo the step they were
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from rlplex.config import StrictModel
@@ -79,22 +82,48 @@ class InferenceNode(WorkerLoad):
                 server.stop()
 
     def _watch(self) -> None:
+        interval, hang_s = self.config.health_interval_s, self.config.hang_timeout_s
         last_healthy = [time.monotonic()] * len(self.servers)
+        probes = [
+            EngineProbe(server, max(interval, hang_s / 4), hang_s, self.context.stop_event) for server in self.servers
+        ]
         checks = 0
-        while not self.context.stop_event.wait(self.config.health_interval_s):
-            for replica, server in enumerate(self.servers):
+        while not self.context.stop_event.wait(interval):
+            now = time.monotonic()
+            for replica, (server, probe) in enumerate(zip(self.servers, probes, strict=True)):
                 if not server.alive():
                     code = server.process.returncode if server.process is not None else None
                     raise InferenceUnavailableError(
                         f"vLLM replica {replica} (port {server.port}) exited with code {code}; "
                         f"{server.log_path}:\n{server.log_tail()}"
                     )
-                if server.healthy(timeout_s=min(5.0, self.config.hang_timeout_s)):
-                    last_healthy[replica] = time.monotonic()
-                elif time.monotonic() - last_healthy[replica] > self.config.hang_timeout_s:
+                if server.healthy(timeout_s=min(5.0, hang_s)):
+                    last_healthy[replica] = now = time.monotonic()
+                elif now - last_healthy[replica] > hang_s:
                     raise InferenceUnavailableError(
-                        f"vLLM replica {replica} (port {server.port}) has not answered /health for "
-                        f"{self.config.hang_timeout_s:g} s: restarting it"
+                        f"vLLM replica {replica} (port {server.port}) has not answered /health for {hang_s:g} s "
+                        f"({server.process_states()}): restarting it"
+                    )
+                if now - probe.last_done > hang_s:
+                    raise InferenceUnavailableError(
+                        f"vLLM replica {replica} (port {server.port}) answers /health but its engine completed no "
+                        f"one-token request for {hang_s:g} s ({server.process_states()}): restarting it"
                     )
             checks += 1
             self.context.report_progress(ready=1.0, health_checks=float(checks))
+
+
+class EngineProbe:
+    """A one-token request to a replica every `every_s`, each allowed `timeout_s`, from a thread of
+    its own (a hung engine holds the request, never the node's watch). `last_done` is when one
+    last came back: an engine that makes no progress behind a live API shows as it grows old."""
+
+    def __init__(self, server: VLLMServer, every_s: float, timeout_s: float, stop: threading.Event) -> None:
+        self.server, self.every_s, self.timeout_s, self.stop = server, every_s, timeout_s, stop
+        self.last_done = time.monotonic()
+        threading.Thread(target=self._loop, name=f"rlplex-engine-probe-{server.port}", daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self.stop.wait(self.every_s):
+            if self.server.completes_a_token(self.timeout_s):
+                self.last_done = time.monotonic()
