@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +12,25 @@ from torch import nn
 
 from lm_models import untrained_tiny_model
 from rlplex.multirun import OrchestratorConfig, RunDir, create_run
+
+Snapshot = dict[str, tuple[str, bytes | str, int]]
+
+
+def snapshot(root: Path) -> Snapshot:
+    """Every entry under `root`, links not followed: kind, bytes (or link target), mtime. Two
+    equal snapshots: nothing below `root` was written, made or removed."""
+    found: Snapshot = {}
+    for folder, dirs, files in os.walk(root):
+        for name in [*dirs, *files]:
+            path = Path(folder) / name
+            info = os.lstat(path)
+            if path.is_symlink():
+                found[str(path)] = ("link", os.readlink(path), info.st_mtime_ns)
+            elif path.is_dir():
+                found[str(path)] = ("dir", b"", info.st_mtime_ns)
+            else:
+                found[str(path)] = ("file", path.read_bytes(), info.st_mtime_ns)
+    return found
 
 
 def make_config(**overrides: object) -> OrchestratorConfig:

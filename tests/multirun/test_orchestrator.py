@@ -20,9 +20,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from mr_helpers import snapshot
 from torch import nn
 
 from lm_models import small_tiny_model, tiny_model
+from rlplex.diagnostics import MetricsLogger
 from rlplex.diagnostics.metrics import read_metrics_csv
 from rlplex.errors import RunConfigError
 from rlplex.models.hf import load_causal_lm
@@ -327,6 +329,48 @@ def test_restart_after_sigkill_resumes_without_regenerating(
     assert [read_rollouts(run, s).policy_step for s in (1, 2)] == [1, 2]
     rows = read_metrics_csv(run.root / "progress.csv")
     assert [row["step"] for row in rows] == [0.0, 1.0, 2.0]
+
+
+def test_links_planted_in_the_run_folder_change_nothing_outside_nor_lend_another_runs_adapter(
+    tmp_path: Path, base_cache: Path, orchestrators: Orchestrators
+) -> None:
+    """Issue 31, hole 5, as a whole process: `progress.csv.tmp` linked to another run's progress.csv
+    and `broadcast/step_5` linked to that run's newest adapter (the other links: `test_run_links`)."""
+    out = new_output(tmp_path, base_cache)
+    config = make_config(max_steps=2)
+    other = FakeTrainer(out, "run_b", config)
+    other.generator.manual_seed(99)  # weights of its own, unlike run_a's
+    create_run(out, "run_b", config)
+    other.broadcast(5)
+    with MetricsLogger(other.run.root, tensorboard=False) as metrics:
+        for step in range(23):
+            metrics.log(step, {"charts/reward_mean": step / 23})
+    before = snapshot(other.run.root)
+
+    orch = orchestrators.start(out, "run_a", config, "orch")
+    run = RunDir(out, "run_a")
+    # Planted while it waits for its first adapter: what it picks next is what it samples with.
+    wait_until(lambda: waiting_line(0, 0) in orch.stderr(), "step 0 to wait for the trainer", orch)
+    (run.root / "progress.csv.tmp").symlink_to(other.run.root / "progress.csv")
+    run.ensure_dir("broadcast")
+    (run.broadcast / "step_5").symlink_to(other.run.broadcast_step(5), target_is_directory=True)
+    trainer = FakeTrainer(out, "run_a", config)
+    trainer.broadcast(0)
+    for step in range(config.max_steps):
+        wait_until(lambda s=step: rollouts_ready(run, s), f"rollouts/step_{step}", orch)
+        trainer.broadcast(step + 1)
+    assert orch.wait_exit() == 0, orch.stderr()
+
+    assert snapshot(other.run.root) == before
+    batches = [read_rollouts(run, step) for step in range(config.max_steps)]
+    assert [batch.policy_step for batch in batches] == [0, 1]
+    for batch in batches:  # sampled with run_a's own adapter of that step, not with run_b's
+        with torch.no_grad():
+            rescored = token_logprobs(trainer.peft_model(batch.policy_step), batch.tokens, batch.attention)
+        torch.testing.assert_close(rescored[batch.loss_mask], batch.logprobs[batch.loss_mask], atol=2e-4, rtol=0)
+    rows = read_metrics_csv(run.root / "progress.csv")
+    assert [(row["step"], row["charts/policy_step"]) for row in rows] == [(0.0, 0.0), (1.0, 1.0)]
+    assert (run.root / "progress.csv.tmp").is_symlink()  # left alone: it is not a name rlplex writes
 
 
 @pytest.mark.slow

@@ -3,18 +3,30 @@
 Keys must be namespaced so that TensorBoard groups them and so that a CSV column says what
 it measures. New keys may appear after the first row (an evaluation metric, say): the CSV is
 rewritten with the wider header, which is rare and cheap at log-interval granularity.
+
+The folder may be one other processes can write (a multi-run run folder), so nothing is read or
+written through a link placed in it: a `progress.csv` or `tb` that is a symlink (or a
+`progress.csv` that is a hard link) raises `UnsafeFileError` naming it, and a rewrite goes
+through `write_file_atomic`'s exclusively created temporary. The folder itself may be a link
+(a path the user typed).
 """
 
 from __future__ import annotations
 
 import csv
+import io
 import math
+import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from rlplex.errors import RlplexError
+from rlplex.io.safe_files import append_regular_file, make_real_dir, read_regular_text, write_file_atomic
+
+MAX_PROGRESS_CSV_BYTES = 1 << 30
+"""A resumed run's history is read whole; past this the file is refused, not read into memory."""
 
 _KEY = re.compile(r"^[a-z0-9_]+/[A-Za-z0-9_./-]+$")
 
@@ -40,23 +52,24 @@ class MetricsLogger:
         self._columns: list[str] = ["step"]
         self._rows: list[dict[str, float]] = []
         self._writer: Any = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(self.log_dir / "tb"))
-        if self.csv_path.exists():
+        # The CSV first: a refused progress.csv must fail before TensorBoard makes its first file.
+        if os.path.lexists(self.csv_path):
             self._load_existing()
             if resumed_at is not None and any(row["step"] > resumed_at for row in self._rows):
                 self._rows = [row for row in self._rows if row["step"] <= resumed_at]
                 self._rewrite()
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(make_real_dir(self.log_dir / "tb")))
 
     def _load_existing(self) -> None:
         # A resumed run appends to its own history instead of truncating it.
-        with self.csv_path.open(newline="") as handle:
-            reader = csv.DictReader(handle)
-            self._columns = list(reader.fieldnames or ["step"])
-            for row in reader:
-                self._rows.append({k: float(v) for k, v in row.items() if v not in ("", None)})
+        text = read_regular_text(self.csv_path, MAX_PROGRESS_CSV_BYTES)
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        self._columns = list(reader.fieldnames or ["step"])
+        for row in reader:
+            self._rows.append({k: float(v) for k, v in row.items() if v not in ("", None)})
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         row: dict[str, float] = {"step": float(step)}
@@ -70,20 +83,22 @@ class MetricsLogger:
         self._rows.append(row)
         if self.on_row is not None:
             self.on_row(step, metrics)
-        if new_columns or not self.csv_path.exists():
+        if new_columns or not os.path.lexists(self.csv_path):
             self._columns.extend(new_columns)
             self._rewrite()
         else:
-            with self.csv_path.open("a", newline="") as handle:
-                csv.DictWriter(handle, fieldnames=self._columns).writerow(row)
+            append_regular_file(self.csv_path, self._csv_text([row], header=False))
+
+    def _csv_text(self, rows: Iterable[dict[str, float]], header: bool) -> bytes:
+        buffer = io.StringIO(newline="")
+        writer = csv.DictWriter(buffer, fieldnames=self._columns)
+        if header:
+            writer.writeheader()
+        writer.writerows(rows)
+        return buffer.getvalue().encode("utf-8")
 
     def _rewrite(self) -> None:
-        tmp = self.csv_path.with_suffix(".csv.tmp")
-        with tmp.open("w", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=self._columns)
-            writer.writeheader()
-            writer.writerows(self._rows)
-        tmp.replace(self.csv_path)
+        write_file_atomic(self.csv_path, self._csv_text(self._rows, header=True))
 
     @property
     def rows(self) -> list[dict[str, float]]:

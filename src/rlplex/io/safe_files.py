@@ -7,6 +7,11 @@ final symlink and without blocking, checks on the open descriptor that it is a r
 within a size cap, and reads at most one byte past the cap (the file may grow meanwhile).
 `check_regular_file` is the same check for readers that must open the path themselves
 (safetensors' memory-mapped loader).
+
+Writes into such folders never go through a link either: `write_file_atomic` creates its
+temporary exclusively (a planted link or hard link at that name is removed, never written
+through), `append_regular_file` appends only to a regular file of its own, and `make_real_dir`
+refuses a folder that is a symlink.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import stat
 from pathlib import Path
 
 from rlplex.errors import ConfigError, RunDirGoneError, UnsafeFileError
+
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 SMALL_FILE_BYTES = 1 << 20
 """Cap of control files (markers, reasons, JSON records, configs)."""
@@ -68,7 +75,7 @@ def read_regular_file(
     _check_within(path, within)
     try:
         nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
-        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(path, os.O_RDONLY | nofollow | os.O_NONBLOCK | _CLOEXEC)
     except OSError as error:
         if isinstance(error, FileNotFoundError):
             raise
@@ -125,11 +132,26 @@ def ensure_output_dir(path: Path, what: str) -> Path:
     return path
 
 
+def _create_exclusive(path: Path) -> int:
+    # O_EXCL: the file is new, so writing it cannot reach another file through a symlink or a
+    # hard link someone put at this name (O_TRUNC on a hard link would rewrite the other name's
+    # file). A name already there is a dead writer's leftover or planted: unlink removes the name
+    # only, never what it points to.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | _CLOEXEC
+    try:
+        return os.open(path, flags, 0o644)
+    except FileExistsError:
+        os.unlink(path)
+    return os.open(path, flags, 0o644)
+
+
 def write_file_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a temporary sibling, fsync, rename over `path`; never follow a symlink."""
+    """Write `data` to a new temporary sibling, fsync, rename over `path`; never write through a link.
+
+    The rename replaces a symlink at `path` itself, not the file it points to."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        fd = _create_exclusive(tmp)
     except FileNotFoundError:
         raise RunDirGoneError(f"{path.parent}: directory was deleted; {path.name} not written") from None
     try:
@@ -145,6 +167,60 @@ def write_file_atomic(path: Path, data: bytes) -> None:
         except OSError:
             pass
         raise
+
+
+def append_regular_file(path: str | os.PathLike[str], data: bytes, header: bytes = b"") -> None:
+    """Append `data` to `path`, made if missing (`header` first while the file is empty).
+
+    Only to a regular file with no other name: a symlink, a FIFO, a device or a hard link to
+    another file (another run's log, say) raises `UnsafeFileError` naming `path`, and nothing is
+    written. `FileNotFoundError` when the folder is gone (it is never made here).
+    """
+    path = Path(path)
+    flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | _CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as error:
+        if isinstance(error, FileNotFoundError):
+            raise
+        try:
+            mode = os.lstat(path).st_mode
+        except OSError:
+            raise error from None
+        if stat.S_ISLNK(mode):
+            raise UnsafeFileError(f"{path}: is a symlink; nothing written through it") from None
+        if not stat.S_ISREG(mode):  # a FIFO without a reader: ENXIO
+            raise UnsafeFileError(f"{path}: not a regular file (mode {stat.filemode(mode)}); not written") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnsafeFileError(f"{path}: not a regular file (mode {stat.filemode(info.st_mode)}); not written")
+        if info.st_nlink > 1:
+            raise UnsafeFileError(f"{path}: has {info.st_nlink} hard links (it is also another file); not written")
+        view = memoryview(header + data if info.st_size == 0 else data)
+        while view:
+            view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
+
+
+def make_real_dir(path: Path) -> Path:
+    """Make the folder `path` (one level: never its parents) or take the one there; return it.
+
+    Raises `UnsafeFileError` naming `path` when it is a symlink (writes below it would land
+    wherever it points) or not a folder, and `FileNotFoundError` when its parent is gone.
+    """
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    mode = os.lstat(path).st_mode
+    if stat.S_ISLNK(mode):
+        raise UnsafeFileError(f"{path}: is a symlink; rlplex writes nothing through a link (remove it)")
+    if not stat.S_ISDIR(mode):
+        raise UnsafeFileError(f"{path}: exists but is not a folder; nothing written into it")
+    return path
 
 
 def fsync_dir(path: Path) -> None:

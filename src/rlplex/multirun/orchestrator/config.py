@@ -17,11 +17,11 @@ from typing import Any
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rlplex.config import StrictModel, format_validation_error, toml_value
-from rlplex.errors import RunConfigError
+from rlplex.errors import MultiRunError, RunConfigError
 from rlplex.inference.config import EngineSettings
 from rlplex.io.safe_files import read_regular_file
 from rlplex.models.spec import ModelSpec
-from rlplex.multirun.rundir import RunDir
+from rlplex.multirun.rundir import RunDir, run_folder_problem
 from rlplex.tasks import EnvSpec
 
 MAX_ORCH_CONFIG_BYTES = 1_000_000
@@ -194,6 +194,9 @@ def create_run(output_dir: Path, run_id: str, config: OrchestratorConfig) -> Run
     """
     run = RunDir(Path(output_dir), run_id)
     os.makedirs(run.root, exist_ok=True)
+    problem = run_folder_problem(run.root)  # the trainer's test: a linked folder is not the run's
+    if problem is not None:
+        raise MultiRunError(f"{run.root}: cannot be the folder of {run_id}: {problem}")
     run.ensure_identity()  # before orch.toml: the trainer must never see this run without its identity
     run.write_text(run.orch_config, orch_config_to_toml(config))
     return run

@@ -28,7 +28,9 @@ class HFEngine:
 
     def load_adapter(self, name: str, path: Path) -> float:
         started = time.perf_counter()
-        self.policy.load(path, step=0)
+        # The caller checked the folder (`check_stable_adapter`); reading within its parent refuses
+        # it again if it was swapped for a link out of `broadcast/` since.
+        self.policy.load(path, step=0, within=Path(path).parent)
         self.adapter = name
         return time.perf_counter() - started
 

@@ -31,6 +31,10 @@ Choices:
   is a client of the job's vLLM servers (its adapter loaded there under the run's id, unloaded
   when the orchestrator ends); with "hf" (the default) transformers generates in this process,
   or on `rollout_workers = N` (N > 1) worker processes, each taking every N-th row of the step.
+- Links: the run folder is writable by others, so nothing goes through a link placed in it.
+  A `broadcast/step_k` that is a symlink (or leads out of the run) is never chosen nor handed
+  to an engine; a `progress.csv`, `tb` or `eval` that is a link fails the run with an error
+  naming it (`rlplex.io.safe_files`), and every other write goes through `RunDir`.
 - Finish: after writing the last rollouts the orchestrator waits until the trainer has
   consumed them (`broadcast/step_{max_steps}` is STABLE) and exits 0, so "the orchestrator
   exited 0" means "the run is done" and eviction during the last step is still reported.
@@ -44,7 +48,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable
@@ -62,7 +65,7 @@ from rlplex.multirun.orchestrator.config import OrchestratorConfig, config_chang
 from rlplex.multirun.orchestrator.evaluator import RunEvaluator, evaluation_env
 from rlplex.multirun.orchestrator.graph import orchestrator_graph
 from rlplex.multirun.orchestrator.models import ActorModel, EnvRewardModel, Handoff, RolloutHandoff, StepPrompts
-from rlplex.multirun.rundir import RunDir, parse_step, write_eviction
+from rlplex.multirun.rundir import RunDir, stable_steps, write_eviction
 from rlplex.multirun.rundir.peft_export import is_stable_adapter
 from rlplex.multirun.rundir.rollouts import rollouts_ready
 from rlplex.tasks import Environment, load_environment
@@ -102,12 +105,10 @@ def check_evicted(run: RunDir) -> None:
 
 
 def latest_stable_broadcast(run: RunDir) -> int | None:
-    try:
-        names = os.listdir(run.broadcast)
-    except FileNotFoundError:
-        return None
-    steps = sorted((s for s in map(parse_step, names) if s is not None), reverse=True)
-    return next((s for s in steps if is_stable_adapter(run.broadcast_step(s))), None)
+    """The newest complete `broadcast/step_k` of this run. A step folder that is a symlink, or
+    that leads out of the run, is passed over: it may be another run's adapter."""
+    steps = reversed(stable_steps(run.broadcast))
+    return next((step for step, path in steps if is_stable_adapter(path, within=run.root)), None)
 
 
 def first_unfinished_step(run: RunDir, max_steps: int) -> int:
@@ -163,7 +164,7 @@ def open_run(output_dir: Path, run_id: str, config: OrchestratorConfig) -> RunDi
     run = RunDir(output_dir, run_id)
     if run.orch_config.is_file():
         try:
-            existing = read_orch_config(run.orch_config)
+            existing = read_orch_config(run.orch_config, within=run.root)
         except RunConfigError:
             existing = None
         if existing == config:
@@ -311,9 +312,10 @@ def run_orchestrator(
     generated = 0
     if step < config.max_steps or config.evaluation is not None:
         run.ensure_dir()  # MetricsLogger makes missing parents: never let it recreate a deleted run
+        # The metrics first: a progress.csv or tb that is a link fails the start before the model loads.
         with (
-            StepDataflow(output_dir, run, config, env, actor_workers) as dataflow,
             MetricsLogger(run.root, tensorboard) as metrics,
+            StepDataflow(output_dir, run, config, env, actor_workers) as dataflow,
             ExitStack() as stack,
         ):
             evaluator = None

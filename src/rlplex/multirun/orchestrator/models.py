@@ -42,6 +42,7 @@ from rlplex.models.hf import (
 from rlplex.multirun.orchestrator.config import OrchestratorConfig
 from rlplex.multirun.orchestrator.graph import GENERATED_KEYS
 from rlplex.multirun.rundir import RunDir, write_eviction
+from rlplex.multirun.rundir.peft_export import check_stable_adapter
 from rlplex.multirun.rundir.rollouts import RolloutBatch, write_rollouts
 from rlplex.tasks import Environment, Example, load_environment
 
@@ -140,7 +141,10 @@ class ActorModel:
         return cls(engine, tokenizer, RunDir(Path(output_dir), run_id), config, env, stop_token_ids(tokenizer, model))
 
     def _load(self, policy_step: int) -> None:
-        path = self.run.broadcast_step(policy_step)
+        # Checked before any engine sees the path (a vLLM server would follow a link): a step
+        # folder swapped for a link since it was chosen fails the run rather than loading
+        # another run's weights. Not an engine refusal, so no retry and no eviction.
+        path = check_stable_adapter(self.run.broadcast_step(policy_step), within=self.run.root)
         tries = self.config.inference.adapter_load_retries + 1
         for attempt in range(tries):
             try:

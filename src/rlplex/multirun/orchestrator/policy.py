@@ -24,6 +24,7 @@ from safetensors.torch import load as load_safetensors
 from torch import nn
 
 from rlplex.errors import AdapterError
+from rlplex.io.safe_files import read_regular_file
 from rlplex.multirun.rundir.peft_export import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PEFT_PREFIX
 from rlplex.multirun.trainer.lora_apply import MultiLoRAModules, apply_multi_lora
 
@@ -39,12 +40,10 @@ class PeftAdapter:
         self.rank, self.alpha, self.target_modules, self.modules = rank, alpha, target_modules, modules
 
 
-def _read_config(path: Path) -> tuple[int, float, list[str]]:
+def _read_config(path: Path, within: Path | None) -> tuple[int, float, list[str]]:
     try:
-        if path.stat().st_size > MAX_ADAPTER_CONFIG_BYTES:
-            raise AdapterError(f"{path}: more than {MAX_ADAPTER_CONFIG_BYTES} bytes")
-        data: Any = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
+        data: Any = json.loads(read_regular_file(path, MAX_ADAPTER_CONFIG_BYTES, within).decode("utf-8"))
+    except (OSError, ValueError) as error:  # UnsafeFileError: a link, a FIFO, too big
         raise AdapterError(f"{path}: unreadable adapter config ({error})") from None
     if not isinstance(data, dict):
         raise AdapterError(f"{path}: expected a JSON object")
@@ -60,15 +59,15 @@ def _read_config(path: Path) -> tuple[int, float, list[str]]:
     return rank, float(alpha), sorted(targets)
 
 
-def read_peft_adapter(directory: str | Path) -> PeftAdapter:
-    """Read and check a PEFT LoRA folder; raise `AdapterError` naming the file and the fault."""
+def read_peft_adapter(directory: str | Path, within: Path | None = None) -> PeftAdapter:
+    """Read and check a PEFT LoRA folder; raise `AdapterError` naming the file and the fault.
+
+    Files that are links are refused, and with `within` so is a folder that leads out of it."""
     directory = Path(directory)
-    rank, alpha, targets = _read_config(directory / ADAPTER_CONFIG)
+    rank, alpha, targets = _read_config(directory / ADAPTER_CONFIG, within)
     path = directory / ADAPTER_WEIGHTS
     try:
-        if path.stat().st_size > MAX_ADAPTER_BYTES:
-            raise AdapterError(f"{path}: more than {MAX_ADAPTER_BYTES} bytes")
-        tensors = load_safetensors(path.read_bytes())
+        tensors = load_safetensors(read_regular_file(path, MAX_ADAPTER_BYTES, within))
     except (OSError, SafetensorError) as error:
         raise AdapterError(f"{path}: unreadable adapter weights ({error})") from None
     modules: dict[str, dict[str, torch.Tensor]] = {}
@@ -102,8 +101,8 @@ class AdapterPolicy:
         self.targets: list[str] = []
         self.loaded_step: int | None = None
 
-    def load(self, directory: str | Path, step: int) -> None:
-        adapter = read_peft_adapter(directory)
+    def load(self, directory: str | Path, step: int, within: Path | None = None) -> None:
+        adapter = read_peft_adapter(directory, within)
         if adapter.rank > self.max_rank:
             raise AdapterError(f"{directory}: adapter rank {adapter.rank} is more than the run's rank {self.max_rank}")
         if self.lora is None:

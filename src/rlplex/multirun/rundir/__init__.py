@@ -18,7 +18,7 @@ Writes never recreate a run directory: the run directory itself is never created
 each missing level below it is made with a single `mkdir` (no `parents=True`), which fails
 if the level above has been deleted. A run deleted during a checkpoint therefore stays
 deleted instead of coming back as a zombie. Writes refuse to go through symlinks so that a
-run directory cannot redirect the trainer's writes outside `output_dir`.
+run directory cannot redirect the trainer's or its orchestrator's writes outside `output_dir`.
 
 A name is not an identity: a run directory deleted and made again under the same name often
 gets the freed inode back (ext4 hands it straight out), so `control/identity` tells the runs
@@ -43,8 +43,8 @@ import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rlplex.errors import MultiRunError, RunDirGoneError
-from rlplex.io.safe_files import is_safe_name, read_regular_file, read_regular_text, write_file_atomic
+from rlplex.errors import MultiRunError, RunDirGoneError, UnsafeFileError
+from rlplex.io.safe_files import is_safe_name, make_real_dir, read_regular_file, read_regular_text, write_file_atomic
 
 RUN_PREFIX = "run_"
 IDENTITY_FILE = "identity"
@@ -234,14 +234,11 @@ class RunDir:
                 raise MultiRunError(f"{self.root}: refusing path component {part!r}")
             current = current / part
             try:
-                os.mkdir(current)
-            except FileExistsError:
-                pass
+                make_real_dir(current)
             except FileNotFoundError:
                 raise RunDirGoneError(f"{self.root}: run directory was deleted; {current} not created") from None
-            mode = os.lstat(current).st_mode
-            if not stat.S_ISDIR(mode):
-                raise MultiRunError(f"{current}: exists but is not a directory (or is a symlink); not writing into it")
+            except UnsafeFileError as error:
+                raise MultiRunError(str(error)) from None
         return current
 
     def write_text(self, path: Path, text: str) -> None:

@@ -219,8 +219,8 @@ def _check_adapter(path: Path, step: int, run_root: Path) -> RunProgress | None:
     record = read_adapter_progress(path, within=run_root)
     if record is None or record.get("step") != step:
         raise CheckpointError(f"{path / ADAPTER_PROGRESS}: unreadable, or not of step {step} ({record!r:.80})")
-    if not is_stable_adapter(path):
-        raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: missing")
+    if not is_stable_adapter(path, within=run_root):
+        raise CheckpointError(f"{path / ADAPTER_WEIGHTS}: missing, or not a regular file inside the run")
     _check_tensor_file(path / ADAPTER_WEIGHTS, MAX_ADAPTER_BYTES)
     try:
         return RunProgress.from_state_dict(record)

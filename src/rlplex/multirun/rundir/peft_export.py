@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -28,8 +29,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
-from rlplex.errors import AdapterError
-from rlplex.io.safe_files import fsync_dir, read_regular_file
+from rlplex.errors import AdapterError, UnsafeFileError
+from rlplex.io.safe_files import SMALL_FILE_BYTES, check_regular_file, fsync_dir, read_regular_file
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -163,23 +164,55 @@ def write_peft_adapter(
         _write_synced(tmp / ADAPTER_CONFIG, json.dumps(config, indent=2).encode())
         if progress is not None:
             _write_synced(tmp / ADAPTER_PROGRESS, json.dumps(progress).encode())
-        if directory.exists():
+        if os.path.lexists(directory):  # a symlink there (dangling too) is moved aside, never followed
             directory.rename(old)
         tmp.rename(directory)
         _write_synced(directory / STABLE_MARKER, b"")
         fsync_dir(directory.parent)
     except (OSError, SafetensorError) as error:  # safetensors reports a full disk as its own error
         shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not directory.exists():
+        if os.path.lexists(old) and not os.path.lexists(directory):
             old.rename(directory)  # the previous adapter stays the one readers see
         raise AdapterError(f"{directory}: adapter not written ({error})") from error
-    shutil.rmtree(old, ignore_errors=True)
+    if os.path.islink(old):
+        os.unlink(old)  # rmtree refuses a link, and must never go through one
+    else:
+        shutil.rmtree(old, ignore_errors=True)
     return directory
 
 
-def is_stable_adapter(directory: str | Path) -> bool:
+def stable_adapter_problem(directory: str | Path, within: Path | None = None) -> str | None:
+    """Why `directory` is not an adapter readers may take, or None.
+
+    A reader takes a real folder (not a symlink: a `broadcast/step_N` linked to another run's
+    adapter would have this run sample with that run's weights) whose STABLE marker and weights
+    are regular files, reached through no folder that leads out of `within` (the run's folder).
+    """
     directory = Path(directory)
-    return (directory / STABLE_MARKER).is_file() and (directory / ADAPTER_WEIGHTS).is_file()
+    try:
+        mode = os.lstat(directory).st_mode
+        if stat.S_ISLNK(mode):
+            return "is a symlink (an adapter folder must be a real folder inside the run)"
+        if not stat.S_ISDIR(mode):
+            return "is not a folder"
+        check_regular_file(directory / STABLE_MARKER, SMALL_FILE_BYTES, within)
+        check_regular_file(directory / ADAPTER_WEIGHTS, MAX_ADAPTER_BYTES, within)
+    except OSError as error:  # UnsafeFileError included: it names the file and the fault
+        return str(error) if isinstance(error, UnsafeFileError) else f"{error.filename}: {error.strerror}"
+    return None
+
+
+def is_stable_adapter(directory: str | Path, within: Path | None = None) -> bool:
+    """True when `directory` is a complete adapter readers may take (see `stable_adapter_problem`)."""
+    return stable_adapter_problem(directory, within) is None
+
+
+def check_stable_adapter(directory: str | Path, within: Path | None = None) -> Path:
+    """`directory`, or `AdapterError` naming it and why it may not be loaded."""
+    problem = stable_adapter_problem(directory, within)
+    if problem is not None:
+        raise AdapterError(f"{directory}: not loaded: {problem}")
+    return Path(directory)
 
 
 def read_peft_adapter(directory: str | Path, within: Path | None = None) -> dict[str, torch.Tensor]:

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rlplex.errors import MultiRunError, RunDirGoneError
+from rlplex.io.safe_files import append_regular_file
 from rlplex.multirun.rundir import STABLE_MARKER, RunDir, write_finished
 from rlplex.multirun.rundir.peft_export import is_stable_adapter
 
@@ -67,16 +68,10 @@ class ProgressLog:
     def append(self, run: RunDir, row: dict[str, Any]) -> None:
         try:
             directory = run.ensure_dir("logs")
-            path = directory / PROGRESS_CSV
-            new = not path.exists()
-            buffer = io.StringIO()
-            writer = csv.DictWriter(buffer, fieldnames=list(row))
-            if new:
-                writer.writeheader()
-            writer.writerow(row)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o644)
-            with os.fdopen(fd, "a") as handle:
-                handle.write(buffer.getvalue())
+            header, line = io.StringIO(), io.StringIO()
+            csv.DictWriter(header, fieldnames=list(row)).writeheader()
+            csv.DictWriter(line, fieldnames=list(row)).writerow(row)
+            append_regular_file(directory / PROGRESS_CSV, line.getvalue().encode(), header.getvalue().encode())
         except (OSError, RunDirGoneError, MultiRunError) as error:
             log.warning("run %s: progress row not written: %s", run.run_id, error)
 
@@ -92,7 +87,7 @@ def final_outputs_missing(run: RunDir, step: int) -> list[str]:
     missing = []
     if not os.path.exists(run.checkpoint_step(step) / STABLE_MARKER):
         missing.append("checkpoint")
-    if not is_stable_adapter(run.broadcast_step(step)):
+    if not is_stable_adapter(run.broadcast_step(step), within=run.root):
         missing.append("broadcast")
     return missing
 

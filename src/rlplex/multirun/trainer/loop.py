@@ -192,7 +192,7 @@ class MultiRunTrainer:
         run = self.manager.run_dir(run_id)
         # Leftovers of this trainer's writes cut short by a crash (the rollouts are the orchestrator's).
         remove_orphaned_temporaries(run.root, ("checkpoints", "broadcast", "control"))
-        if not is_stable_adapter(run.broadcast_step(step)):
+        if not is_stable_adapter(run.broadcast_step(step), within=run.root):
             self.outputs.broadcast(idx, run_id, step)
 
     def _on_forgotten(self, idx: int, run_id: str) -> None:
