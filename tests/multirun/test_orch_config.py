@@ -30,6 +30,7 @@ def test_defaults_and_int_alpha_accepted(tmp_path: Path) -> None:
     path = write(tmp_path / "orch.toml", body)
     config = read_orch_config(path)
     assert (config.model.lora.rank, config.model.lora.alpha, config.max_async_level) == (8, 32.0, 1)
+    assert config.reward_timeout_s == 10.0
 
 
 @pytest.mark.parametrize(
@@ -43,6 +44,10 @@ def test_defaults_and_int_alpha_accepted(tmp_path: Path) -> None:
         ('max_steps = 3\nbatch_size = 2\n[model]\nname = "m"\n', "env"),
         ('env = { name = "t" }\nmax_steps = 3\nbatch_size = 2\n', "model"),
         (f'{HEAD}dtype = "float16"\n', "model.dtype"),
+        (
+            'reward_timeout_s = 0\nenv = { name = "t" }\nmax_steps = 3\nbatch_size = 2\n[model]\nname = "m"\n',
+            "reward_timeout_s",
+        ),
     ],
 )
 def test_wrong_types_and_values_name_the_field(tmp_path: Path, body: str, expected: str) -> None:

@@ -24,6 +24,7 @@ from mr_helpers import snapshot
 from torch import nn
 
 from lm_models import small_tiny_model, tiny_model
+from reward_helpers import reward_workers
 from rlplex.diagnostics import MetricsLogger
 from rlplex.diagnostics.metrics import read_metrics_csv
 from rlplex.errors import RunConfigError
@@ -32,10 +33,16 @@ from rlplex.models.lm import token_logprobs
 from rlplex.multirun import OrchestratorConfig, RunDir, apply_multi_lora, orch_config_to_toml, write_peft_adapter
 from rlplex.multirun.orchestrator.config import create_run, read_orch_config
 from rlplex.multirun.orchestrator.graph import orchestrator_mfcs
-from rlplex.multirun.orchestrator.loop import MAX_EMPTY_BATCH_ATTEMPTS, WaitOptions, main, run_orchestrator
+from rlplex.multirun.orchestrator.loop import (
+    MAX_EMPTY_BATCH_ATTEMPTS,
+    MAX_TIMED_OUT_BATCHES,
+    WaitOptions,
+    main,
+    run_orchestrator,
+)
 from rlplex.multirun.rundir import write_eviction
 from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE, read_rollouts, rollouts_ready
-from timing import scaled
+from timing import scaled, wait_for
 
 TIMEOUT_S = scaled(60.0)
 TARGETS = ("q_proj", "v_proj")
@@ -299,6 +306,32 @@ def test_self_eviction_after_batches_without_signal(
     assert f"{MAX_EMPTY_BATCH_ATTEMPTS} consecutive batches" in reason and "no learning signal" in reason
     assert orch.stderr().count("no learning signal (all advantages zero)") == MAX_EMPTY_BATCH_ATTEMPTS + 1
     assert not trainer.run.rollouts.exists() or not any(trainer.run.rollouts.iterdir())
+
+
+def test_rewards_that_keep_timing_out_evict_the_run_naming_reward_and_deadline(
+    tmp_path: Path, base_cache: Path, orchestrators: Orchestrators, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31, hole 2: a reward that never returns (holding the GIL) is killed at the deadline
+    and scores 0; batches of nothing but that evict the run with the reason, exit code 3."""
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "hf_cache")  # the fork inherits it
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "r:abc>", "answer": "cba"}\n')
+    env = {"name": "jsonl", "path": str(data), "reward": "reward_helpers:hold_the_gil", "max_new_tokens": 4}
+    out = new_output(tmp_path, base_cache)
+    config = make_config(env=env, batch_size=2, group_size=2, reward_timeout_s=1.0)
+    orch, trainer = start_run(orchestrators, out, "run_slow", config)
+    assert orch.process is not None
+    pid = orch.process.pid
+    wait_until(lambda: bool(reward_workers(pid)), "a reward worker process of the orchestrator", orch)
+    assert orch.wait_exit() == 3, orch.stderr()
+    reason = trainer.run.eviction_reason() or ""
+    assert "the reward reward_helpers:hold_the_gil of environment 'jsonl' timed out" in reason
+    assert f"(reward_timeout_s = 1 s) on at least half the rows of {MAX_TIMED_OUT_BATCHES} consecutive" in reason
+    assert "2 of 2 in the last (step 0)" in reason
+    assert orch.stderr().strip().splitlines()[-1] == f"rlplex orchestrator: run_slow evicted: {reason}"
+    wait_for(lambda: not reward_workers(pid), 10, "the orchestrator's reward workers to end")
 
 
 def test_restart_after_sigkill_resumes_without_regenerating(

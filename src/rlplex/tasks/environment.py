@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from rlplex.errors import ConfigError, RlplexError
+from rlplex.tasks.reward_guard import RowFailure, guarded_outcomes
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,8 @@ class Rubric:
 def safe_scores(
     reward: RewardFn, examples: Sequence[Example], completions: Sequence[str], env_name: str
 ) -> list[float]:
-    """Score each completion; a sample whose reward raises or is not a finite number scores 0.0.
+    """Score each completion; a sample whose reward raises, is not a finite number or runs past
+    its deadline (`rlplex.tasks.reward_guard`: each call runs in a child process) scores 0.0.
 
     One bad sample (a user's reward tripping on odd model output) must not take a run down, and a
     batch of them must not flood the log: all of one call's failures go into one warning.
@@ -125,20 +127,15 @@ def safe_scores(
     if len(examples) != len(completions):
         # A caller's bug, not a reward's: scores paired with the wrong samples would train silently wrong.
         raise RlplexError(f"environment {env_name!r}: {len(examples)} examples but {len(completions)} completions")
+    rows = [(e.prompt_text, c, e.answer) for e, c in zip(examples, completions, strict=True)]
     scores: list[float] = []
     failures: list[str] = []
-    for row, (example, completion) in enumerate(zip(examples, completions, strict=True)):
-        try:
-            value = reward(example.prompt_text, completion, example.answer)
-        except Exception as error:  # any failure of user code is the sample's, not the run's
-            failures.append(f"row {row}: raised {error!r}")
+    for row, outcome in enumerate(guarded_outcomes(reward, rows)):
+        if isinstance(outcome, RowFailure):
+            failures.append(f"row {row}: {outcome.text}")
             scores.append(0.0)
-            continue
-        if isinstance(value, numbers.Real) and math.isfinite(value):
-            scores.append(float(value))
         else:
-            failures.append(f"row {row}: returned {value!r:.80}")
-            scores.append(0.0)
+            scores.append(outcome)
     if failures:
         more = len(failures) - _FAILURES_SHOWN
         shown = "; ".join(failures[:_FAILURES_SHOWN]) + (f"; and {more} more" if more > 0 else "")

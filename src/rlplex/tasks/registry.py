@@ -18,6 +18,7 @@ from rlplex.errors import ConfigError
 from rlplex.tasks.arithmetic import ArithmeticEnv, ArithmeticSettings
 from rlplex.tasks.environment import Environment
 from rlplex.tasks.files import FileEnv, FileSettings
+from rlplex.tasks.reward_guard import RowFailure, guarded_outcomes
 from rlplex.tasks.toy import AddEnv, AddSettings, ReverseEnv, ReverseSettings, SortDigitsEnv, SortDigitsSettings
 
 
@@ -64,12 +65,10 @@ def load_environment(spec: EnvSpec | Mapping[str, Any] | str) -> Environment:
 
 def check_environment(spec: EnvSpec | Mapping[str, Any] | str) -> None:
     """What a run's start would find wrong with its environment, found now: its settings, its
-    data (read whole), and its reward (imported, and called once on a row with the row's own
-    answer as the completion: a reward that raises there, or returns no number, is a mistake
-    in it, not in a model's output). Raises `ConfigError`."""
-    import math
-    import numbers
-
+    data (read whole), and its reward (imported, and called once, under the guard's deadline,
+    on a row with the row's own answer as the completion: a reward that raises there, returns
+    no number or runs past the deadline is a mistake in it, not in a model's output). Raises
+    `ConfigError`."""
     import numpy as np
 
     environment = load_environment(spec)
@@ -77,9 +76,9 @@ def check_environment(spec: EnvSpec | Mapping[str, Any] | str) -> None:
         return
     (example,) = environment.sample(1, np.random.default_rng(0))
     what = f"env {environment.name!r}: field 'reward': {environment.settings.reward!r}"
-    try:
-        value = environment.reward(example.prompt_text, example.answer, example.answer)
-    except Exception as error:
-        raise ConfigError(f"{what} raised {error!r:.200} on a row of its data (its answer as the completion)") from None
-    if not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise ConfigError(f"{what} returned {value!r:.80} on a row of its data; a reward returns a finite number")
+    (outcome,) = guarded_outcomes(environment.reward, [(example.prompt_text, example.answer, example.answer)])
+    if not isinstance(outcome, RowFailure):
+        return
+    if outcome.kind == "returned":
+        raise ConfigError(f"{what} {outcome.text} on a row of its data; a reward returns a finite number")
+    raise ConfigError(f"{what} {outcome.text:.210} on a row of its data (its answer as the completion)")

@@ -36,9 +36,10 @@ def math_answer(prompt: str, completion: str, answer: str) -> float:
     # Imported here: sympy behind it costs half a second, which runs without math rewards should not pay.
     from math_verify import parse, verify
 
-    # math-verify's default timeouts use SIGALRM, which only works in the main thread; rewards run in
-    # worker threads, so they are off and a caller that needs a bound puts it around the whole call.
-    # Its warning that they are off would land in every orchestrator's log: it is said here instead.
+    # math-verify's own timeouts use SIGALRM, which only works in a main thread, and cannot stop a C
+    # call that holds the GIL (`9^{9^{9}}`): they are off. The bound is the reward guard's deadline
+    # (`rlplex.tasks.reward_guard`: the call runs in a child process, killed when late). Its warning
+    # that they are off would land in every orchestrator's log: it is said here instead.
     logging.getLogger("math_verify").setLevel(logging.ERROR)
     gold = parse(answer, parsing_timeout=None) or parse(f"${answer}$", parsing_timeout=None)
     if not gold:

@@ -23,6 +23,7 @@ from rlplex.io.safe_files import read_regular_file
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir import RunDir, run_folder_problem
 from rlplex.tasks import EnvSpec
+from rlplex.tasks.reward_guard import DEFAULT_DEADLINE_S
 
 MAX_ORCH_CONFIG_BYTES = 1_000_000
 
@@ -109,6 +110,12 @@ class OrchestratorConfig(_Strict):
         EngineSettings(), description="How rollouts are generated: in process (hf) or on the job's vLLM servers."
     )
     evaluation: EvaluationConfig | None = Field(None, description="Score the policy on held-out examples as it learns.")
+    reward_timeout_s: float = Field(
+        DEFAULT_DEADLINE_S,
+        gt=0,
+        le=3600,
+        description="Deadline of one reward call; a call past it is killed and scores 0 (rlplex.tasks.reward_guard).",
+    )
 
     @model_validator(mode="after")
     def _engine_is_reachable(self) -> OrchestratorConfig:

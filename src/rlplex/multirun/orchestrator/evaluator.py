@@ -24,6 +24,7 @@ from rlplex.multirun.orchestrator.models import ActorModel
 from rlplex.multirun.rundir import RunDir
 from rlplex.tasks import Environment, load_environment
 from rlplex.tasks.evaluation import Evaluation, score_evaluation
+from rlplex.tasks.reward_guard import reward_deadline
 
 _BATCH = 64  # prompts per engine call: bounds the in-process engine's KV cache
 
@@ -51,6 +52,7 @@ class RunEvaluator:
         self.examples = self.env.sample(self.settings.examples, rng)
         self.prompts = [encode_prompt(tokenizer, e) for e in self.examples]
         self.max_new_tokens = config.max_new_tokens or self.env.max_new_tokens
+        self.reward_timeout_s = config.reward_timeout_s
         self.metrics = MetricsLogger(run.ensure_dir(run.evaluations.name), tensorboard)
         self.done = {int(row["step"]) for row in self.metrics.rows}
 
@@ -71,7 +73,8 @@ class RunEvaluator:
                 chunk = self.prompts[start : start + _BATCH]
                 seed = self.settings.seed + start
                 completions += actor.complete(policy_step, chunk, temperature, seed, self.max_new_tokens)
-            results.append(score_evaluation(self.env, self.examples, completions, temperature))
+            with reward_deadline(self.reward_timeout_s):
+                results.append(score_evaluation(self.env, self.examples, completions, temperature))
         row = {eval_key(kind, e.temperature): getattr(e, kind) for e in results for kind in ("accuracy", "reward")}
         self.metrics.log(policy_step, {**row, "eval/seconds": time.perf_counter() - started})
         self.done.add(policy_step)

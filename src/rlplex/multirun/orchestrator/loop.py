@@ -11,6 +11,7 @@ Loop, per step s in [first step without STABLE rollouts, max_steps)::
                  seeded by (seed, s, attempt), prompts rendered with the model's tokenizer
         actor_gen (base + adapter k) ─► rew_inf (environment reward, group-normalised advantages)
         ─► rollout_write: all advantages zero? nothing written : rollouts/step_s (policy_step = k)
+    rewards timed out on half the batch or more, MAX_TIMED_OUT_BATCHES batches in a row? self-evict
     nothing written? retry (MAX_EMPTY_BATCH_ATTEMPTS, then self-evict)
     ─► progress.csv (+ TensorBoard): charts/* and each MFC's timings/<mfc>_{wait,run}_s
 
@@ -23,6 +24,13 @@ Choices:
 - A batch without learning signal (every group's rewards equal) is not written: the step is
   drawn again with fresh prompts and samples. After `MAX_EMPTY_BATCH_ATTEMPTS` such draws in a
   row the run evicts itself with `write_eviction`, the function the trainer's `evict_run` uses.
+- Each reward call runs in a child process under `reward_timeout_s` (`rlplex.tasks.reward_guard`);
+  a call past it is killed and scores 0, so a reward that never returns cannot freeze the process
+  (nor its heartbeat). A batch is timed out when at least half of its rows' calls timed out (the
+  reward, not the policy, decided it); after `MAX_TIMED_OUT_BATCHES` timed-out batches in a row
+  (retries of a step and later steps alike) the run evicts itself, the reason naming the reward
+  and the deadline: a restart would draw the same rows and time out again. A batch takes at most
+  `batch_size * reward_timeout_s` more than its generation; the step's stall deadline allows it.
 - Sampling is seeded by (seed, step, attempt), so a step drawn again after a restart with the
   same policy is the same step.
 - Resume: a restarted orchestrator continues at the first step whose rollouts are not STABLE;
@@ -69,10 +77,12 @@ from rlplex.multirun.rundir import RunDir, stable_steps, write_eviction
 from rlplex.multirun.rundir.peft_export import is_stable_adapter
 from rlplex.multirun.rundir.rollouts import rollouts_ready
 from rlplex.tasks import Environment, load_environment
+from rlplex.tasks.reward_guard import RewardTally
 
 log = logging.getLogger(__name__)
 
 MAX_EMPTY_BATCH_ATTEMPTS = 3
+MAX_TIMED_OUT_BATCHES = 3
 EXIT_DONE, EXIT_ERROR, EXIT_CONFIG, EXIT_EVICTED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
 _PROGRESS_EVERY_S = 10.0
 _STEP_TIMEOUT_S = 3600.0  # a stalled dataflow fails with the buffer's dump; generation never takes this long
@@ -206,8 +216,9 @@ class StepDataflow:
         tokenizer = load_tokenizer(config.model)
         self.dataset = StepPrompts(env, tokenizer, config)
         self.handoff = RolloutHandoff(run, pad_id_of(tokenizer))
+        self.rewards = EnvRewardModel(env, config.group_size, config.reward_timeout_s)
         self.workers: dict[str, list[ModelWorker]] = {
-            "reward": [LocalModelWorker("reward", EnvRewardModel(env, config.group_size))],
+            "reward": [LocalModelWorker("reward", self.rewards)],
             "trainer": [LocalModelWorker("trainer", self.handoff)],
             "actor": [],
         }
@@ -233,7 +244,7 @@ class StepDataflow:
                 self.workers,
                 self.dataset,
                 capacity=config.batch_size,
-                step_timeout=_STEP_TIMEOUT_S,
+                step_timeout=_STEP_TIMEOUT_S + config.batch_size * config.reward_timeout_s,
             )
         except BaseException:
             self.close()
@@ -249,7 +260,7 @@ class StepDataflow:
     def run_step(self, step: int, attempt: int, policy_step: int) -> tuple[Handoff, dict[str, float]]:
         """Generate, score and hand over one step; the timings are the executor's, per MFC."""
         self.dataset.prepare(step, attempt, policy_step)
-        self.handoff.last = None
+        self.handoff.last, self.rewards.tally = None, None
         timings = self.loop.run_until_complete(self.executor.execute_step())
         if self.handoff.last is None or self.handoff.last.step != step:
             raise MFCExecutionError(f"step {step}: the dataflow finished without rollout_write handing the batch over")
@@ -322,7 +333,7 @@ def run_orchestrator(
             if config.evaluation is not None:
                 evaluator = RunEvaluator(run, config, dataflow.dataset.tokenizer, tensorboard)
                 stack.callback(evaluator.close)
-            empty = 0
+            empty = timed_out = 0
             while step < config.max_steps:
                 check_evicted(run)
                 policy_step = wait_for_broadcast(run, step - config.max_async_level, f"step {step}", wait)
@@ -332,6 +343,12 @@ def run_orchestrator(
                 except Exception:
                     check_evicted(run)  # an adapter the engine refused evicts the run: say that, not the trace
                     raise
+                tally = dataflow.rewards.tally
+                timed_out = timed_out + 1 if tally is not None and tally.mostly_timed_out else 0
+                if tally is not None and timed_out >= MAX_TIMED_OUT_BATCHES:
+                    reason = _timeout_reason(config, tally, timed_out, step)
+                    write_eviction(run, reason)
+                    raise RunEvictedError(f"{run_id} evicted: {reason}")
                 if not result.written:
                     empty += 1
                     _say(f"{run_id}: step {step} attempt {empty}: no learning signal (all advantages zero)")
@@ -370,6 +387,14 @@ def run_orchestrator(
     wait_for_broadcast(run, config.max_steps, "finished,", wait)
     _say(f"{run_id}: done ({config.max_steps} steps trained)")
     return generated
+
+
+def _timeout_reason(config: OrchestratorConfig, tally: RewardTally, batches: int, step: int) -> str:
+    return (
+        f"orchestrator self-evicted: the reward {tally.reward} of environment {config.env.name!r} timed out "
+        f"(reward_timeout_s = {tally.deadline_s:g} s) on at least half the rows of {batches} consecutive batches, "
+        f"{tally.timed_out} of {tally.rows} in the last (step {step}); make the reward faster or raise reward_timeout_s"
+    )
 
 
 def _evaluate_if_due(evaluator: RunEvaluator | None, dataflow: StepDataflow, run_id: str, policy_step: int) -> None:

@@ -45,6 +45,7 @@ from rlplex.multirun.rundir import RunDir, write_eviction
 from rlplex.multirun.rundir.peft_export import check_stable_adapter
 from rlplex.multirun.rundir.rollouts import RolloutBatch, write_rollouts
 from rlplex.tasks import Environment, Example, load_environment
+from rlplex.tasks.reward_guard import DEFAULT_DEADLINE_S, RewardTally, reward_deadline
 
 Inputs = dict[str, list[Any]]
 
@@ -201,15 +202,18 @@ class EnvRewardModel:
     """`rew_inf`: the environment's reward per completion, advantages normalised within each group.
 
     Reward functions see `(prompt_text, completion, answer)`, so the datapoints carry the
-    prompt's text (not its chat messages) and the answer; a reward that fails scores 0."""
+    prompt's text (not its chat messages) and the answer; a reward that fails or runs past
+    `reward_timeout_s` scores 0. `tally`: the timeouts of the last batch, for the loop."""
 
-    def __init__(self, env: Environment, group_size: int) -> None:
-        self.env, self.group_size = env, group_size
+    def __init__(self, env: Environment, group_size: int, reward_timeout_s: float = DEFAULT_DEADLINE_S) -> None:
+        self.env, self.group_size, self.reward_timeout_s = env, group_size, reward_timeout_s
+        self.tally: RewardTally | None = None
 
     def inference(self, mfc: MFCDef, inputs: Inputs) -> dict[str, list[Any]]:
         order = _row_order(mfc, inputs["rows"], self.group_size)
         examples = [Example(prompt=inputs["prompts"][i], answer=inputs["answers"][i]) for i in order]
-        scores = self.env.score(examples, [inputs["completions"][i] for i in order])
+        with reward_deadline(self.reward_timeout_s) as self.tally:
+            scores = self.env.score(examples, [inputs["completions"][i] for i in order])
         rewards = torch.tensor(scores, dtype=torch.float32)
         advantages = group_advantages(rewards, self.group_size).float()
         by_position: dict[str, list[Any]] = {"rewards": [None] * len(order), "advantages": [None] * len(order)}
