@@ -23,6 +23,7 @@ import torch
 from mr_helpers import snapshot
 from torch import nn
 
+from disk_helpers import small_disk
 from lm_models import small_tiny_model, tiny_model
 from reward_helpers import reward_workers
 from rlplex.diagnostics import MetricsLogger
@@ -332,6 +333,27 @@ def test_rewards_that_keep_timing_out_evict_the_run_naming_reward_and_deadline(
     assert "2 of 2 in the last (step 0)" in reason
     assert orch.stderr().strip().splitlines()[-1] == f"rlplex orchestrator: run_slow evicted: {reason}"
     wait_for(lambda: not reward_workers(pid), 10, "the orchestrator's reward workers to end")
+
+
+def test_a_run_folder_that_refuses_writes_evicts_its_run_alone_with_the_error(
+    tmp_path: Path, base_cache: Path, orchestrators: Orchestrators
+) -> None:
+    """Issue 31, hole 4: a read-only run folder used to crash the orchestrator at every restart
+    until the job's budget was spent. The run evicts itself, its reason beside the runs (the
+    folder refuses control/evicted.txt too), exit code 3: the node ends without a restart."""
+    out = new_output(tmp_path, base_cache)
+    config = make_config()
+    run = create_run(out, "run_ro", config)  # a restart: the folder was made before it turned read-only
+    FakeTrainer(out, "run_ro", config).broadcast(0)
+    with small_disk(run.root) as disk:
+        disk.read_only()
+        orch = orchestrators.start(out, "run_ro", config, "orch")
+        assert orch.wait_exit() == 3, orch.stderr()
+        reason = run.unwritten_eviction() or ""
+        assert "its run folder refuses writes" in reason and "Read-only file system" in reason, reason
+        last = orch.stderr().strip().splitlines()[-1]
+        assert last.startswith("rlplex orchestrator: run_ro evicted: orchestrator self-evicted: its run folder"), last
+        assert not run.is_evicted() and not run.rollouts.exists()
 
 
 def test_restart_after_sigkill_resumes_without_regenerating(

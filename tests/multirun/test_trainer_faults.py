@@ -3,8 +3,6 @@ a run another run's state. One test per hole, each on a real trainer (tiny Qwen3
 
 from __future__ import annotations
 
-import errno
-import json
 import os
 import shutil
 import subprocess
@@ -35,11 +33,10 @@ from disk_helpers import SmallDisk, small_disk
 from rlplex.errors import RunConfigError
 from rlplex.multirun.orchestrator.config import orch_config_to_toml, read_orch_config
 from rlplex.multirun.orchestrator.loop import RunEvictedError, WaitOptions, check_evicted, open_run, wait_for_broadcast
-from rlplex.multirun.rundir import UNWRITTEN_EVICTIONS, RunDir, stable_steps, write_finished
+from rlplex.multirun.rundir import RunDir, stable_steps, write_eviction, write_finished
 from rlplex.multirun.rundir.checkpoint import PROGRESS_FILE, stable_checkpoints
 from rlplex.multirun.rundir.peft_export import ADAPTER_WEIGHTS, is_stable_adapter
 from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE, write_rollouts
-from rlplex.multirun.trainer import discovery as discovery_module
 from rlplex.multirun.trainer.log import read_progress_csv
 from rlplex.multirun.trainer.loop import MultiRunTrainer
 
@@ -180,30 +177,34 @@ def test_an_orchestrator_waiting_for_a_broadcast_notices_finished_and_evicted(tm
 
 
 # ---- 5: an eviction whose marker cannot be written -----------------------------------------------
-def test_an_eviction_that_cannot_be_written_still_drops_the_run(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    make_runs(tmp_path, ["run_a"])
+def test_an_eviction_a_read_only_run_folder_refuses_is_recorded_beside_it_and_drops_the_run(tmp_path: Path) -> None:
+    """The trainer's eviction of a run whose folder is read-only, and (issue 31, hole 4) a run's own
+    eviction by its orchestrator when its folder turned read-only, both land beside the runs."""
+    make_runs(tmp_path, ["run_a", "run_c"])
     bad = new_train_run(tmp_path, "run_bad")
     write_synthetic(tmp_path, "run_bad", range(1))
     (bad.rollout_step(0) / ROLLOUT_FILE).write_bytes(b"garbage")
-
-    def disk_full(run: RunDir, reason: str) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(discovery_module, "write_eviction", disk_full)
-    trainer = make_trainer(tmp_path, 2)
-    _iterate(trainer, 2)
-    assert "run_bad" not in trainer.manager.id_2_idx and not bad.is_evicted()
-    assert trainer.manager.run_statuses()["run_bad"] == "evicted"
-    listed = json.loads((tmp_path / UNWRITTEN_EVICTIONS).read_text())
-    assert "No space left" in listed["run_bad"]["reason"]
-    assert RunDir(tmp_path, "run_bad").unwritten_eviction() is not None  # what `rlplex status` shows
-    train_until(trainer, {"run_a": STEPS})
-    monkeypatch.undo()
-    again = make_trainer(tmp_path, 2)  # a restarted trainer keeps it out
-    _iterate(again)
-    assert again.manager.run_statuses()["run_bad"] == "evicted" and "run_bad" not in again.manager.id_2_idx
+    run_c = RunDir(tmp_path, "run_c")
+    with small_disk(bad.root) as bad_disk, small_disk(run_c.root) as c_disk:
+        bad_disk.read_only()
+        trainer = make_trainer(tmp_path, 3)
+        _iterate(trainer, 2)
+        assert "run_bad" not in trainer.manager.id_2_idx and not bad.is_evicted()
+        assert trainer.manager.run_statuses()["run_bad"] == "evicted"
+        reason = bad.unwritten_eviction() or ""  # what `rlplex status` shows
+        assert ROLLOUT_FILE in reason and "Read-only file system" in reason, reason
+        train_until(trainer, {"run_c": 1})
+        c_disk.read_only()
+        write_eviction(run_c.bound(run_c.read_identity()), "progress.csv not written: Read-only file system")
+        assert not run_c.is_evicted() and "Read-only" in (run_c.unwritten_eviction() or "")
+        _iterate(trainer)
+        assert trainer.manager.run_statuses()["run_c"] == "evicted" and "run_c" not in trainer.manager.id_2_idx
+        train_until(trainer, {"run_a": STEPS})
+        again = make_trainer(tmp_path, 3)  # a restarted trainer keeps both out
+        _iterate(again)
+        statuses = again.manager.run_statuses()
+        assert statuses["run_bad"] == statuses["run_c"] == "evicted"
+        assert set(again.manager.id_2_idx) <= {"run_a"}
 
 
 def test_a_control_folder_that_is_a_symlink_does_not_stop_the_trainer(tmp_path: Path) -> None:

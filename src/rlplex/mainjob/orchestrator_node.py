@@ -63,7 +63,7 @@ class OrchestratorNode(WorkerLoad):
             workers = partial(rollout_workers, self.context, self.entry.id)
             run_orchestrator(self.runs_dir, self.entry.id, config, actor_workers=workers)
         except RunEvictedError:
-            log.warning("run %s evicted: %s", self.entry.id, run.eviction_reason())
+            log.warning("run %s evicted: %s", self.entry.id, run.eviction_reason() or run.unwritten_eviction())
         except ConfigError as error:
             self._reject(run, str(error))
         except RuntimeError:

@@ -35,7 +35,7 @@ from rlplex.io.safe_files import check_regular_file, read_regular_text
 from rlplex.mainjob.config import INFERENCE_DIR, JOB_CONFIG_FILE, RunEntry
 from rlplex.mainjob.registry import REJECTIONS_DIR, read_registry, rejection_reason, rollout_slots
 from rlplex.mainjob.timing import eta_s, job_eta_s, seconds_per_step, step_history
-from rlplex.multirun.rundir import UNWRITTEN_EVICTIONS, RunDir, stable_steps
+from rlplex.multirun.rundir import RunDir, stable_steps, unwritten_eviction_path
 
 MAX_PROGRESS_BYTES = 256 << 20
 MAX_STORE_BYTES = 64 << 30
@@ -325,7 +325,7 @@ def _ended_at(run: RunDir, view: RunView, runs_dir: Path) -> float | None:
     if view.state == "finished":
         return _mtime(run.finished)
     if view.state == "evicted":
-        return _mtime(run.evicted) or _mtime(runs_dir / UNWRITTEN_EVICTIONS)
+        return _mtime(run.evicted) or _mtime(unwritten_eviction_path(runs_dir, run.run_id))
     if view.state == "rejected":
         return _mtime(runs_dir.parent / REJECTIONS_DIR / f"{view.run_id}.txt") or _mtime(run.config_error)
     return None

@@ -43,6 +43,9 @@ Choices:
   A `broadcast/step_k` that is a symlink (or leads out of the run) is never chosen nor handed
   to an engine; a `progress.csv`, `tb` or `eval` that is a link fails the run with an error
   naming it (`rlplex.io.safe_files`), and every other write goes through `RunDir`.
+- A run whose own folder refuses a write (read-only, full, not permitted) evicts itself with
+  the error (`write_eviction` records it beside the runs when the folder refuses that too):
+  restarting would fail the same way, and only this run ends.
 - Finish: after writing the last rollouts the orchestrator waits until the trainer has
   consumed them (`broadcast/step_{max_steps}` is STABLE) and exits 0, so "the orchestrator
   exited 0" means "the run is done" and eviction during the last step is still reported.
@@ -55,11 +58,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import logging
+import os
 import sys
 import time
-from collections.abc import Callable
-from contextlib import ExitStack
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -305,8 +310,6 @@ def run_orchestrator(
     """Run the orchestrator of `run_id` to completion; return the number of steps it generated.
 
     `actor_workers`: where `rollout_workers > 1` generates (see `StepDataflow`)."""
-    from rlplex.diagnostics import MetricsLogger
-
     wait = wait or WaitOptions()
     output_dir = Path(output_dir)
     try:
@@ -316,6 +319,22 @@ def run_orchestrator(
     if config.evaluation is not None:
         evaluation_env(config)  # a bad evaluation env fails the start, not the first evaluation
     run = open_run(output_dir, run_id, config)
+    with _self_evict_when_the_folder_refuses(run):
+        return _orchestrate(output_dir, run, config, env, wait, tensorboard, actor_workers)
+
+
+def _orchestrate(
+    output_dir: Path,
+    run: RunDir,
+    config: OrchestratorConfig,
+    env: Environment,
+    wait: WaitOptions,
+    tensorboard: bool,
+    actor_workers: ActorWorkers | None,
+) -> int:
+    from rlplex.diagnostics import MetricsLogger
+
+    run_id = run.run_id
     check_evicted(run)
     step = first_unfinished_step(run, config.max_steps)
     if step:
@@ -395,6 +414,42 @@ def _timeout_reason(config: OrchestratorConfig, tally: RewardTally, batches: int
         f"(reward_timeout_s = {tally.deadline_s:g} s) on at least half the rows of {batches} consecutive batches, "
         f"{tally.timed_out} of {tally.rows} in the last (step {step}); make the reward faster or raise reward_timeout_s"
     )
+
+
+_FOLDER_REFUSALS = frozenset({errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM})
+
+
+def run_folder_refusal(error: BaseException, run: RunDir) -> OSError | None:
+    """The OSError, `error` or one of its causes, of a write the run's own folder refused
+    (read-only, full, not permitted); None when the error is anything else."""
+    seen: BaseException | None = error
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno in _FOLDER_REFUSALS:
+            filename = seen.filename
+            # A write to an open file carries no name; the orchestrator writes nowhere but its run.
+            if filename is None or Path(os.fsdecode(filename)).is_relative_to(run.root):
+                return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+@contextmanager
+def _self_evict_when_the_folder_refuses(run: RunDir) -> Iterator[None]:
+    """A run whose own folder refuses writes cannot go on, and restarting its orchestrator would
+    fail the same way until the job's restart budget was spent: the run evicts itself with the
+    error (recorded beside the runs when its folder refuses that too), and only it ends."""
+    try:
+        yield
+    except Exception as error:
+        refused = None if isinstance(error, RunEvictedError) else run_folder_refusal(error, run)
+        if refused is None:
+            raise
+        reason = f"orchestrator self-evicted: its run folder refuses writes: {refused}"
+        try:
+            write_eviction(run, reason)
+        except (OSError, MultiRunError):
+            raise error from None
+        raise RunEvictedError(f"{run.run_id} evicted: {reason}") from None
 
 
 def _evaluate_if_due(evaluator: RunEvaluator | None, dataflow: StepDataflow, run_id: str, policy_step: int) -> None:

@@ -12,6 +12,8 @@
     checkpoints/step_N/                  per-run trainer checkpoints (STABLE marker last)
     rollouts/step_N/                     rollouts written by the orchestrator
     broadcast/step_N/                    adapter weights for inference (STABLE marker last)
+{output_dir}/evictions/run_<id>.json     an eviction whose run folder refused control/evicted.txt
+                                         (full, read-only): its reason and the run's identity
 ```
 
 Writes never recreate a run directory: the run directory itself is never created here, and
@@ -34,6 +36,7 @@ This module is the layout and its markers; the folders' contents are the submodu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -204,9 +207,9 @@ class RunDir:
             return None
 
     def unwritten_eviction(self) -> str | None:
-        """The reason the trainer evicted this run without being able to write its marker (a full
-        or read-only run folder; None: it did not), from `UNWRITTEN_EVICTIONS` beside the runs."""
-        entry = read_unwritten_evictions(self.output_dir).get(self.run_id)
+        """The reason this run was evicted when its folder could not hold the marker (a full or
+        read-only run folder; None: it was not), from `EVICTIONS_DIR` beside the runs."""
+        entry = _read_unwritten_eviction(self.output_dir, self.run_id)
         if entry is None or entry[0] != self.read_identity():
             return None  # another run now has that name
         return entry[1]
@@ -255,37 +258,74 @@ class RunDir:
 
 
 def write_eviction(run: RunDir, reason: str) -> None:
-    """Write `control/evicted.txt` with `reason` atomically: the one way a run gets evicted.
+    """Evict `run` with `reason`: the one way a run gets evicted (the trainer's `evict_run`, an
+    orchestrator evicting itself, `rlplex runs evict`), so the format has one definition.
 
-    The trainer's `evict_run` and an orchestrator evicting itself both call this, so the
-    file's format (the reason, one trailing newline) has one definition.
+    `control/evicted.txt` holds the reason and one trailing newline. When the run's own folder
+    refuses the write (full, read-only, not a folder), the eviction is recorded beside the runs
+    instead (`EVICTIONS_DIR/<run id>.json`, with the run's identity), which `RunDir.unwritten_eviction`
+    reads: the trainer, the run's orchestrator and the view take it as the same eviction.
+    Raises `RunDirGoneError` when the run is deleted or replaced, and the folder's error when
+    the record beside the runs cannot be written either.
     """
-    run.write_text(run.evicted, reason.rstrip("\n") + "\n")
+    text = reason.rstrip("\n") + "\n"
+    try:
+        run.write_text(run.evicted, text)
+    except RunDirGoneError:
+        raise
+    except (OSError, MultiRunError) as error:
+        try:
+            _record_eviction_beside(run, f"{reason.rstrip()} ({run.evicted} not written: {error})")
+        except OSError:
+            raise error from None
 
 
-UNWRITTEN_EVICTIONS = "trainer_evictions.json"
-"""In the trainer's output folder: evictions whose `control/evicted.txt` could not be written."""
+EVICTIONS_DIR = "evictions"
+"""Beside the run folders: one `<run id>.json` per eviction its run folder refused to hold."""
+
+
+def unwritten_eviction_path(output_dir: Path, run_id: str) -> Path:
+    return Path(output_dir) / EVICTIONS_DIR / f"{run_id}.json"
+
+
+def _record_eviction_beside(run: RunDir, reason: str) -> None:
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(run.output_dir / EVICTIONS_DIR)  # one level: never recreate a deleted output folder
+    record = {"identity": run.identity or run.read_identity(), "reason": reason}
+    write_file_atomic(unwritten_eviction_path(run.output_dir, run.run_id), (json.dumps(record) + "\n").encode())
 
 
 def read_unwritten_evictions(output_dir: Path) -> dict[str, tuple[str | None, str]]:
-    """Run id -> (identity, reason) of the evictions the trainer could not mark in the run folder."""
+    """Run id -> (identity, reason) of the evictions recorded beside the runs."""
     try:
-        record = json.loads(read_regular_file(Path(output_dir) / UNWRITTEN_EVICTIONS))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(record, dict):
+        names = os.listdir(Path(output_dir) / EVICTIONS_DIR)
+    except OSError:
         return {}
     found: dict[str, tuple[str | None, str]] = {}
-    for run_id, entry in record.items():
-        if isinstance(entry, dict) and isinstance(entry.get("reason"), str):
-            identity = entry.get("identity")
-            found[run_id] = (identity if isinstance(identity, str) else None, entry["reason"])
+    for name in names:
+        run_id = name.removesuffix(".json")
+        if name.endswith(".json") and is_valid_run_name(run_id):
+            entry = _read_unwritten_eviction(output_dir, run_id)
+            if entry is not None:
+                found[run_id] = entry
     return found
 
 
-def write_unwritten_evictions(output_dir: Path, evictions: dict[str, tuple[str | None, str]]) -> None:
-    record = {run_id: {"identity": identity, "reason": reason} for run_id, (identity, reason) in evictions.items()}
-    write_file_atomic(Path(output_dir) / UNWRITTEN_EVICTIONS, (json.dumps(record, indent=1) + "\n").encode())
+def _read_unwritten_eviction(output_dir: Path, run_id: str) -> tuple[str | None, str] | None:
+    try:
+        record = json.loads(read_regular_file(unwritten_eviction_path(output_dir, run_id), 1 << 20))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("reason"), str):
+        return None
+    identity = record.get("identity")
+    return (identity if isinstance(identity, str) else None, record["reason"])
+
+
+def remove_unwritten_eviction(output_dir: Path, run_id: str) -> None:
+    """Forget the record of `run_id` (its folder is gone, or now holds another run)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(unwritten_eviction_path(output_dir, run_id))
 
 
 def write_finished(run: RunDir, step: int) -> None:

@@ -24,9 +24,9 @@ from rlplex.multirun.rundir import (
     RunDir,
     is_valid_run_name,
     read_unwritten_evictions,
+    remove_unwritten_eviction,
     run_folder_problem,
     write_eviction,
-    write_unwritten_evictions,
 )
 
 log = logging.getLogger(__name__)
@@ -130,8 +130,12 @@ class RunLedger:
         self.identities: dict[str, str | None] = {}
         self.active_signatures: dict[str, Signature | None] = {}
         """orch.toml signature of each active run when it was admitted (its config is frozen)."""
+        self.master = master
         self.unwritten: dict[str, tuple[str | None, str]] = read_unwritten_evictions(output_dir) if master else {}
-        """Evictions whose marker could not be written: run id -> (identity, reason)."""
+        """Evictions recorded beside the runs (their folder refused the marker; an orchestrator's
+        too, read again at every scan): run id -> (identity, reason)."""
+        self.unrecorded: dict[str, tuple[str | None, str]] = {}
+        """Evictions that could be written nowhere: kept for this trainer's life."""
 
     def run_dir(self, run_id: str) -> RunDir:
         return RunDir(self.output_dir, run_id, self.identities.get(run_id))
@@ -159,16 +163,18 @@ class RunLedger:
         for name in replaced:
             log.warning("run %s: the directory was replaced by a new run of the same name", name)
         # Deleted, or a new run under that name: the recorded eviction is not its own.
-        stale = [
-            name
-            for name, (identity, _) in self.unwritten.items()
-            if identities.get(name, identity) != identity or name not in inodes
-        ]
-        for name in stale:
-            del self.unwritten[name]
-        if stale:
-            self.save_unwritten()
+        self.unwritten = read_unwritten_evictions(self.output_dir) if self.master else {}
+        for table, on_disk in ((self.unwritten, True), (self.unrecorded, False)):
+            for name, (identity, _) in list(table.items()):
+                if identities.get(name, identity) != identity or name not in inodes:
+                    del table[name]
+                    if on_disk:
+                        remove_unwritten_eviction(self.output_dir, name)
         return replaced
+
+    def evicted_elsewhere(self) -> set[str]:
+        """Runs evicted although their folder holds no marker (it refused it)."""
+        return set(self.unwritten) | set(self.unrecorded)
 
     def update_unslotted(self, live: set[str], closed: dict[str, RunStatus], slots: dict[str, int]) -> None:
         """Statuses after a scan; `slots`: the slot of each run that holds one (for the log)."""
@@ -234,23 +240,21 @@ class RunLedger:
             log.error("run %s: could not write %s: %s", name, run.config_error, error)
 
     def close_as_evicted(self, run_id: str, reason: str) -> None:
-        """Write the run's eviction marker; if that fails, keep it evicted anyway (see `manager`'s docstring)."""
+        """Write the run's eviction (see `write_eviction`); if it can be written nowhere, keep it evicted anyway."""
+        run = self.run_dir(run_id)
         try:
-            write_eviction(self.run_dir(run_id), reason)
+            write_eviction(run, reason)
         except RunDirGoneError:
             log.warning("run %s to be evicted is already deleted or replaced", run_id)
         except (OSError, MultiRunError) as error:
-            log.error("run %s: evicted, but its marker could not be written: %s", run_id, error)
-            marker = self.run_dir(run_id).evicted
-            self.unwritten[run_id] = (self.identities.get(run_id), f"{reason} ({marker} not written: {error})")
-            self.save_unwritten()
+            log.error(
+                "run %s: evicted, but its marker could be written neither in nor beside its folder: %s", run_id, error
+            )
+            self.unrecorded[run_id] = (self.identities.get(run_id), f"{reason} ({run.evicted} not written: {error})")
+        else:
+            if not run.is_evicted():
+                log.error("run %s: evicted, its marker recorded beside its folder, which refused it", run_id)
         self.waiting.pop(run_id, None)
         self.unadmitted.pop(run_id, None)
         self.status[run_id] = "evicted"
         self.reasons[run_id] = reason
-
-    def save_unwritten(self) -> None:
-        try:
-            write_unwritten_evictions(self.output_dir, self.unwritten)
-        except OSError as error:
-            log.error("%s: not written: %s", self.output_dir, error)

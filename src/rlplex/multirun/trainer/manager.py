@@ -173,7 +173,7 @@ class MultiRunManager(AdapterRegistry):
         replaced = self._ledger.replaced(scan.inodes)
         for name in replaced:
             self._ledger.forget(name)
-        unwritten = {name for name in scan.live if name in self._ledger.unwritten}
+        unwritten = set(scan.live) & self._ledger.evicted_elsewhere()
         live = set(scan.live) - unwritten
         deleted = [
             (idx, run_id) for run_id, idx in self.id_2_idx.items() if run_id not in live or run_id in replaced
