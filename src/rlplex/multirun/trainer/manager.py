@@ -18,8 +18,9 @@ and the old run's queued writes are refused by the new directory. An active run'
 is frozen: a change to what it says evicts the run with the fields that changed (the trainer
 would otherwise keep scoring at the old temperature), a rewrite of the same config is ignored.
 When `control/evicted.txt` cannot be written (a full disk, a `control/` that is a symlink) the
-run still leaves training: it is kept evicted in memory and listed in the output folder's
-`trainer_evictions.json`, which the next trainer and `rlplex status` read.
+run still leaves training: its eviction is recorded beside the runs (`evictions/<run id>.json`,
+see `rundir.write_eviction`), which this trainer's every scan, the next trainer, the run's
+orchestrator and `rlplex status` read (in memory only when even that cannot be written).
 
 A run's status is one of `active` (has a slot), `waiting` (valid, no free slot),
 `rejected` (orch.toml invalid: `control/config_validation_error.txt` says why; re-read when
