@@ -27,7 +27,7 @@ POWER_TOWER = r"\boxed{9^{9^{9}}}"
 
 
 def test_a_power_tower_times_out_alone_and_the_batch_keeps_its_scores(caplog: pytest.LogCaptureFixture) -> None:
-    deadline = scaled(1.0)  # the right rows must not reach it (math-verify's first call imports sympy)
+    deadline = scaled(1.0)  # the right rows must not reach it (the worker warms math-verify up first)
     completions = ["1", POWER_TOWER, "2", "The answer is $1$."]
     examples = [Example(prompt="What is 3 - 2?", answer="1")] * len(completions)
     with caplog.at_level(logging.WARNING, logger="rlplex.tasks"), reward_deadline(deadline) as tally:

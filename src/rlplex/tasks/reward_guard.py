@@ -6,8 +6,9 @@ Deadline rule: each row's call gets `deadline_s` seconds (default `DEFAULT_DEADL
 orchestrator's `reward_timeout_s`, set for a block with `reward_deadline`), counted from the end of
 the row before it. A call past it is SIGKILLed with its worker and scores 0 ("timed out after X s",
 in `safe_scores`' one warning per batch); the next row starts a fresh worker. A reward's imports
-when it is unpickled are not counted (they get `_LOAD_DEADLINE_S`); imports it defers to its first
-call are (math-verify's sympy: half a second).
+when it is unpickled, and those its `warm_up` attribute makes (math-verify's sympy and parsers:
+`math_answer.warm_up`), are not counted (they get `_LOAD_DEADLINE_S`); imports it defers to its
+first call are.
 
 The worker: one per process, started on the first call and reused by every batch after it (a
 lock makes concurrent batches take turns: rewards held the GIL in turn before anyway). It is a
@@ -125,6 +126,21 @@ def score_row(reward: Reward, prompt: str, completion: str, answer: str) -> Outc
     return RowFailure("returned", f"returned {value!r:.80}")
 
 
+def warm_up(reward: object) -> None:
+    """Run the `warm_up` a reward (or each function of a `Rubric`) declares: its lazy imports, under
+    the load deadline rather than the first row's (a fresh worker after a timeout pays them again)."""
+    from rlplex.tasks.environment import Rubric
+
+    parts = [function for function, _ in reward.functions] if isinstance(reward, Rubric) else []
+    for function in [reward, *parts]:
+        hook = getattr(function, "warm_up", None)
+        if callable(hook):
+            try:
+                hook()
+            except Exception:  # the row's own call will fail the same way and say so
+                pass
+
+
 def serve(fd: int, parent_pid: int) -> None:
     """The worker's loop: a batch in, a readiness message, then one outcome per row."""
     from rlplex.processes import die_with_parent
@@ -143,6 +159,7 @@ def serve(fd: int, parent_pid: int) -> None:
             except Exception as error:  # a missing module or attribute: the parent runs it itself
                 conn.send(RowFailure("unloadable", f"{error!r:.200}"))
                 continue
+            warm_up(reward)
             conn.send(None)  # loaded: the first row's deadline starts now
             for prompt, completion, answer in rows:
                 conn.send(score_row(reward, prompt, completion, answer))

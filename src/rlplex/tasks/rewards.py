@@ -31,6 +31,15 @@ def positional_match(prompt: str, completion: str, answer: str) -> float:
     return right / width
 
 
+def _warm_up_math_verify() -> None:
+    """Import math-verify and build its parsers (a second and more on a busy machine): the reward
+    guard runs this when its worker loads `math_answer`, so no row's deadline pays for it."""
+    from math_verify import parse
+
+    logging.getLogger("math_verify").setLevel(logging.ERROR)
+    parse("$1$", parsing_timeout=None)
+
+
 def math_answer(prompt: str, completion: str, answer: str) -> float:
     """1.0 when math-verify judges the completion's final answer equal to the reference, else 0.0."""
     # Imported here: sympy behind it costs half a second, which runs without math rewards should not pay.
@@ -47,6 +56,9 @@ def math_answer(prompt: str, completion: str, answer: str) -> float:
         raise ConfigError(f"math_verify cannot read the reference answer {answer!r:.80}")
     predicted = parse(completion, parsing_timeout=None)
     return 1.0 if verify(gold, predicted, timeout_seconds=None) else 0.0
+
+
+math_answer.warm_up = _warm_up_math_verify  # type: ignore[attr-defined]
 
 
 def import_reward(path: str, field: str = "reward") -> RewardFn:
