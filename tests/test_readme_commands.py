@@ -250,7 +250,11 @@ def reap(output_dir: Path) -> list[psutil.Process]:
 @pytest.mark.slow
 def test_classic_rl_commands(copy: Path) -> None:
     first, resumed = CARTPOLE
-    ok(first, copy)
+    done = sh(first, copy)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Not a terminal: a plain line per log interval, as SB3 and TRL print.
+    assert re.search(r"^\[train\] 256/512 \(50%\) elapsed \d+:\d\d ETA \d+:\d\d  online_return_mean=", done.stderr,
+                     re.MULTILINE), done.stderr  # fmt: skip
     rows = read_progress_rows(copy / "outputs" / "cp" / "progress.csv")
     assert rows and rows[-1]["charts/env_steps"] == 256  # stopped at the (cut) target return
     assert "resuming from" in ok(resumed, copy)
@@ -377,6 +381,12 @@ def test_main_job_commands(copy: Path, background: list[Background]) -> None:
         wait_for(lambda: trained(out, "run_late") >= 1, 240, "the event's run_late trained", interval=0.5)
         assert "job STOPPED" in ok(stop, copy, timeout=200)
         job.ended(0)
+        # Its output is a file, not a terminal: lines instead of the live view, one per run as it
+        # changes state (and every print_every_s while it runs).
+        printed = log.read_text()
+        assert re.search(r"^\[ *\S+\] run_fast +running +step \d+/100000  reward ", printed, re.MULTILINE), printed
+        evicted = r"^\[ *\S+\] run_noisy +evicted +step \d+/100000  reward \d\.\d{3}  tokens/s \d+  ETA —  bad rollouts"
+        assert re.search(evicted, printed, re.MULTILINE), printed
         runs = {view.run_id: view for view in collect(out).runs}
         assert (runs["run_noisy"].state, runs["run_noisy"].reason) == ("evicted", "bad rollouts")
         assert runs["run_extra"].trained_steps >= 0 and runs["run_extra"].state in ("running", "finished"), runs

@@ -138,7 +138,7 @@ def _stopped_advice(signum: int, output: Path) -> str:
 
 
 # What a finished or interrupted `rlplex train` leaves in its output folder.
-TRAIN_OUTPUTS = ("progress.csv", "snapshots", "config.json", "learning_curve.png", "tb")
+TRAIN_OUTPUTS = ("progress.csv", "snapshots", "config.json", "learning_curve.png", "tb", "wandb")
 
 
 def _train(

@@ -18,6 +18,7 @@ from rlplex.control.job.states import JobState
 from rlplex.mainjob.config import MainJobConfig, load_main_job
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect
+from tracker_files import history, run_record, tensorboard_scalars
 
 pytestmark = pytest.mark.e2e
 
@@ -38,7 +39,8 @@ def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tm
     runs = {
         # run_a is evaluated on fixed examples, greedy and sampled: at policy step 0, once among steps
         # 2..3 (the first it sees: it runs a step ahead), and at 3, its last.
-        "run_a": run_config(1, 3, "evaluation = { every = 2, examples = 8 }"),
+        # run_a also has an offline W&B run (its own [logging] beside the job's TensorBoard).
+        "run_a": run_config(1, 3, "evaluation = { every = 2, examples = 8 }, logging = { wandb = true }"),
         "run_b": run_config(2, 30, "optim = { lr = 3e-3 }"),
         "run_wide": run_config(4, 2, "model = { lora = { rank = 16 } }"),  # above the trainer's rank
     }
@@ -83,7 +85,17 @@ def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tm
         assert "## Held-out evaluation" in report and f"| run_a | {len(evaluations)} | 0..3 |" in report
         for png in ("rewards.png", "run_a.png", "run_c.png", "heldout.png"):
             assert (out / "plots" / png).stat().st_size > 1000
-        assert list((out / "tb" / "run_a").glob("events.out.tfevents.*"))
+        # Each run's trackers got every metric: its rollouts', the trainer's rows of it, its evaluations.
+        scalars = tensorboard_scalars(out / "tb" / "run_a")
+        assert [step for step, _ in scalars["charts/reward_mean"]] == [0, 1, 2]
+        for tag in ("trainer/loss", "trainer/grad_norm", "trainer/lr", "trainer/stale_dropped"):
+            assert [step for step, _ in scalars[tag]] == [1, 2, 3], (tag, scalars.get(tag))
+        assert [step for step, _ in scalars["eval/accuracy_t0"]] == [row["step"] for row in evaluations]
+        assert "trainer/loss" in tensorboard_scalars(out / "tb" / "run_c")
+        (wandb_file,) = (out / "wandb").glob("offline-run-*-mj-e2e-run_a/run-*.wandb")
+        logged = history(wandb_file)
+        assert {row["step"] for row in logged if "trainer/loss" in row} == {1, 2, 3}
+        assert run_record(wandb_file).run_group == "mj-e2e" and not list((out / "wandb").glob("*run_c*"))
     finally:
         _gone, alive = psutil.wait_procs(job_processes(out), timeout=10.0)
         for process in alive:

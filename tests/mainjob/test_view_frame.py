@@ -200,3 +200,33 @@ def test_collect_times_runs_from_their_folders_and_the_report_shows_them(tmp_pat
     text = write_report(tmp_path, fallback_wall_time_s=1.0).read_text()
     assert "| run_done | finished | 4/4 |" in text and "| 1m25s | 20.00 |" in text
     assert f"| 30s | 20.00 | {REASON} |" in text  # a single step: paced from the run's start
+
+
+def test_without_a_live_view_a_line_per_active_run_comes_every_period_and_at_each_change() -> None:
+    from rlplex.mainjob.lines import ProgressLines
+
+    lines = ProgressLines(every_s=30.0)
+    first = lines.lines(job(four_runs()), now=100.0)
+    # The first call: every run once (its state is new), each with what the table shows.
+    assert [line.split()[2] for line in first] == ["run_alpha", "run_beta", "run_gamma", "run_delta"]
+    alpha = first[0].split()
+    assert alpha[:2] == ["[", "11m40s]"] and alpha[3:] == ["running", "step", "10/40", "reward", "0.500",
+                                                          "tokens/s", "1234", "ETA", "9m55s"]  # fmt: skip
+    assert first[1].endswith(REASON) and first[3].endswith("ETA done")
+    assert lines.lines(job(four_runs()), now=110.0) == []  # nothing changed, the period has not come
+    changed = four_runs()
+    changed[0] = run("run_alpha", "finished", 40)
+    assert [line.split()[2] for line in lines.lines(job(changed), now=120.0)] == ["run_alpha"]
+    # The period: only the runs still under way (waiting, running, evaluating).
+    assert [line.split()[2] for line in lines.lines(job(changed), now=130.0)] == ["run_gamma"]
+
+
+def test_run_main_job_prints_lines_when_its_console_is_no_terminal() -> None:
+    """The driver's choice, without a job: a console to a file gets lines, a terminal the live view."""
+    from rlplex.mainjob.driver import _show
+    from rlplex.mainjob.lines import ProgressLines
+
+    console = Console(file=io.StringIO(), width=200)
+    _show(job(four_runs()), None, ProgressLines(30.0), console, now=0.0)
+    printed = console.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    assert len(printed) == 4 and "run_alpha    running    step 10/40" in printed[0]

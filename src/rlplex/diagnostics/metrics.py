@@ -1,4 +1,5 @@
-"""A metrics logger with namespaced keys (`charts/...`, `losses/...`) writing CSV and TensorBoard.
+"""A metrics logger with namespaced keys (`charts/...`, `losses/...`) writing CSV, fanned out to
+the run's trackers (TensorBoard, W&B: `trackers.py`).
 
 Keys must be namespaced so that TensorBoard groups them and so that a CSV column says what
 it measures. New keys may appear after the first row (an evaluation metric, say): the CSV is
@@ -15,15 +16,14 @@ from __future__ import annotations
 
 import csv
 import io
-import math
 import os
 import re
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
 
+from rlplex.diagnostics.trackers import Tracker, Tracking, close_all, finite
 from rlplex.errors import RlplexError
-from rlplex.io.safe_files import append_regular_file, make_real_dir, read_regular_text, write_file_atomic
+from rlplex.io.safe_files import append_regular_file, read_regular_text, write_file_atomic
 
 MAX_PROGRESS_CSV_BYTES = 1 << 30
 """A resumed run's history is read whole; past this the file is refused, not read into memory."""
@@ -32,7 +32,7 @@ _KEY = re.compile(r"^[a-z0-9_]+/[A-Za-z0-9_./-]+$")
 
 
 class MetricsLogger:
-    """Write one row per `log(step, metrics)` to `progress.csv` and TensorBoard event files."""
+    """Write one row per `log(step, metrics)` to `progress.csv` and to every tracker."""
 
     def __init__(
         self,
@@ -40,28 +40,28 @@ class MetricsLogger:
         tensorboard: bool = True,
         resumed_at: int | None = None,
         on_row: Callable[[int, Mapping[str, float]], None] | None = None,
+        tracking: Tracking | None = None,
     ) -> None:
         """`resumed_at`: the step of the snapshot a resumed run continues from. Rows past it were
         logged after that snapshot by a run that was then killed; the resumed run logs those
         steps again, so they are dropped rather than kept twice. `on_row(step, metrics)` is
-        told of every row logged (a supervised run's node reports its progress with it)."""
+        told of every row logged (a supervised run's node reports its progress with it).
+        `tracking`: the trackers to open (default: TensorBoard in `log_dir/tb`); `tensorboard`
+        False leaves TensorBoard out whatever it says."""
         self.on_row = on_row
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.csv_path = self.log_dir / "progress.csv"
         self._columns: list[str] = ["step"]
         self._rows: list[dict[str, float]] = []
-        self._writer: Any = None
+        self._trackers: list[Tracker] = []
         # The CSV first: a refused progress.csv must fail before TensorBoard makes its first file.
         if os.path.lexists(self.csv_path):
             self._load_existing()
             if resumed_at is not None and any(row["step"] > resumed_at for row in self._rows):
                 self._rows = [row for row in self._rows if row["step"] <= resumed_at]
                 self._rewrite()
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._writer = SummaryWriter(log_dir=str(make_real_dir(self.log_dir / "tb")))
+        self._trackers = (tracking or Tracking()).open(self.log_dir, tensorboard)
 
     def _load_existing(self) -> None:
         # A resumed run appends to its own history instead of truncating it.
@@ -77,8 +77,7 @@ class MetricsLogger:
             if not _KEY.match(key):
                 raise RlplexError(f"metric key {key!r} must be namespaced like 'charts/return_mean'")
             row[key] = float(value)
-            if self._writer is not None and math.isfinite(float(value)):
-                self._writer.add_scalar(key, float(value), step)
+        self.track(step, metrics)
         new_columns = [key for key in row if key not in self._columns]
         self._rows.append(row)
         if self.on_row is not None:
@@ -88,6 +87,13 @@ class MetricsLogger:
             self._rewrite()
         else:
             append_regular_file(self.csv_path, self._csv_text([row], header=False))
+
+    def track(self, step: int, metrics: Mapping[str, float]) -> None:
+        """Send a row to the trackers only: one another file already holds (the trainer's rows of
+        this run, its held-out evaluations), so that the run's trackers show every metric."""
+        if self._trackers and (values := finite(metrics)):
+            for tracker in self._trackers:
+                tracker.log(step, values)
 
     def _csv_text(self, rows: Iterable[dict[str, float]], header: bool) -> bytes:
         buffer = io.StringIO(newline="")
@@ -105,9 +111,7 @@ class MetricsLogger:
         return list(self._rows)
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        close_all(self._trackers)
 
     def __enter__(self) -> MetricsLogger:
         return self

@@ -1,7 +1,10 @@
 """A one-line live status for long work, drawn with rich.
 
-It redraws in place on a terminal and falls back to a plain line every `plain_every`
-updates when output is not a terminal (CI logs), so progress is visible in both.
+It redraws in place on a terminal. When output is not a terminal (nohup, Slurm, CI logs) it
+prints a plain line at each update instead, i.e. at each log interval of a runner, as SB3 and
+TRL do: done/total, elapsed, ETA and the status metrics. Lines come at most every
+`plain_every_s` seconds (a runner logging many times a second would flood the log; its rows
+are all in progress.csv), and the last one always.
 """
 
 from __future__ import annotations
@@ -15,8 +18,14 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, Ti
 
 
 class ProgressLine:
-    def __init__(self, total: int, description: str, enabled: bool = True, plain_every_s: float = 10.0) -> None:
+    def __init__(
+        self, total: int, description: str, enabled: bool = True, plain_every_s: float = 1.0, initial: int = 0
+    ) -> None:
+        """`initial`: what was done before (a resumed run): the ETA's pace counts only what this
+        process did, since it started."""
         self.total = total
+        self._started = time.monotonic()
+        self._initial = initial
         self.enabled = enabled
         self._console = Console(stderr=True)
         self._live = enabled and self._console.is_terminal
@@ -48,9 +57,23 @@ class ProgressLine:
         now = time.monotonic()
         if now - self._last_plain >= self._plain_every_s or completed >= self.total:
             self._last_plain = now
-            print(f"[{self._description}] {completed:,}/{self.total:,} {text}", file=sys.stderr, flush=True)
+            print(self.plain_line(completed, text, now), file=sys.stderr, flush=True)
+
+    def plain_line(self, completed: int, status: str, now: float) -> str:
+        elapsed = now - self._started
+        done_here = completed - self._initial
+        eta = (self.total - completed) * elapsed / done_here if done_here > 0 else None
+        percent = 100 * completed / self.total if self.total else 100.0
+        when = f"elapsed {_clock(elapsed)} ETA {_clock(eta) if eta is not None else '?'}"
+        return f"[{self._description}] {completed:,}/{self.total:,} ({percent:.0f}%) {when}  {status}".rstrip()
 
     def close(self) -> None:
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
+
+
+def _clock(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

@@ -20,11 +20,14 @@ add_run = "run_late"
 [inference]                         # optional; engine = "auto" (vLLM on a GPU, else "hf") when left out
 engine = "vllm"                     # one vLLM server for every run's adapter
 max_loras = 4
+[logging]                           # optional: trackers (`rlplex.diagnostics.trackers`), headless lines
+wandb = true                        # one offline W&B run per run, grouped by the job's name
 
 A run's `model` table may leave out the model's fields: it gets the job's `[model]` (a run
 that names another model is rejected by the trainer, with the reason in its control folder).
 Likewise each run's `inference` table gets the job's engine settings, pointed at the job's
-`inference/` folder, where the inference role publishes its servers and the job's API key lives.
+`inference/` folder, where the inference role publishes its servers and the job's API key lives,
+and its `logging` table the job's `[logging]`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlplex.config import StrictModel, load_config
+from rlplex.diagnostics.trackers import LoggingConfig
 from rlplex.inference.config import InferenceConfig, resolve_engine
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.orchestrator.config import OrchestratorConfig, parse_orch_config
@@ -86,10 +90,18 @@ class RunEntry(StrictModel):
         return self.model_copy(update={"config": {**self.config, "model": {**table, "name": resolved}}})
 
     def with_model(
-        self, model: ModelSpec, inference: InferenceConfig | None = None, endpoint_dir: Path | None = None
+        self,
+        model: ModelSpec,
+        inference: InferenceConfig | None = None,
+        endpoint_dir: Path | None = None,
+        logging: LoggingConfig | None = None,
     ) -> RunEntry:
-        """This entry with the job's model (and engine settings) filled into every field the run leaves out."""
+        """This entry with the job's model (and engine and logging settings) filled into every
+        field the run leaves out."""
         config = dict(self.config)
+        own = config.get("logging", {})
+        if logging is not None and isinstance(own, dict):
+            config["logging"] = {**logging.model_dump(exclude_none=True), **own}
         table = config.get("model", {})
         if isinstance(table, dict):  # else the run's validation reports the bad table
             config["model"] = {**model.resolved().model_dump(exclude_none=True), **table}
@@ -129,6 +141,9 @@ class MainJobConfig(StrictModel):
     runs: list[RunEntry] = Field(min_length=1)
     later_runs: list[RunEntry] = Field(default_factory=list)
     events: list[Event] = Field(default_factory=list)
+    logging: LoggingConfig = Field(
+        LoggingConfig(), description="Trackers of every run (a run's own [logging] keys win); headless lines."
+    )
     refresh_s: float = Field(0.5, gt=0, description="live view refresh period")
     timeout_s: float = Field(1800.0, gt=0, description="the job is stopped and failed after this long")
 
@@ -152,10 +167,11 @@ class MainJobConfig(StrictModel):
             "inference": {**data.get("inference", {}), "engine": inference.engine},
         }
         endpoint_dir = Path(str(data.get("output_dir", "."))) / INFERENCE_DIR
+        logging = job_logging(data)
         for key in ("runs", "later_runs"):
             entries = data.get(key)
             if isinstance(entries, list):
-                data[key] = [_with_model(e, model, inference, endpoint_dir) for e in entries]
+                data[key] = [_with_model(e, model, inference, endpoint_dir, logging) for e in entries]
         return data
 
     @model_validator(mode="after")
@@ -179,6 +195,10 @@ class MainJobConfig(StrictModel):
             )
         return self
 
+    def run_logging(self) -> LoggingConfig:
+        """`[logging]` as each run gets it (a run added while the job runs too)."""
+        return job_logging({"logging": self.logging.model_dump(), "name": self.name}) or self.logging
+
     @property
     def endpoint_dir(self) -> Path:
         """Where the inference role publishes its servers, beside the job's API key."""
@@ -195,10 +215,23 @@ class MainJobConfig(StrictModel):
             entry.orch_config(source)
 
 
-def _with_model(entry: Any, model: ModelSpec, inference: InferenceConfig, endpoint_dir: Path) -> Any:
+def job_logging(data: dict[str, Any]) -> LoggingConfig | None:
+    """The job's `[logging]` as each run gets it: W&B groups the job's runs under the job's name."""
+    try:
+        logging = LoggingConfig.model_validate(data.get("logging", {}))
+    except ValueError:
+        return None  # reported by the field's own validation
+    if logging.wandb_group is None and isinstance(name := data.get("name"), str):
+        logging = logging.model_copy(update={"wandb_group": name})
+    return logging
+
+
+def _with_model(
+    entry: Any, model: ModelSpec, inference: InferenceConfig, endpoint_dir: Path, logging: LoggingConfig | None
+) -> Any:
     """A run entry with the job's model filled in; one that is not valid is left for its own error."""
     try:
-        return RunEntry.model_validate(entry).with_model(model, inference, endpoint_dir)
+        return RunEntry.model_validate(entry).with_model(model, inference, endpoint_dir, logging)
     except ValueError:
         return entry
 

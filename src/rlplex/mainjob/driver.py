@@ -28,6 +28,7 @@ from rlplex.mainjob.build import ROLLOUT_ROLE, build_job_spec
 from rlplex.mainjob.conductor import TERMINAL_RUN_STATES
 from rlplex.mainjob.config import JOB_CONFIG_FILE, MainJobConfig, RunEntry
 from rlplex.mainjob.frame import render
+from rlplex.mainjob.lines import ProgressLines
 from rlplex.mainjob.preflight import check_main_job, run_problems
 from rlplex.mainjob.registry import (
     REGISTRY_FILE,
@@ -60,7 +61,7 @@ def accept_requests(
             answer(request[0], False, request[1])
             continue
         registry = read_registry(output_dir)
-        entry = request.entry.with_model(model, inference, endpoint_dir)
+        entry = request.entry.with_model(model, inference, endpoint_dir, None if job is None else job.run_logging())
         try:
             if entry.id in {e.id for e in registry}:
                 raise ConfigError(duplicate_run(entry.id))
@@ -273,9 +274,12 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
         try:
             if start and signals.received is None:
                 master.start()
+            # A live view redraws in place: to a file or pipe (nohup, Slurm, CI) it prints lines instead.
+            live = live and console.is_terminal
             display = (
                 Live(render(collect(output_dir), live=True), console=console, auto_refresh=False) if live else None
             )
+            lines = None if live else ProgressLines(config.logging.print_every_s)
             with display or contextlib.nullcontext():
                 next_view = 0.0
                 while (state := master.monitor()) not in TERMINAL_JOB_STATES:
@@ -285,14 +289,11 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
                     now = time.monotonic()
                     if now - started > config.timeout_s:
                         master.manager.fail(f"the job ran past its timeout_s of {config.timeout_s:g} s")
-                    if display is not None and now >= next_view:
-                        display.update(render(collect(output_dir), live=True), refresh=True)
+                    if now >= next_view:
+                        _show(collect(output_dir), display, lines, console, now)
                         next_view = now + config.refresh_s
                     time.sleep(master.manager.spec.monitor_interval_s)
-                if display is not None:
-                    display.update(render(collect(output_dir), live=True), refresh=True)
-            if display is not None and not console.is_terminal:
-                console.print()  # a live view drawn to a file or pipe ends without a newline
+                _show(collect(output_dir), display, lines, console, time.monotonic())
         finally:
             if signals.received is not None:
                 stopped_by = f"stopped by {signal.Signals(signals.received).name}"
@@ -313,6 +314,13 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
     if stopped_by is None:
         _fail_unless_a_run_finished(output_dir, report)
     return state
+
+
+def _show(view: JobView, display: Live | None, lines: ProgressLines | None, console: Console, now: float) -> None:
+    if display is not None:
+        display.update(render(view, live=True), refresh=True)
+    for line in lines.lines(view, now) if lines is not None else ():
+        console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 def _fail_unless_a_run_finished(output_dir: Path, report: Path) -> None:

@@ -61,7 +61,9 @@ class OrchestratorNode(WorkerLoad):
             config = self.entry.orch_config(str(self.context.output_dir / "runs.json"))
             self.runs_dir.mkdir(exist_ok=True)
             workers = partial(rollout_workers, self.context, self.entry.id)
-            run_orchestrator(self.runs_dir, self.entry.id, config, actor_workers=workers)
+            run_orchestrator(
+                self.runs_dir, self.entry.id, config, actor_workers=workers, tracker_dir=self.context.output_dir
+            )
         except RunEvictedError:
             log.warning("run %s evicted: %s", self.entry.id, run.eviction_reason() or run.unwritten_eviction())
         except ConfigError as error:

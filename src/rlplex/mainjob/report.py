@@ -1,29 +1,64 @@
 """The end-of-job report: `report.md` with each run's learning curve (PNG), how much its
-reward rose, its wall time and time per step, throughput, evictions and restarts, plus
-TensorBoard event files per run."""
+reward rose, its wall time and time per step, throughput, evictions and restarts. (TensorBoard
+and W&B are written while the job runs, by each run's trackers: `diagnostics/trackers.py`.)
+
+Each curve is the reward smoothed over its raw points, against the run's own step (a run that
+joined late starts at its step 0 like the others); a run's own plot is titled with what sets it
+apart (learning rate, LoRA rank, environment) and shows its held-out accuracy when it has one."""
 
 from __future__ import annotations
 
 import math
 import time
 from pathlib import Path
+from typing import Any
 
 from rlplex.diagnostics.plots import plot_learning_curves
+from rlplex.errors import RlplexError
+from rlplex.mainjob.config import RunEntry
+from rlplex.mainjob.registry import read_registry
 from rlplex.mainjob.timing import ETA_WINDOW_STEPS, format_duration
 from rlplex.mainjob.view import REWARD_WINDOW, JobView, RunView, collect, open_job_store
 
 REPORT_FILE = "report.md"
 
 
-def write_tensorboard(run: RunView, directory: Path) -> None:
-    from torch.utils.tensorboard import SummaryWriter
+SMOOTHING = 0.6  # TensorBoard's default weight: the trend of a 12-step run still shows
 
-    writer = SummaryWriter(log_dir=str(directory))
+
+def run_settings(entry: RunEntry) -> str:
+    """What sets a run apart, for its plot's title: 'lr 0.005, LoRA rank 8, env reverse'."""
     try:
-        for step, reward in run.curve:
-            writer.add_scalar("charts/reward_mean", reward, int(step))
-    finally:
-        writer.close()
+        orch = entry.orch_config("<report>")
+    except RlplexError:  # a rejected run's config: what it asked for, as far as it can be read
+
+        def table(data: dict[str, Any], key: str) -> dict[str, Any]:
+            value = data.get(key)
+            return value if isinstance(value, dict) else {}
+
+        lr, env = table(entry.config, "optim").get("lr", "?"), table(entry.config, "env").get("name", "?")
+        rank = table(table(entry.config, "model"), "lora").get("rank", "?")
+        return f"lr {lr}, LoRA rank {rank}, env {env}"
+    return f"lr {orch.optim.lr:g}, LoRA rank {orch.model.lora.rank}, env {orch.env.name}"
+
+
+def run_figure_options(run: RunView, settings: str) -> dict[str, Any]:
+    """The options of `learning_curves_figure` for one run's plot: its reward, smoothed, and its
+    held-out accuracy per temperature on the right-hand axis."""
+    secondary: dict[str, tuple[list[float], list[float]]] = {}
+    for key in sorted({k for row in run.evaluations for k in row if k.startswith(ACCURACY_PREFIX)}):
+        rows = sorted((row["step"], row[key]) for row in run.evaluations if key in row)
+        temperature = float(key.removeprefix(ACCURACY_PREFIX))
+        name = "greedy" if temperature == 0 else f"t{temperature:g}"
+        secondary[f"held-out accuracy ({name})"] = ([x for x, _ in rows], [y for _, y in rows])
+    return {
+        "title": f"{run.run_id}: {settings}",
+        "xlabel": "step (of this run)",
+        "ylabel": "mean reward",
+        "smoothing": SMOOTHING,
+        "secondary": secondary,
+        "secondary_label": "held-out accuracy",
+    }
 
 
 def _decisions(output_dir: Path) -> list[str]:
@@ -63,17 +98,19 @@ def write_report(output_dir: Path, fallback_wall_time_s: float) -> Path:
         lines.append(
             _row((run.run_id, run.state, steps, *rewards, _num(run.tokens_per_s, ".0f"), wall, pace, run.reason))
         )
-    lines += ["", "## Learning curves", ""]
-    curves = {run.run_id: _xy(run) for run in view.runs if run.curve}
+    lines += ["", "## Learning curves", "", f"Mean reward per step (faint), smoothed (weight {SMOOTHING}), against"
+              " each run's own step.", ""]  # fmt: skip
+    settings = {entry.id: run_settings(entry) for entry in _entries(output_dir)}
+    curves = {f"{run.run_id} ({settings.get(run.run_id, '')})": _xy(run) for run in view.runs if run.curve}
     if curves:
-        plot_learning_curves(curves, plots / "rewards.png", title="mean reward per run", xlabel="step", ylabel="reward")
+        plot_learning_curves(curves, plots / "rewards.png", title="mean reward per run", xlabel="step (of each run)",
+                             ylabel="mean reward", smoothing=SMOOTHING)  # fmt: skip
         lines.append("![all runs](plots/rewards.png)")
     for run in view.runs:
         if run.curve:
-            plot_learning_curves({run.run_id: _xy(run)}, plots / f"{run.run_id}.png", title=run.run_id,
-                                 xlabel="step", ylabel="mean reward")  # fmt: skip
+            options = run_figure_options(run, settings.get(run.run_id, ""))
+            plot_learning_curves({"reward": _xy(run)}, plots / f"{run.run_id}.png", **options)
             lines.append(f"![{run.run_id}](plots/{run.run_id}.png)")
-            write_tensorboard(run, output_dir / "tb" / run.run_id)
     lines += _evaluation_section(view, plots)
     lines += _inference_section(view)
     lines += _nodes_section(view, output_dir)
@@ -144,6 +181,13 @@ def _nodes_section(view: JobView, output_dir: Path) -> list[str]:
     evicted = [run for run in view.runs if run.state == "evicted"]
     lines += ["", "## Evictions", ""] + ([f"- {r.run_id}: {r.reason}" for r in evicted] or ["- none"])
     return lines
+
+
+def _entries(output_dir: Path) -> list[RunEntry]:
+    try:
+        return read_registry(output_dir)
+    except (OSError, RlplexError):  # no registry (a store without a main job): plots without settings
+        return []
 
 
 def _xy(run: RunView) -> tuple[list[float], list[float]]:

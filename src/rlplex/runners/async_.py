@@ -45,6 +45,7 @@ import torch
 
 from rlplex.agents.base import Agent, AgentFactory
 from rlplex.diagnostics import MetricsLogger, ProgressLine
+from rlplex.diagnostics.trackers import Tracking
 from rlplex.envs import EnvConfig, probe_spaces
 from rlplex.errors import ConfigError, SnapshotError, WaitTimeoutError
 from rlplex.io.snapshot import (
@@ -166,6 +167,7 @@ class AsyncRl:
         self._resume_state: dict[str, Any] | None = None
         # Told of every logged row, (env steps, metrics): how a supervised run's node reports progress.
         self.on_log_row: Callable[[int, Mapping[str, float]], None] | None = None
+        self.tracking: Tracking | None = None  # `[logging]`'s trackers; None: TensorBoard in log_dir/tb
         self.start_env_steps = 0
         self.logger: MetricsLogger | None = None
         self._sampler_state: dict[str, Any] | None = None  # streams that go with the logged env steps
@@ -202,7 +204,7 @@ class AsyncRl:
         self.algo.replay.wait_check = self.sampler.check_alive
         resumed_at = None if self._resume_state is None else self.start_env_steps
         self.logger = (
-            MetricsLogger(self.log_dir, resumed_at=resumed_at, on_row=self.on_log_row)
+            MetricsLogger(self.log_dir, resumed_at=resumed_at, on_row=self.on_log_row, tracking=self.tracking)
             if self.log_dir is not None
             else None
         )
@@ -307,7 +309,7 @@ class AsyncRl:
         self._t0 = time.perf_counter()
         sampler, total = self.sampler, self.n_itr * self.itr_batch_size
         result = TrainResult(itr=0, env_steps=self.start_env_steps, wall_time_s=0.0)
-        progress = ProgressLine(total, "async", enabled=self.show_progress)
+        progress = ProgressLine(total, "async", enabled=self.show_progress, initial=self.start_env_steps)
         self._start_updates = self.algo.update_count
         interval = _Interval(self._t0, sampler.env_steps, self.algo.update_count)
         opt_info: dict[str, list[float]] = {}

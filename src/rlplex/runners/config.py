@@ -27,6 +27,7 @@ from rlplex.algos.r2d1 import R2D1, R2D1Config
 from rlplex.algos.sac import SAC, SACConfig
 from rlplex.algos.td3 import TD3, DDPGConfig, TD3Config
 from rlplex.config import StrictModel, load_config
+from rlplex.diagnostics.trackers import LoggingConfig, Tracking
 from rlplex.envs import EnvConfig, EnvSpaces, describe_action_space, describe_observation_space, probe_spaces
 from rlplex.errors import ConfigError
 from rlplex.io.snapshot import SnapshotMode
@@ -149,6 +150,7 @@ class TrainConfig(StrictModel):
     agent: AgentConfig = AgentConfig()
     algo: AlgoSection = PPOSection()
     runner: RunnerConfig = RunnerConfig()
+    logging: LoggingConfig = LoggingConfig()
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
@@ -379,6 +381,16 @@ def _global_batch_config(config: TrainConfig) -> TrainConfig:
 
 def build_rank_runner(
     config: TrainConfig, output_dir: str | Path | None, show_progress: bool = True, rank: int = 0, world_size: int = 1
+) -> Any:
+    runner = _build_rank_runner(config, output_dir, show_progress, rank, world_size)
+    # The trackers of `[logging]`, opened by the runner with its metrics logger (rank 0's).
+    name = Path(output_dir).name if output_dir is not None else "run"
+    runner.tracking = Tracking(config.logging, name, config.model_dump(mode="json"))
+    return runner
+
+
+def _build_rank_runner(
+    config: TrainConfig, output_dir: str | Path | None, show_progress: bool, rank: int, world_size: int
 ) -> Any:
     from rlplex.runners.minibatch import MinibatchRl, MinibatchRlEval
     from rlplex.runners.sync import SyncRl, SyncRlEval

@@ -20,6 +20,7 @@ import torch
 from rlplex.agents.base import Agent
 from rlplex.algos.base import Algo
 from rlplex.diagnostics import MetricsLogger, ProgressLine
+from rlplex.diagnostics.trackers import Tracking
 from rlplex.errors import ConfigError, SnapshotError
 from rlplex.io.snapshot import (
     SnapshotMode,
@@ -106,6 +107,7 @@ class MinibatchRl:
         self._resume_state: dict[str, Any] | None = None
         # Told of every logged row, (env steps, metrics): how a supervised run's node reports progress.
         self.on_log_row: Callable[[int, Mapping[str, float]], None] | None = None
+        self.tracking: Tracking | None = None  # `[logging]`'s trackers; None: TensorBoard in log_dir/tb
         self._elapsed_before_resume = 0.0
         self.final_streams_digest: str | None = None  # set by a train() that completes
         self.device = resolve_device(device, "runner.device", index=rank if world_size > 1 else None)
@@ -122,7 +124,7 @@ class MinibatchRl:
             self._load_resume_state(self._resume_state)
         resumed_at = None if self._resume_state is None else self.start_itr * self.itr_batch_size
         self.logger = (
-            MetricsLogger(self.log_dir, resumed_at=resumed_at, on_row=self.on_log_row)
+            MetricsLogger(self.log_dir, resumed_at=resumed_at, on_row=self.on_log_row, tracking=self.tracking)
             if (self.log_dir is not None and self.rank == 0)
             else None
         )
@@ -226,7 +228,8 @@ class MinibatchRl:
     def _loop(self) -> TrainResult:
         self._t0 = time.perf_counter()
         result = TrainResult(itr=self.start_itr, env_steps=self.start_itr * self.itr_batch_size, wall_time_s=0.0)
-        progress = ProgressLine(self.n_itr * self.itr_batch_size, "train", enabled=self.show_progress)
+        total, initial = self.n_itr * self.itr_batch_size, self.start_itr * self.itr_batch_size
+        progress = ProgressLine(total, "train", enabled=self.show_progress, initial=initial)
         returns: list[np.ndarray] = []
         lengths: list[np.ndarray] = []
         opt_info: dict[str, list[float]] = {}

@@ -17,6 +17,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from rlplex.config import StrictModel, format_validation_error, toml_value
+from rlplex.diagnostics.trackers import LoggingConfig
 from rlplex.errors import MultiRunError, RunConfigError
 from rlplex.inference.config import EngineSettings
 from rlplex.io.safe_files import read_regular_file
@@ -110,6 +111,9 @@ class OrchestratorConfig(_Strict):
         EngineSettings(), description="How rollouts are generated: in process (hf) or on the job's vLLM servers."
     )
     evaluation: EvaluationConfig | None = Field(None, description="Score the policy on held-out examples as it learns.")
+    logging: LoggingConfig = Field(
+        LoggingConfig(), description="Trackers of the run's metrics (TensorBoard, W&B); a main job sets its [logging]."
+    )
     reward_timeout_s: float = Field(
         DEFAULT_DEADLINE_S,
         gt=0,

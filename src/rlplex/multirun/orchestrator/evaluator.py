@@ -4,7 +4,7 @@ The examples are drawn once, with the evaluation's own seed, from the held-out s
 environment (`EvaluationConfig.env_spec`): the same problems at every evaluation and after any
 restart. Policy steps 0 (the base model: a new adapter is zero), every `every`-th and the last
 are evaluated, through the actor's engine with the adapter of that step, once per temperature.
-Results go to `eval/progress.csv` in the run's folder (`RunDir.evaluations`) (and TensorBoard under `eval/tb`), one row
+Results go to `eval/progress.csv` in the run's folder (`RunDir.evaluations`) (and to the run's trackers), one row
 per evaluated policy step: `eval/accuracy_t0` is the greedy accuracy, `eval/accuracy_t1` the
 accuracy sampled at temperature 1, and `eval/reward_t*` the mean reward beside them. A restarted
 orchestrator skips the steps that have a row.
@@ -13,6 +13,7 @@ orchestrator skips the steps that have a row.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -43,7 +44,15 @@ def evaluation_env(config: OrchestratorConfig) -> Environment:
 
 
 class RunEvaluator:
-    def __init__(self, run: RunDir, config: OrchestratorConfig, tokenizer: Tokenizer, tensorboard: bool) -> None:
+    def __init__(
+        self,
+        run: RunDir,
+        config: OrchestratorConfig,
+        tokenizer: Tokenizer,
+        tensorboard: bool,
+        track: Callable[[int, Mapping[str, float]], None] | None = None,
+    ) -> None:
+        """`track`: where each evaluation row goes besides `eval/progress.csv` (the run's trackers)."""
         assert config.evaluation is not None
         self.settings: EvaluationConfig = config.evaluation
         self.max_steps = config.max_steps
@@ -53,7 +62,7 @@ class RunEvaluator:
         self.prompts = [encode_prompt(tokenizer, e) for e in self.examples]
         self.max_new_tokens = config.max_new_tokens or self.env.max_new_tokens
         self.reward_timeout_s = config.reward_timeout_s
-        self.metrics = MetricsLogger(run.ensure_dir(run.evaluations.name), tensorboard)
+        self.metrics = MetricsLogger(run.ensure_dir(run.evaluations.name), tensorboard, on_row=track)
         self.done = {int(row["step"]) for row in self.metrics.rows}
 
     def due(self, policy_step: int) -> bool:

@@ -71,6 +71,7 @@ from pathlib import Path
 
 from rlplex.aio import close_loop
 from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCExecutionError, ModelWorker, ProcessModelWorker
+from rlplex.diagnostics.trackers import Tracking
 from rlplex.errors import ConfigError, MultiRunError, RlplexError, RunConfigError, RunDirGoneError, WaitTimeoutError
 from rlplex.io.safe_files import read_regular_text
 from rlplex.models.hf import Tokenizer
@@ -78,6 +79,7 @@ from rlplex.multirun.orchestrator.config import OrchestratorConfig, config_chang
 from rlplex.multirun.orchestrator.evaluator import RunEvaluator, evaluation_env
 from rlplex.multirun.orchestrator.graph import orchestrator_graph
 from rlplex.multirun.orchestrator.models import ActorModel, EnvRewardModel, Handoff, RolloutHandoff, StepPrompts
+from rlplex.multirun.orchestrator.trainer_rows import TrainerRows
 from rlplex.multirun.rundir import RunDir, stable_steps, write_eviction
 from rlplex.multirun.rundir.peft_export import is_stable_adapter
 from rlplex.multirun.rundir.rollouts import rollouts_ready
@@ -88,6 +90,8 @@ log = logging.getLogger(__name__)
 
 MAX_EMPTY_BATCH_ATTEMPTS = 3
 MAX_TIMED_OUT_BATCHES = 3
+# The trainer writes a step's row just after its broadcast; past this the last row is left to the CSV.
+FINAL_ROW_WAIT_S = 10.0
 EXIT_DONE, EXIT_ERROR, EXIT_CONFIG, EXIT_EVICTED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
 _PROGRESS_EVERY_S = 10.0
 _STEP_TIMEOUT_S = 3600.0  # a stalled dataflow fails with the buffer's dump; generation never takes this long
@@ -306,10 +310,12 @@ def run_orchestrator(
     wait: WaitOptions | None = None,
     tensorboard: bool = True,
     actor_workers: ActorWorkers | None = None,
+    tracker_dir: Path | None = None,
 ) -> int:
     """Run the orchestrator of `run_id` to completion; return the number of steps it generated.
 
-    `actor_workers`: where `rollout_workers > 1` generates (see `StepDataflow`)."""
+    `actor_workers`: where `rollout_workers > 1` generates (see `StepDataflow`). `tracker_dir`:
+    where the run's trackers write (`Tracking.directory`; a main job's folder), else its folder."""
     wait = wait or WaitOptions()
     output_dir = Path(output_dir)
     try:
@@ -320,7 +326,8 @@ def run_orchestrator(
         evaluation_env(config)  # a bad evaluation env fails the start, not the first evaluation
     run = open_run(output_dir, run_id, config)
     with _self_evict_when_the_folder_refuses(run):
-        return _orchestrate(output_dir, run, config, env, wait, tensorboard, actor_workers)
+        tracking = Tracking(config.logging, run_id, config.model_dump(mode="json"), tracker_dir)
+        return _orchestrate(output_dir, run, config, env, wait, tensorboard, actor_workers, tracking)
 
 
 def _orchestrate(
@@ -331,6 +338,7 @@ def _orchestrate(
     wait: WaitOptions,
     tensorboard: bool,
     actor_workers: ActorWorkers | None,
+    tracking: Tracking,
 ) -> int:
     from rlplex.diagnostics import MetricsLogger
 
@@ -343,14 +351,13 @@ def _orchestrate(
     if step < config.max_steps or config.evaluation is not None:
         run.ensure_dir()  # MetricsLogger makes missing parents: never let it recreate a deleted run
         # The metrics first: a progress.csv or tb that is a link fails the start before the model loads.
-        with (
-            MetricsLogger(run.root, tensorboard) as metrics,
-            StepDataflow(output_dir, run, config, env, actor_workers) as dataflow,
-            ExitStack() as stack,
-        ):
+        # The run's trackers (TensorBoard, W&B) get its rollout rows, its evaluations and the trainer's rows.
+        trainer_rows = TrainerRows(run, after_step=max(0, step - 1 - config.max_async_level))
+        with MetricsLogger(run.root, tensorboard, tracking=tracking) as metrics, ExitStack() as stack:
+            dataflow = stack.enter_context(StepDataflow(output_dir, run, config, env, actor_workers))
             evaluator = None
             if config.evaluation is not None:
-                evaluator = RunEvaluator(run, config, dataflow.dataset.tokenizer, tensorboard)
+                evaluator = RunEvaluator(run, config, dataflow.dataset.tokenizer, False, track=metrics.track)
                 stack.callback(evaluator.close)
             empty = timed_out = 0
             while step < config.max_steps:
@@ -394,6 +401,7 @@ def _orchestrate(
                 if (load_s := dataflow.take_adapter_load_s()) is not None:
                     stats["charts/adapter_load_s"] = load_s
                 metrics.log(step, stats)
+                trainer_rows.forward(metrics.track)
                 _say(
                     f"{run_id}: step {step} written ({step + 1}/{config.max_steps}) reward {result.reward_mean:.3f} "
                     f"tokens/s {tokens_per_s:.0f} policy_step {policy_step} lag {step - policy_step}"
@@ -402,6 +410,9 @@ def _orchestrate(
             if evaluator is not None:
                 final = wait_for_broadcast(run, config.max_steps, "finished,", wait)
                 _evaluate_if_due(evaluator, dataflow, run_id, final)
+            stack.close()  # the engine and rollout workers go before the wait for the last step
+            wait_for_broadcast(run, config.max_steps, "finished,", wait)
+            trainer_rows.forward_until(metrics.track, config.max_steps, FINAL_ROW_WAIT_S)
     # Done when the trainer has trained the last step (see the module docstring).
     wait_for_broadcast(run, config.max_steps, "finished,", wait)
     _say(f"{run_id}: done ({config.max_steps} steps trained)")
