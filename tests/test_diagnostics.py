@@ -77,6 +77,7 @@ def test_a_smoothed_curve_is_a_line_over_its_faint_raw_points_and_a_second_axis_
     assert raw_a.get_color() == smooth_a.get_color() != raw_b.get_color()  # one colour per curve
     assert list(smooth_a.get_ydata()) == pytest.approx(ema([0.1, 0.9, 0.2, 0.8], 0.6))
     assert [line.get_label() for line in right.get_lines()] == ["acc"] and right.get_ylabel() == "accuracy"
+    assert right.get_lines()[0].get_color() not in (raw_a.get_color(), raw_b.get_color())
     assert [t.get_text() for t in left.get_legend().get_texts()] == ["a", "b", "acc"]  # raw points unlabelled
 
 

@@ -77,8 +77,10 @@ def learning_curves_figure(
     handles, labels = ax.get_legend_handles_labels()
     if secondary:
         right = ax.twinx()
-        for label, (xs, ys) in secondary.items():
+        for n, (label, (xs, ys)) in enumerate(secondary.items()):
+            # Colours after the left axis's: a twin axis would start its own cycle at the first one.
             style = {"marker": "s", "markersize": 4, "linestyle": "--", "linewidth": 1.2}
+            style["color"] = f"C{len(curves) + n}"
             right.plot(list(xs), list(ys), label=label, **{**style, **(styles or {}).get(label, {})})
         right.set_ylabel(secondary_label)
         more_handles, more_labels = right.get_legend_handles_labels()
