@@ -206,7 +206,7 @@ def process_env(threads: int) -> dict[str, str]:
 
 
 def trainer_command(output_dir: Path, max_runs: int, threads: int, *extra: str) -> list[str]:
-    """`python -m rlplex.multirun.trainer` for `output_dir` (world size 1), `extra` appended."""
+    """`python -m rlplex.multirun.trainer` for `output_dir`, `extra` appended."""
     command = [sys.executable, "-m", "rlplex.multirun.trainer", "--output-dir", str(output_dir)]
     return [*command, "--max-runs", str(max_runs), "--threads", str(threads), *extra]
 
@@ -218,13 +218,16 @@ def measure(
     steps: int,
     micro_tokens: int,
     warmup: int = 0,
+    ranks: int = 1,
 ) -> dict[str, float]:
-    """Start one trainer per group at once; seconds from all step_<warmup> to all step_<steps>,
-    peak RSS and PSS, and the trainers' own split of their iterations' time."""
+    """Start one trainer per group at once (each of `ranks` ranks); seconds from all
+    step_<warmup> to all step_<steps>, peak RSS and PSS, and the trainers' own split of their
+    iterations' time."""
     env = process_env(threads)
     procs, logs = [], [output_dir / TRAINER_LOG for output_dir, _ in groups]
     for (output_dir, runs), log_path in zip(groups, logs, strict=True):
         command = trainer_command(output_dir, len(runs), threads, "--micro-tokens", str(micro_tokens))
+        command += ["--nproc", str(ranks)] if ranks > 1 else []
         command += ["--checkpoint-every", str(10 * steps), "--model-json", spec.model_dump_json()]
         with log_path.open("wb") as log:
             procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -280,6 +283,13 @@ def main() -> None:
         default=0,
         help="steps trained before the timed window (on a GPU: 2, with --steps 30)",
     )
+    parser.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="the one trainer's ranks (data parallel, gloo), --threads split among them: processes "
+        "use a CPU's cores better than one process's threads on small matrices",
+    )
     parser.add_argument("--model", default=None, help="smollm2, tiny or a [model] name (default: smollm2 if installed)")
     parser.add_argument(
         "--micro-tokens",
@@ -293,7 +303,10 @@ def main() -> None:
         args.steps, args.samples = 3, 32
     k, steps = args.runs, args.steps
     step_tokens = args.samples * args.width
-    micro_tokens = args.micro_tokens or k * step_tokens
+    if not 1 <= args.ranks <= args.threads:
+        parser.error(f"--ranks {args.ranks} must be between 1 and --threads {args.threads}")
+    # Every rank takes micro-batches of its own: a step of every run, split among the ranks.
+    micro_tokens = args.micro_tokens or -(-k * step_tokens // args.ranks)
     spec = benchmark_model(args.model)
     batches = make_batches(spec, k, steps, args.samples, args.width)
     if not 0 <= args.warmup_steps < steps:
@@ -305,10 +318,11 @@ def main() -> None:
         shared = measure(
             spec,
             [(shared_dir, prepare(spec, shared_dir, list(range(k)), batches, steps))],
-            args.threads,
+            args.threads // args.ranks,
             steps,
             micro_tokens,
             args.warmup_steps,
+            args.ranks,
         )
         separate_groups = []
         for i in range(k):
@@ -339,6 +353,7 @@ def main() -> None:
         "samples": args.samples,
         "width": args.width,
         "threads": args.threads,
+        "ranks": args.ranks,
         "micro_tokens": micro_tokens,
         "tokens": tokens,
         "shared": shared,

@@ -19,6 +19,7 @@ import torch
 
 from rlplex.models.device import model_device
 from rlplex.models.hf import Tokenizer, decode_completion, encode_answer, encode_prompt, stop_token_ids
+from rlplex.models.logprobs import positions_of, token_logprobs
 from rlplex.tasks import Environment, Example
 from rlplex.tasks.evaluation import Evaluation, score_evaluation
 
@@ -41,10 +42,6 @@ class Rollouts:
             self.logprobs_B_L.cpu(),
             self.completions,
         )
-
-
-def _positions(attention_B_L: torch.Tensor) -> torch.Tensor:
-    return (attention_B_L.cumsum(-1) - 1).clamp(min=0)
 
 
 def _last_logits_only(model: torch.nn.Module) -> dict[str, int]:
@@ -101,7 +98,7 @@ def generate(
         out = model(
             input_ids=step_input,
             attention_mask=step_attention,
-            position_ids=_positions(step_attention)[:, -step_input.shape[1] :],
+            position_ids=positions_of(step_attention)[:, -step_input.shape[1] :],
             past_key_values=past,
             use_cache=True,
             **last_only,
@@ -130,26 +127,6 @@ def generate(
     logprobs = torch.cat([torch.zeros_like(tokens, dtype=torch.float32), torch.stack(new_logprobs, dim=1)], dim=1)
     completions = [decode_completion(tokenizer, row, stops) for row in gen.tolist()]
     return Rollouts(full_tokens, full_attention, completion_mask, logprobs, completions)
-
-
-def token_logprobs(
-    model: torch.nn.Module,
-    tokens_B_L: torch.Tensor,
-    attention_B_L: torch.Tensor,
-    temperature_B: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """log p(token_t | tokens_<t) for every position t >= 1 (position 0 gets 0); differentiable.
-
-    `temperature_B`: each row's sampling temperature, scaling the logits exactly as `generate`
-    does, so that importance ratios compare the same distribution that sampled the tokens.
-    """
-    logits = model(
-        input_ids=tokens_B_L, attention_mask=attention_B_L, position_ids=_positions(attention_B_L)
-    ).logits.float()
-    if temperature_B is not None:
-        logits = logits / temperature_B.to(logits.device, logits.dtype).clamp_min(1e-6)[:, None, None]
-    log_p = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, tokens_B_L[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(log_p[:, :1]), log_p], dim=1)
 
 
 def supervised_warmup(
