@@ -48,6 +48,7 @@ LIGHT_MODULES = [
     "rlplex.mainjob.rollout_node",
     "rlplex.mainjob.inference_node",
     "rlplex.multirun.trainer",
+    "rlplex.dashboard.server",
 ]
 HEAVY = ("torch", "transformers", "vllm", "ray", "datasets")
 

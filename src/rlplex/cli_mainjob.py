@@ -277,24 +277,51 @@ def register(app: typer.Typer, console: Console) -> None:
         """Evict a run: its orchestrator stops and the trainer frees its slot."""
 
         def body() -> int:
-            from rlplex.errors import ConfigError
-            from rlplex.mainjob.conductor import evict
-            from rlplex.mainjob.view import collect
-            from rlplex.multirun.rundir import RunDir, is_valid_run_name
+            from rlplex.mainjob.actions import evict_run
 
-            runs_dir = output_dir / "runs"
-            if not is_valid_run_name(run_id) or not RunDir(runs_dir, run_id).exists():
-                raise ConfigError(f"{runs_dir / run_id}: no such run")
-            if not reason.strip():
-                raise ConfigError("--reason: empty; say why the run is evicted")
-            current = {run.run_id: run for run in collect(output_dir).runs}.get(run_id)
-            if current is not None and current.state in ("finished", "evicted", "rejected"):
-                # An end is final: evicting again would overwrite the first reason, and a
-                # finished run would turn into an evicted one.
-                why = f" ({current.reason})" if current.reason else ""
-                raise ConfigError(f"{runs_dir / run_id}: the run is already {current.state}{why}; not evicted")
-            evict(runs_dir, run_id, reason)
-            console.print(f"{run_id}: evicted ({reason})", highlight=False)
+            console.print(escape(evict_run(output_dir, run_id, reason)), highlight=False)
+            return 0
+
+        guard(console, debug, body)
+
+    @app.command("dashboard", short_help="A live web dashboard of a job's folder (main, control-plane or train).")
+    def dashboard(
+        output_dir: Annotated[Path, typer.Argument(help="the job's output folder")],
+        port: Annotated[
+            int, typer.Option(metavar="PORT", help="port to listen on (0: any free port; the link names it)")
+        ] = 0,
+        host: Annotated[
+            str,
+            typer.Option(metavar="ADDRESS", help="address to listen on; another than loopback lets other machines in"),
+        ] = "127.0.0.1",
+        allow_actions: Annotated[
+            bool, typer.Option(help="the page may evict runs and stop the job (each asks for confirmation)")
+        ] = False,
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Serve a live page of the job: its state, ETA, runs, learning curves, nodes and event
+        log, read from its folder. Prints the link (with the job's dashboard token) once; every
+        request without the token is refused. Ctrl-C ends it; the job goes on."""
+
+        def body() -> int:
+            from rlplex.config import validate_config
+            from rlplex.dashboard.config import DashboardConfig
+            from rlplex.dashboard.server import DashboardServer, is_loopback
+            from rlplex.errors import ConfigError
+
+            if not output_dir.is_dir():
+                raise ConfigError(f"{output_dir}: no such job folder")
+            config = validate_config(
+                DashboardConfig,
+                {"enabled": True, "host": host, "port": port, "allow_actions": allow_actions},
+                source="rlplex dashboard",
+            )
+            server = DashboardServer.create(output_dir.resolve(), config)
+            if not is_loopback(host):
+                console.print(f"note: listening on {host}: other machines can reach it (the token still guards it)")
+            mode = "actions allowed" if allow_actions else "read-only"
+            console.print(f"dashboard of {output_dir} ({mode}): {server.url}", highlight=False, soft_wrap=True)
+            server.run()
             return 0
 
         guard(console, debug, body)

@@ -1,12 +1,16 @@
 """The main job end to end with a tiny budget: every process real (PrimeMaster, an elastic trainer
 rank, orchestrators, rollout nodes, conductor); a run added and a run evicted by the
-job's events, and a run the trainer rejects, which ends alone while the job goes on."""
+job's events, and a run the trainer rejects, which ends alone while the job goes on; the
+master serves the dashboard meanwhile."""
 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 from mainjob_helpers import run_config, tiny_job
@@ -18,6 +22,7 @@ from rlplex.control.job.states import JobState
 from rlplex.mainjob.config import MainJobConfig, load_main_job
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect
+from timing import scaled, wait_for
 from tracker_files import history, run_record, tensorboard_scalars
 
 pytestmark = pytest.mark.e2e
@@ -33,6 +38,41 @@ reason = "evicted on purpose by the test"
 """
 
 
+DASHBOARD = """
+[dashboard]
+enabled = true
+"""
+
+
+class DashboardWatcher(threading.Thread):
+    """Finds the dashboard's link in the job's console, then polls its JSON until a run has
+    trained a step (or the job's dashboard is gone)."""
+
+    def __init__(self, console: Path) -> None:
+        super().__init__(daemon=True)
+        self.console, self.url, self.error = console, "", ""
+        self.refused: list[int] = []
+        self.seen: list[dict[str, int]] = []
+        self.trained = False
+
+    def run(self) -> None:
+        try:
+            found = wait_for(lambda: "token=" in self.console.read_text(), 240, "the dashboard's link")
+            assert found
+            self.url = "http" + self.console.read_text().split(": http", 1)[1].split()[0]
+            base = self.url.split("/?")[0]
+            self.refused = [httpx.get(f"{base}{path}").status_code for path in ("/", "/api/view")]
+            with httpx.Client() as web:
+                web.get(self.url)  # the link's cookie
+                while not self.trained:
+                    runs = web.get(f"{base}/api/view").json()["runs"]
+                    self.seen.append({run["id"]: run["step"] for run in runs})
+                    self.trained = any(run["step"] >= 1 for run in runs)
+                    time.sleep(0.2)
+        except (AssertionError, httpx.HTTPError, ValueError, KeyError) as error:
+            self.error = repr(error)
+
+
 def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
@@ -46,12 +86,21 @@ def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tm
     }
     # run_c generates on two nodes of the job's rollout role, which grows when run_c joins.
     later = {"run_c": run_config(3, 2, "rollout_workers = 2")}
-    path.write_text(tiny_job("mj-e2e", out, runs, later, rest=EVENTS, world_size=1))
+    # The master serves the dashboard (`[dashboard] enabled`): a thread beside the job reads it.
+    path.write_text(tiny_job("mj-e2e", out, runs, later, rest=EVENTS + DASHBOARD, world_size=1))
+    watcher = DashboardWatcher(tmp_path / "console.txt")
     try:
         # Without the preflight (which would refuse run_wide before anything starts: see
         # test_main_job_user_holes.py): the trainer itself judges each run when it discovers it.
         console = Console(file=open(tmp_path / "console.txt", "w"))
+        watcher.start()
         state = run_main_job(load_config(MainJobConfig, path), console, live=False, check_runs=False)
+        watcher.join(scaled(30))
+        # While the job ran, its master served the page's JSON to the token alone, and the runs in it.
+        assert watcher.refused == [401, 401] and watcher.trained, (watcher.error, watcher.seen[-3:])
+        assert (tmp_path / "console.txt").read_text().count("token=") == 1  # the link, printed once
+        with pytest.raises(httpx.ConnectError):  # and stopped serving with the job
+            httpx.get(watcher.url)
         assert state == JobState.STOPPED, (out / "report.md").read_text()
         runs = {run.run_id: run for run in collect(out).runs}
         assert set(runs) == {"run_a", "run_b", "run_c", "run_wide"}

@@ -22,6 +22,8 @@ engine = "vllm"                     # one vLLM server for every run's adapter
 max_loras = 4
 [logging]                           # optional: trackers (`rlplex.diagnostics.trackers`), headless lines
 wandb = true                        # one offline W&B run per run, grouped by the job's name
+[dashboard]                         # optional: the master serves `rlplex dashboard`'s page while it runs
+enabled = true                      # host = "127.0.0.1", port = 0 (any free one), allow_actions = false
 
 A run's `model` table may leave out the model's fields: it gets the job's `[model]` (a run
 that names another model is rejected by the trainer, with the reason in its control folder).
@@ -39,6 +41,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from rlplex.config import StrictModel, load_config
+from rlplex.dashboard.config import DashboardConfig
 from rlplex.diagnostics.trackers import LoggingConfig
 from rlplex.inference.config import InferenceConfig, resolve_engine
 from rlplex.models.spec import ModelSpec
@@ -143,6 +146,9 @@ class MainJobConfig(StrictModel):
     events: list[Event] = Field(default_factory=list)
     logging: LoggingConfig = Field(
         LoggingConfig(), description="Trackers of every run (a run's own [logging] keys win); headless lines."
+    )
+    dashboard: DashboardConfig = Field(
+        DashboardConfig(), description="The web dashboard the master serves while the job runs (enabled = true)."
     )
     refresh_s: float = Field(0.5, gt=0, description="live view refresh period")
     timeout_s: float = Field(1800.0, gt=0, description="the job is stopped and failed after this long")

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.live import Live
@@ -20,6 +20,7 @@ from rlplex.config import validate_config
 from rlplex.control.job.master import PrimeMaster
 from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState
 from rlplex.control.job.stop_request import clear_stop_request, request_stop, stop_requested, wait_for_stop
+from rlplex.dashboard.sources import EVENTS
 from rlplex.errors import ConfigError, JobFailedError, JobInterruptedError, RlplexError
 from rlplex.inference.config import InferenceConfig
 from rlplex.inference.vllm_server import ensure_api_key, require_vllm
@@ -43,6 +44,9 @@ from rlplex.mainjob.report import write_report
 from rlplex.mainjob.view import JobView, collect
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.rundir import run_folder_problem
+
+if TYPE_CHECKING:
+    from rlplex.dashboard.server import DashboardServer
 
 
 def accept_requests(
@@ -270,6 +274,7 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
     started = time.monotonic()
     state = master.state
     stopped_by: str | None = None
+    dashboard: DashboardServer | None = None
     with _StopSignals() as signals:
         try:
             if start and signals.received is None:
@@ -280,6 +285,10 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
                 Live(render(collect(output_dir), live=True), console=console, auto_refresh=False) if live else None
             )
             lines = None if live else ProgressLines(config.logging.print_every_s)
+            dashboard = _start_dashboard(config, console)
+            # The dashboard is handed the view this loop reads anyway: the folder is read once.
+            events = EVENTS if dashboard is not None else 0
+            publish = dashboard.source.publish if dashboard is not None else (lambda view: None)
             with display or contextlib.nullcontext():
                 next_view = 0.0
                 while (state := master.monitor()) not in TERMINAL_JOB_STATES:
@@ -290,10 +299,12 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
                     if now - started > config.timeout_s:
                         master.manager.fail(f"the job ran past its timeout_s of {config.timeout_s:g} s")
                     if now >= next_view:
-                        _show(collect(output_dir), display, lines, console, now)
+                        publish(view := collect(output_dir, events=events))
+                        _show(view, display, lines, console, now)
                         next_view = now + config.refresh_s
                     time.sleep(master.manager.spec.monitor_interval_s)
-                _show(collect(output_dir), display, lines, console, time.monotonic())
+                publish(view := collect(output_dir, events=events))
+                _show(view, display, lines, console, time.monotonic())
         finally:
             if signals.received is not None:
                 stopped_by = f"stopped by {signal.Signals(signals.received).name}"
@@ -309,11 +320,30 @@ def _drive(master: PrimeMaster, config: MainJobConfig, console: Console, live: b
                 last += f"; unfinished runs: {', '.join(left)}: continue with `rlplex resume {output_dir}`"
             if signals.received is None:
                 console.print(last, highlight=False, soft_wrap=True)
+            if dashboard is not None:  # the page's last view: the job as it ended
+                dashboard.source.publish(collect(output_dir, events=EVENTS))
+                dashboard.close()
     if signals.received is not None:  # the command's last line, said once (by `guard`), with its exit code
         raise JobInterruptedError(last, signals.received)
     if stopped_by is None:
         _fail_unless_a_run_finished(output_dir, report)
     return state
+
+
+def _start_dashboard(config: MainJobConfig, console: Console) -> DashboardServer | None:
+    """`[dashboard] enabled = true`: the page served from a thread of this process; its link
+    printed once."""
+    if not config.dashboard.enabled:
+        return None
+    from rlplex.dashboard.server import DashboardServer
+    from rlplex.dashboard.sources import ViewSource
+
+    source = ViewSource(config.output_dir, reads_folder=False)
+    server = DashboardServer.create(config.output_dir, config.dashboard, source)
+    server.start()
+    mode = "actions allowed" if config.dashboard.allow_actions else "read-only"
+    console.print(f"dashboard ({mode}): {server.url}", highlight=False, soft_wrap=True)
+    return server
 
 
 def _show(view: JobView, display: Live | None, lines: ProgressLines | None, console: Console, now: float) -> None:

@@ -165,15 +165,19 @@ def node_rows(view: JobView, nodes: Sequence[NodeRecord]) -> list[list[str]]:
     for node in nodes:
         age = f"{view.read_at - node.last_heartbeat:.1f} s" if node.last_heartbeat else "-"
         progress = ", ".join(f"{k}={v:g}" for k, v in list(node.progress.items())[:4]) or "-"
-        # Orchestrator rank r serves entry r of the registry, the order of `view.runs`; rollout
-        # rank r generates for the run `registry.rollout_slots` names.
-        serves = ""
-        if node.role == "orchestrator" and node.rank < len(view.runs):
-            serves = view.runs[node.rank].run_id
-        elif node.role == "rollout" and node.rank < len(view.rollout_runs):
-            serves = view.rollout_runs[node.rank]
-        rows.append([node.role, str(node.rank), serves, node.state, str(node.restarts), age, progress])
+        rows.append([node.role, str(node.rank), node_run(view, node), node.state, str(node.restarts), age, progress])
     return rows
+
+
+def node_run(view: JobView, node: NodeRecord) -> str:
+    """The run a node works for ("": the whole job)."""
+    # Orchestrator rank r serves entry r of the registry, the order of `view.runs`; rollout
+    # rank r generates for the run `registry.rollout_slots` names.
+    if node.role == "orchestrator" and node.rank < len(view.runs):
+        return view.runs[node.rank].run_id
+    if node.role == "rollout" and node.rank < len(view.rollout_runs):
+        return view.rollout_runs[node.rank]
+    return ""
 
 
 def notes(view: JobView) -> list[str]:

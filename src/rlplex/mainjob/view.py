@@ -14,8 +14,6 @@ from its folder being made to its end marker; its ETA comes from the trainer's p
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
 import json
 import os
 import sqlite3
@@ -23,21 +21,22 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from rlplex.control.elastic.master import rendezvous_summaries
 from rlplex.control.job.master import MasterLock
 from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState, job_outcome
-from rlplex.control.job.store import STORE_FILE, JobRecord, JobStore, NodeRecord
+from rlplex.control.job.store import STORE_FILE, JobRecord, JobStore, LogRecord, NodeRecord
 from rlplex.errors import ConfigError
 from rlplex.io.safe_files import check_regular_file, read_regular_text
 from rlplex.mainjob.config import INFERENCE_DIR, JOB_CONFIG_FILE, RunEntry
+from rlplex.mainjob.progress_rows import read_progress_rows
 from rlplex.mainjob.registry import REJECTIONS_DIR, read_registry, rejection_reason, rollout_slots
 from rlplex.mainjob.timing import eta_s, job_eta_s, seconds_per_step, step_history
 from rlplex.multirun.rundir import RunDir, stable_steps, unwritten_eviction_path
 
-MAX_PROGRESS_BYTES = 256 << 20
 MAX_STORE_BYTES = 64 << 30
 
 REWARD_COLUMNS = ("reward_mean", "charts/reward_mean", "reward")
@@ -46,6 +45,7 @@ REWARD_WINDOW = 10
 # The trainer's throughput is measured over the newest stretch of its progress logs.
 THROUGHPUT_WINDOW_S = 30.0
 TOKENS_COLUMNS = ("tokens_per_s", "charts/tokens_per_s")
+LAG_COLUMNS = ("policy_lag", "charts/policy_lag")
 ADAPTER_LOAD_COLUMN = "charts/adapter_load_s"
 
 
@@ -66,11 +66,22 @@ class RunView:
     evaluations: list[dict[str, float]] = field(default_factory=list)  # held-out evaluations, by policy step
     started_at: float | None = None  # wall clock: when its folder was made (its identity written)
     ended_at: float | None = None  # wall clock: when it finished, was evicted or was rejected
+    policy_lag: float | None = None  # steps its newest rollouts' policy was behind the step they trained
+    settings: dict[str, Any] = field(default_factory=dict)  # its orchestrator config, as it joined
+
+    # `steps`, with the rows (the list itself, and how many) it was computed from: the ETAs ask
+    # for it several times per view, and each time walks every row.
+    _steps: tuple[list[dict[str, float]], int, list[tuple[int, float]]] | None = field(
+        default=None, repr=False, compare=False
+    )
 
     @property
     def steps(self) -> list[tuple[int, float]]:
         """(step, wall time) of each step the trainer trained, from its progress log."""
-        return step_history(self.trainer_rows)
+        rows = self.trainer_rows
+        if self._steps is None or self._steps[0] is not rows or self._steps[1] != len(rows):
+            self._steps = (rows, len(rows), step_history(rows))
+        return self._steps[2]
 
     @property
     def seconds_per_step(self) -> float | None:
@@ -153,6 +164,7 @@ class JobView:
     master_pid: int = 0
     updated_at: float | None = None  # the job's last state change (wall clock)
     rollout_runs: list[str] = field(default_factory=list)  # the run rollout node r generates for
+    events: list[LogRecord] = field(default_factory=list)  # the newest transitions and decisions, when asked
 
     @property
     def outcome(self) -> str:
@@ -251,22 +263,6 @@ def _read_reason(path: Path, root: Path) -> str:
         return f"({path} unreadable: {error})"
 
 
-def read_progress_rows(path: Path) -> list[dict[str, float]]:
-    """Rows of a progress CSV that parse as numbers; a last line still being written is skipped."""
-    try:
-        text = read_regular_text(path, MAX_PROGRESS_BYTES)
-    except OSError:  # missing, or not a regular file (a FIFO would block the live view)
-        return []
-    complete = text[: text.rfind("\n") + 1]
-    rows = []
-    for raw in csv.DictReader(io.StringIO(complete)):
-        try:
-            rows.append({k: float(v) for k, v in raw.items() if k and v not in ("", None)})
-        except (TypeError, ValueError):
-            continue
-    return rows
-
-
 def _pick(row: dict[str, float], names: tuple[str, ...]) -> float | None:
     for name in names:
         if name in row:
@@ -283,7 +279,7 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
     curve = [
         (row["step"], reward) for row in rows if "step" in row and (reward := _pick(row, REWARD_COLUMNS)) is not None
     ]
-    view = RunView(entry.id, "running", trained, max_steps, curve=curve)
+    view = RunView(entry.id, "running", trained, max_steps, curve=curve, settings=entry.config)
     if curve:
         view.reward = curve[-1][1]
     view.trainer_rows = read_progress_rows(run.root / "logs" / "trainer_progress.csv")
@@ -292,6 +288,7 @@ def run_view(runs_dir: Path, entry: RunEntry) -> RunView:
         view.trained_tokens = int(view.trainer_rows[-1].get("total_tokens", 0))
     if rows:
         view.tokens_per_s = _pick(rows[-1], TOKENS_COLUMNS)
+        view.policy_lag = _pick(rows[-1], LAG_COLUMNS)
         view.adapter_loads_s = [row[ADAPTER_LOAD_COLUMN] for row in rows if ADAPTER_LOAD_COLUMN in row]
         view.rollout_tokens_per_s = [rate for row in rows if (rate := _pick(row, TOKENS_COLUMNS)) is not None]
     if (rejected := rejection_reason(runs_dir.parent, entry.id)) is not None:
@@ -358,18 +355,29 @@ def open_job_store(output_dir: Path) -> Iterator[JobStore | None]:
 
 def read_job(output_dir: Path) -> tuple[JobRecord, list[NodeRecord]] | None:
     """The newest job recorded in `output_dir` and its nodes (None: no store, or no job in it)."""
+    found = read_job_and_events(output_dir, 0)
+    return None if found is None else found[:2]
+
+
+def read_job_and_events(output_dir: Path, events: int) -> tuple[JobRecord, list[NodeRecord], list[LogRecord]] | None:
+    """`read_job`, and the newest `events` transitions and decisions, oldest first."""
     if not os.path.lexists(output_dir / STORE_FILE):
         return None
     with open_job_store(output_dir) as job:
-        return None if job is None else (job.job(), job.nodes())
+        if job is None:
+            return None
+        log = sorted([*job.transitions(), *job.decisions()], key=lambda r: r.at)[-events:] if events else []
+        return job.job(), job.nodes(), log
 
 
-def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
+def collect(output_dir: Path, runs_dir: Path | None = None, events: int = 0) -> JobView:
+    """The job as its files say it is now; with its newest `events` transitions and decisions."""
     runs_dir = runs_dir or output_dir / "runs"
     job_state, cause, created, master_pid, updated = "UNKNOWN", "", None, 0, None
     nodes: list[NodeRecord] = []
-    if (found := read_job(output_dir)) is not None:
-        record, nodes = found
+    log: list[LogRecord] = []
+    if (found := read_job_and_events(output_dir, events)) is not None:
+        record, nodes, log = found
         job_state, cause, created, master_pid = record.state, record.cause, record.created_at, record.master_pid
         updated = record.updated_at
     entries = read_registry(output_dir)
@@ -382,5 +390,5 @@ def collect(output_dir: Path, runs_dir: Path | None = None) -> JobView:
         rollout_runs = []
     return JobView(
         output_dir, job_state, cause, nodes, runs, time.time(), rendezvous, created, inference, master_pid, updated,
-        rollout_runs,
+        rollout_runs, log,
     )  # fmt: skip
