@@ -1,9 +1,10 @@
 """The main job is stopped by SIGTERM and continued (`rlplex run --continue`), then survives
-SIGKILL of one orchestrator, one rollout node, one trainer rank and then of `rlplex run` itself
-(resumed with `rlplex resume`): the job still finishes, every run trains all its steps, and no
-step is trained twice (each run's final checkpoint counts exactly max_steps x batch_size samples,
-and the trainer's log holds each step once), with `checkpoint_every = 10`: the killed trainer
-resumes from its newest broadcast, not from a checkpoint steps behind it."""
+SIGKILL of one orchestrator (watched on the job's dashboard in a browser), one rollout node, one
+trainer rank and then of `rlplex run` itself (resumed with `rlplex resume`): the job still
+finishes, every run trains all its steps, and no step is trained twice (each run's final
+checkpoint counts exactly max_steps x batch_size samples, and the trainer's log holds each step
+once), with `checkpoint_every = 10`: the killed trainer resumes from its newest broadcast, not
+from a checkpoint steps behind it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from dashboard_browser import open_dashboard
 from mainjob_helpers import BATCH, run_config, tiny_job
 
 from node_helpers import job_processes, listening_sockets, wait_for
@@ -90,6 +92,13 @@ def test_signals_and_sigkills_of_every_process_lose_and_repeat_no_step(tmp_path:
     def start(*args: str) -> subprocess.Popen[bytes]:
         return subprocess.Popen([*command, *args, "--no-live"], stdout=log, stderr=subprocess.STDOUT, env=env)
 
+    out.mkdir()
+    # The job's dashboard in a browser (its JSON where none can run), open from before the job
+    # starts until its SIGKILLed orchestrator's restart shows, through the SIGTERM and the
+    # `--continue`, never reloaded: the runs appear, the curves gain points, the restart shows;
+    # a request without the token is refused (open_dashboard).
+    dashboard_open = contextlib.ExitStack()
+    dashboard = dashboard_open.enter_context(open_dashboard(out, tmp_path / "dashboard.log"))
     job = start("run", str(path))
 
     def trained_while_running(run_id: str, steps: int) -> bool:
@@ -116,13 +125,16 @@ def test_signals_and_sigkills_of_every_process_lose_and_repeat_no_step(tmp_path:
     try:
         # Signals first, while the runs have most of their steps ahead.
         wait_for(lambda: trained_while_running("run_a", 1), 240, "run_a's first trained step")
+        dashboard.wait("both runs", lambda rows: {"run_a", "run_b"} <= set(rows), 30)
         stopped_cleanly_by(signal.SIGTERM)
+        held = sum(int(row["points"]) for row in dashboard.wait("the stopped job", lambda rows: rows, 10).values())
         assert "rlplex resume" in log_path.read_text()
         # SIGHUP and SIGINT take the same path as SIGTERM: tests/mainjob/test_stop_signals.py.
         # `rlplex resume` of a stopped job: tests/test_readme_commands.py::test_main_job_commands.
         job = start("run", str(path), "--continue")
         next_step = trained(out, "run_a") + 1
         wait_for(lambda: trained_while_running("run_a", next_step), 240, "run_a's next step after --continue")
+        dashboard.wait("new curve points", lambda rows: sum(int(r["points"]) for r in rows.values()) > held, 30)
         assert trained(out, "run_a") < STEPS and trained(out, "run_b") < STEPS, "too few steps left for the faults"
         # Every port of the running main job (master, trainer ranks and their rank-0 store, gloo,
         # orchestrators, conductor) is on loopback: issue 18's socket check.
@@ -139,6 +151,8 @@ def test_signals_and_sigkills_of_every_process_lose_and_repeat_no_step(tmp_path:
         orchestrator.send_signal(signal.SIGKILL)
         # Each fault is taken in turn: the master restarts the orchestrator before the next.
         wait_for(lambda: restarts(out, "orchestrator", 0) >= 1, 60, "orchestrator-0's restart")
+        dashboard.wait("run_a's restart", lambda rows: int(rows["run_a"]["restarts"]) >= 1, 30)
+        dashboard_open.close()  # the faults below need the cores more than a browser
         # A rollout node dies under run_b's orchestrator: the master starts its next incarnation and
         # the orchestrator issues its call there again.
         rollout = wait_for(lambda: node_process(out, "rollout-0"), 30, "rollout-0's process")
@@ -174,6 +188,7 @@ def test_signals_and_sigkills_of_every_process_lose_and_repeat_no_step(tmp_path:
             logged = [int(row["step"]) for row in read_progress_rows(run_dir.root / "logs" / "trainer_progress.csv")]
             assert len(logged) == len(set(logged)), f"{run.run_id} trained a step twice: {logged}"
     finally:
+        dashboard_open.close()
         if job.poll() is None:
             job.kill()
             job.wait(10)
