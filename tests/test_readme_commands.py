@@ -80,6 +80,13 @@ SKIPPED = {
         "test_control_plane_job_commands stops the resumed master the other way, with Ctrl-C; `rlplex job stop` "
         "of a running job and of one whose master died runs in tests/control/test_failover.py"
     ),
+    "tensorboard --logdir outputs/multirun-demo/tb": (
+        "a server that runs until stopped; test_main_job_e2e reads the job's TensorBoard files back "
+        "(tests/test_trackers.py the tracker's own)"
+    ),
+    "wandb sync 'outputs/multirun-demo/wandb/offline-run-*'": (
+        "uploads to W&B's servers (no network here); tests/test_trackers.py reads the offline run's files back"
+    ),
     "rlplex train examples/halfcheetah_sac.toml --output outputs/hc --n-steps 100000": (
         "100k SAC steps (hours on two cores); the example trains through the CLI with a tiny budget in "
         "tests/test_examples.py::test_mujoco_example_trains_through_the_cli"
