@@ -80,15 +80,23 @@ def in_process_orchestrator(out: Path, run_id: str, tensorboard: bool) -> None:
     run_orchestrator(out, run_id, make_config(), WaitOptions(timeout_s=scaled(5.0)), tensorboard)
 
 
-# ---- progress.csv: a link to a file outside the output folder -------------------------------------
-def test_a_progress_csv_link_fails_the_orchestrator_naming_it_and_nothing_outside_changes(
-    out: Path, outside: Path
+# ---- progress.csv and tb: links to a file or a folder outside the output folder -------------------
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [("progress.csv", "is a symlink"), ("tb", "is a symlink; rlplex writes nothing")],
+    ids=["progress.csv", "tb"],
+)
+def test_a_link_planted_before_the_start_fails_the_orchestrator_naming_it_and_nothing_outside_changes(
+    out: Path, outside: Path, name: str, message: str
 ) -> None:
     run = new_run(out, "run_a")
-    (run.root / "progress.csv").symlink_to(outside / "notes.csv")
+    if name == "tb":
+        (run.root / name).symlink_to(outside, target_is_directory=True)
+    else:
+        (run.root / name).symlink_to(outside / "notes.csv")
     before = snapshot(outside)
-    with pytest.raises(UnsafeFileError, match=re.escape(f"{run.root / 'progress.csv'}: is a symlink")):
-        in_process_orchestrator(out, "run_a", tensorboard=False)
+    with pytest.raises(UnsafeFileError, match=re.escape(f"{run.root / name}: {message}")):
+        in_process_orchestrator(out, "run_a", tensorboard=name == "tb")
     assert snapshot(outside) == before
 
 
@@ -148,16 +156,7 @@ def test_an_atomic_write_never_writes_through_its_temporary_name(tmp_path: Path,
     assert snapshot(outside) == before and path.read_bytes() == b"{1}"
 
 
-# ---- tb: a link to a folder outside ---------------------------------------------------------------
-def test_a_tb_link_fails_the_orchestrator_naming_it_and_no_event_file_lands_outside(out: Path, outside: Path) -> None:
-    run = new_run(out, "run_a")
-    (run.root / "tb").symlink_to(outside, target_is_directory=True)
-    before = snapshot(outside)
-    with pytest.raises(UnsafeFileError, match=re.escape(f"{run.root / 'tb'}: is a symlink; rlplex writes nothing")):
-        in_process_orchestrator(out, "run_a", tensorboard=True)
-    assert snapshot(outside) == before
-
-
+# ---- tb: an evaluation's link to a folder outside --------------------------------------------
 def test_an_evaluation_tb_link_is_refused_too(out: Path, outside: Path) -> None:
     run = new_run(out, "run_a")
     (run.evaluations).mkdir()
