@@ -146,7 +146,7 @@ def run_algo(algo: str, seeds: range, n_steps: int | None, stop: bool) -> dict[s
     columns = ["seed", "reached", "steps to target", "final eval", "best eval", "env steps", "wall s"]
     report(name, title, columns, rows, figures)
     curves = {f"seed {r['seed']}": (r["curve"][0], r["curve"][1]) for r in results}
-    png = plot_learning_curves(curves, RESULTS / f"{name}.png", f"{algo.upper()} {example} (eval)", hline=target)
+    png = plot_learning_curves(curves, RESULTS / f"{name}.png", title=f"{algo.upper()} {example} (eval)", hline=target)
     print(f"wrote {png}")
     return figures
 

@@ -102,7 +102,7 @@ def main() -> None:
     summary = {"target": TARGET, "n_steps": n_steps, "passed": passed, "goal": goal, "seeds": results}
     (OUT / "learn_dqn_cartpole.json").write_text(json.dumps(summary, indent=1))
     curves = {f"seed {r['seed']}": (r["curve"][0], r["curve"][1]) for r in results}
-    plot_learning_curves(curves, OUT / "learn_dqn_cartpole.png", "DQN CartPole-v1 (eval)", hline=TARGET)
+    plot_learning_curves(curves, OUT / "learn_dqn_cartpole.png", title="DQN CartPole-v1 (eval)", hline=TARGET)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ def test_shared_and_alone_jobs_are_the_demo_job_with_the_benchmarks_budget(tmp_p
     assert all(run.evaluation is not None and run.evaluation.examples == 12 for run in runs)
     alone = job_config(tmp_path / "alone", steps=5, examples=12, only=shared.runs[1].id)
     (run,) = [entry.orch_config("bench") for entry in alone.runs]
-    # The same run (seed, learning rate, evaluation); only its job's folder (the engine's endpoint) differs.
-    assert alone.trainer.max_runs == 1 and run.model_dump(exclude={"inference"}) == runs[1].model_dump(
-        exclude={"inference"}
-    )
+    # The same run (seed, learning rate, evaluation); only its job's folder (the engine's endpoint)
+    # and its job's name (the W&B group its logging takes) differ.
+    differ = {"inference", "logging"}
+    assert alone.trainer.max_runs == 1 and run.model_dump(exclude=differ) == runs[1].model_dump(exclude=differ)
+    assert run.logging.tensorboard == runs[1].logging.tensorboard
