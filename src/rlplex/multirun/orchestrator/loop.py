@@ -326,6 +326,7 @@ def run_orchestrator(
         evaluation_env(config)  # a bad evaluation env fails the start, not the first evaluation
     run = open_run(output_dir, run_id, config)
     with _self_evict_when_the_folder_refuses(run):
+        run.check_writable()
         tracking = Tracking(config.logging, run_id, config.model_dump(mode="json"), tracker_dir)
         return _orchestrate(output_dir, run, config, env, wait, tensorboard, actor_workers, tracking)
 

@@ -244,6 +244,13 @@ class RunDir:
                 raise MultiRunError(str(error)) from None
         return current
 
+    def check_writable(self) -> None:
+        """Write and remove a file in `control/`: a folder that refuses writes (read-only, full)
+        raises its `OSError` now, before a model loads and a step is generated for nothing."""
+        probe = self.ensure_dir("control") / f".write-probe-{os.getpid()}"
+        write_file_atomic(probe, b"")
+        os.unlink(probe)
+
     def write_text(self, path: Path, text: str) -> None:
         """Atomically write `text` to `path`, a file below the run directory."""
         relative = path.relative_to(self.root)
