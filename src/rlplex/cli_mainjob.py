@@ -111,9 +111,8 @@ def register(app: typer.Typer, console: Console) -> None:
         checkpoints, the report is written; `--continue` (or `rlplex resume OUT`) goes on."""
 
         def body() -> int:
-            from rlplex.config import validate_config
             from rlplex.control.job.states import JobState
-            from rlplex.mainjob.config import MainJobConfig, load_main_job
+            from rlplex.mainjob.config import load_main_job
             from rlplex.mainjob.driver import resume_main_job, run_main_job
 
             if continue_:
@@ -121,14 +120,12 @@ def register(app: typer.Typer, console: Console) -> None:
                 state = resume_main_job(folder, console, live=live)
                 return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
             check_file_kind(job_file, "main")
-            config = load_main_job(job_file)
-            updates = {
-                "backend": backend or os.environ.get("RLPLEX_BACKEND") or config.backend,
-                "ray_address": ray_address or os.environ.get("RLPLEX_RAY_ADDRESS") or config.ray_address,
-                "output_dir": str(output or config.output_dir),
+            given = {
+                "backend": backend or os.environ.get("RLPLEX_BACKEND"),
+                "ray_address": ray_address or os.environ.get("RLPLEX_RAY_ADDRESS"),
+                "output_dir": None if output is None else str(output),
             }
-            data = config.model_dump(mode="json") | updates
-            config = validate_config(MainJobConfig, data, source=f"{job_file} (with flags and environment)")
+            config = load_main_job(job_file, {key: value for key, value in given.items() if value})
             state = run_main_job(config, console, live=live, source=str(job_file))
             return 0 if state == JobState.STOPPED else EXIT_JOB_FAILED
 

@@ -9,7 +9,7 @@ import pytest
 from rich.console import Console
 
 from rlplex.errors import ConfigError, RunConfigError, WaitTimeoutError
-from rlplex.mainjob.config import MainJobConfig, RunEntry, load_main_job
+from rlplex.mainjob.config import INFERENCE_DIR, MainJobConfig, RunEntry, load_main_job
 from rlplex.mainjob.frame import render
 from rlplex.mainjob.registry import (
     answer,
@@ -57,6 +57,17 @@ def test_a_valid_job_loads_and_knows_its_runs_folder(tmp_path: Path) -> None:
     config = load_main_job(write_job(tmp_path, JOB))
     assert [r.id for r in config.runs] == ["run_a"] and config.events[0].add_run == "run_late"
     assert config.runs_dir == tmp_path / "out" / "runs"
+
+
+def test_an_output_folder_given_on_the_command_line_is_where_every_run_finds_its_engine(tmp_path: Path) -> None:
+    """`rlplex run FILE --output OTHER` once gave the job OTHER but left each run's inference
+    endpoint (the API key's folder) under the file's output_dir: every orchestrator failed."""
+    path = write_job(tmp_path, JOB.replace("[trainer]", '[inference]\nengine = "vllm"\n\n[trainer]', 1))
+    other = tmp_path / "other"
+    config = load_main_job(path, {"output_dir": str(other)})
+    assert config.output_dir == other and config.endpoint_dir == other / INFERENCE_DIR
+    for entry in config.runs + config.later_runs:
+        assert entry.orch_config("job").inference.endpoint_dir == str((other / INFERENCE_DIR).resolve())
 
 
 def test_engine_auto_is_vllm_on_a_cuda_gpu_with_vllm_and_hf_elsewhere(

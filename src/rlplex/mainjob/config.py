@@ -40,7 +40,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from rlplex.config import StrictModel, load_config
+from rlplex.config import StrictModel, load_config, read_toml, validate_config
 from rlplex.dashboard.config import DashboardConfig
 from rlplex.diagnostics.trackers import LoggingConfig
 from rlplex.inference.config import InferenceConfig, resolve_engine
@@ -242,7 +242,14 @@ def _with_model(
         return entry
 
 
-def load_main_job(path: str | Path) -> MainJobConfig:
-    config = load_config(MainJobConfig, path)
+def load_main_job(path: str | Path, overrides: dict[str, Any] | None = None) -> MainJobConfig:
+    """The job file `path`, its top-level fields replaced by `overrides` (the command line's
+    `--output`, `--backend`...) before it is validated: what each run derives from them (its
+    inference endpoint's folder under `output_dir`) follows the replaced value."""
+    if not overrides:
+        config = load_config(MainJobConfig, path)
+    else:
+        data = read_toml(path) | overrides
+        config = validate_config(MainJobConfig, data, source=f"{path} (with flags and environment)")
     config.check_runs(str(path))
     return config
