@@ -30,9 +30,12 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return tokens, attention, torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5])
 
 
-def _values_and_grads(model: torch.nn.Module, fused: bool, trained: torch.nn.Parameter) -> tuple[torch.Tensor, ...]:
+def _values_and_grads(
+    model: torch.nn.Module, fused: bool, trained: torch.nn.Parameter, tempered: bool = True
+) -> tuple[torch.Tensor, ...]:
     vocab = model.get_output_embeddings().weight.shape[0]
     tokens, attention, temperature = _batch(vocab)
+    temperature = temperature if tempered else None  # type: ignore[assignment]
     trained.grad = None
     path = logprobs._fused if fused else logprobs._plain
     values = path(model, tokens, attention, temperature)
@@ -67,6 +70,11 @@ def test_chunks_and_a_trained_head_give_the_same(monkeypatch: pytest.MonkeyPatch
     fused_values, fused_grad = _values_and_grads(model, True, head)
     torch.testing.assert_close(fused_values, plain_values, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused_grad, plain_grad, rtol=1e-4, atol=1e-5)
+    # Without temperatures (the trainer's usual case) no scale is applied at all.
+    untempered = [_values_and_grads(model, fused, head, tempered=False) for fused in (False, True)]
+    torch.testing.assert_close(untempered[1][0], untempered[0][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(untempered[1][1], untempered[0][1], rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(untempered[1][0], fused_values)  # the temperatures did change something
 
 
 def test_a_head_that_does_more_than_project_takes_the_plain_path() -> None:

@@ -70,15 +70,12 @@ def _fused(
         input_ids=tokens_B_L, attention_mask=attention_B_L, position_ids=positions_of(attention_B_L)
     ).last_hidden_state
     real = torch.cat([torch.zeros_like(attention_B_L[:, :1]), attention_B_L[:, 1:]], dim=1).bool()
-    rows_B = torch.ones(tokens_B_L.shape[0], device=hidden.device) if temperature_B is None else temperature_B
-    inverse_temperature = rows_B.to(hidden.device, torch.float32).clamp_min(1e-6).reciprocal()
+    scale_N = None  # a scale of 1 would cost a pass over every chunk's logits for nothing
+    if temperature_B is not None:
+        inverse = temperature_B.to(hidden.device, torch.float32).clamp_min(1e-6).reciprocal()
+        scale_N = inverse[:, None].expand(-1, real.shape[1] - 1)[real[:, 1:]]
     # Position t's target is token t + 1: the hidden states of the positions before each real target.
-    log_p = _ProjectedLogProb.apply(
-        hidden[:, :-1][real[:, 1:]],
-        head.weight,
-        tokens_B_L[real],
-        inverse_temperature[:, None].expand(-1, real.shape[1] - 1)[real[:, 1:]],
-    )
+    log_p = _ProjectedLogProb.apply(hidden[:, :-1][real[:, 1:]], head.weight, tokens_B_L[real], scale_N)
     return torch.zeros(real.shape, dtype=torch.float32, device=hidden.device).masked_scatter(real, log_p)
 
 
@@ -90,7 +87,11 @@ class _ProjectedLogProb(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")
     def forward(
-        ctx: Any, hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor, target_N: torch.Tensor, scale_N: torch.Tensor
+        ctx: Any,
+        hidden_N_H: torch.Tensor,
+        weight_V_H: torch.Tensor,
+        target_N: torch.Tensor,
+        scale_N: torch.Tensor | None,
     ) -> torch.Tensor:
         chunk = max(1, _CHUNK_ELEMENTS // weight_V_H.shape[0])
         n = hidden_N_H.shape[0]
@@ -98,33 +99,43 @@ class _ProjectedLogProb(torch.autograd.Function):
         out = torch.empty(n, dtype=torch.float32, device=hidden_N_H.device)
         for start in range(0, n, chunk):
             rows = slice(start, start + chunk)
-            logits = (hidden_N_H[rows] @ weight_V_H.T).float().mul_(scale_N[rows, None])
+            logits = _chunk_logits(hidden_N_H, weight_V_H, scale_N, rows)
             log_norm[rows] = torch.logsumexp(logits, dim=-1)
             out[rows] = logits.gather(1, target_N[rows, None]).squeeze(1) - log_norm[rows]
-        ctx.save_for_backward(hidden_N_H, weight_V_H, target_N, scale_N, log_norm)
-        ctx.chunk = chunk
+        ctx.save_for_backward(hidden_N_H, weight_V_H, target_N, log_norm)
+        ctx.scale_N, ctx.chunk = scale_N, chunk  # never a gradient's target: kept as it is
         return out
 
     @staticmethod
     @torch.amp.custom_bwd(device_type="cuda")  # the recomputed logits as the forward's: under its autocast
     def backward(ctx: Any, grad_N: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None, None]:
-        hidden_N_H, weight_V_H, target_N, scale_N, log_norm = ctx.saved_tensors
+        hidden_N_H, weight_V_H, target_N, log_norm = ctx.saved_tensors
+        scale_N = ctx.scale_N
         want_hidden, want_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden_N_H) if want_hidden else None
         grad_weight = torch.zeros_like(weight_V_H, dtype=torch.float32) if want_weight else None
         for start in range(0, hidden_N_H.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
-            logits = (hidden_N_H[rows] @ weight_V_H.T).float().mul_(scale_N[rows, None])
+            logits = _chunk_logits(hidden_N_H, weight_V_H, scale_N, rows)
             # d/dlogits of (logit[target] - logsumexp) = onehot(target) - softmax, times the incoming gradient.
             grad_logits = torch.exp(logits.sub_(log_norm[rows, None])).mul_(-grad_N[rows, None])
             grad_logits.scatter_add_(1, target_N[rows, None], grad_N[rows, None])
-            grad_logits = grad_logits.mul_(scale_N[rows, None]).to(hidden_N_H.dtype)  # through the scale
+            if scale_N is not None:
+                grad_logits.mul_(scale_N[rows, None])  # through the scale
+            grad_logits = grad_logits.to(hidden_N_H.dtype)
             if grad_hidden is not None:
                 grad_hidden[rows] = grad_logits @ weight_V_H
             if grad_weight is not None:
                 grad_weight += (grad_logits.T @ hidden_N_H[rows]).float()
         weight_grad = None if grad_weight is None else grad_weight.to(weight_V_H.dtype)
         return grad_hidden, weight_grad, None, None
+
+
+def _chunk_logits(
+    hidden_N_H: torch.Tensor, weight_V_H: torch.Tensor, scale_N: torch.Tensor | None, rows: slice
+) -> torch.Tensor:
+    logits = (hidden_N_H[rows] @ weight_V_H.T).float()  # the model's dtype, then float32: as `.logits.float()`
+    return logits if scale_N is None else logits.mul_(scale_N[rows, None])
 
 
 def _body_and_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Linear | None]:

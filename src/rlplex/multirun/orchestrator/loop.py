@@ -117,10 +117,13 @@ def _say(message: str) -> None:
 
 def check_evicted(run: RunDir) -> None:
     # An eviction the trainer could not mark in the run folder (full, read-only) ends the run too.
-    unwritten = None if run.is_evicted() else run.unwritten_eviction()
-    if run.is_evicted() or unwritten is not None:
-        reason = unwritten or run.eviction_reason() or "no reason given"
-        raise RunEvictedError(f"{run.run_id} evicted: {' | '.join(reason.splitlines())}")  # one line on stderr
+    if run.is_evicted():
+        reason = run.eviction_reason() or "no reason given"
+    elif (unwritten := run.unwritten_eviction()) is not None:
+        reason = unwritten
+    else:
+        return
+    raise RunEvictedError(f"{run.run_id} evicted: {' | '.join(reason.splitlines())}")  # one line on stderr
 
 
 def latest_stable_broadcast(run: RunDir) -> int | None:

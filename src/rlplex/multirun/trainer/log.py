@@ -98,7 +98,6 @@ class RunFinisher:
     def __init__(self, writer: BackgroundWriter, retry_s: float) -> None:
         self.writer, self.retry_s = writer, retry_s
         self._submitted: set[str] = set()
-        self._attempts: dict[str, int] = {}
         self._retry_at: dict[str, float] = {}
         self._failed: queue.SimpleQueue[str] = queue.SimpleQueue()  # filled by the writer thread
 
@@ -113,18 +112,13 @@ class RunFinisher:
             return False
         return (now if now is not None else time.monotonic()) >= self._retry_at.get(run_id, 0.0)
 
-    def attempts(self, run_id: str) -> int:
-        return self._attempts.get(run_id, 0)
-
     def forget(self, run_id: str) -> None:
         self._submitted.discard(run_id)
-        self._attempts.pop(run_id, None)
         self._retry_at.pop(run_id, None)
 
     def submit(self, run: RunDir, step: int) -> None:
         run_id = run.run_id
         self._submitted.add(run_id)
-        self._attempts[run_id] = self._attempts.get(run_id, 0) + 1
 
         def job() -> None:
             if run.is_evicted():
