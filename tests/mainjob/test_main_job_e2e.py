@@ -177,14 +177,15 @@ def test_main_job_trains_pretrained_smollm2_on_a_user_chat_file(
     )
     out = tmp_path / "out"
     path = tmp_path / "job.toml"
-    config = f"{{ {env}, seed = 1, max_steps = 3, batch_size = 8, group_size = 4 }}"
+    # Two steps: the second trains on the first broadcast adapter, which is all a longer run adds here.
+    config = f"{{ {env}, seed = 1, max_steps = 2, batch_size = 8, group_size = 4 }}"
     path.write_text(tiny_job("mj-smollm2", out, {"run_smol": config}, model=smollm2(), world_size=1))
     try:
         state = run_main_job(load_main_job(path), Console(file=open(tmp_path / "console.txt", "w")), live=False)
         assert state == JobState.STOPPED, (out / "report.md").read_text()
         (run,) = collect(out).runs
-        assert (run.run_id, run.state, run.trained_steps) == ("run_smol", "finished", 3)
-        adapter = json.loads((out / "runs" / "run_smol" / "broadcast" / "step_3" / "adapter_config.json").read_text())
+        assert (run.run_id, run.state, run.trained_steps) == ("run_smol", "finished", 2)
+        adapter = json.loads((out / "runs" / "run_smol" / "broadcast" / "step_2" / "adapter_config.json").read_text())
         assert adapter["base_model_name_or_path"] == str(smollm2())
         assert adapter["target_modules"] and adapter["r"] == 8
     finally:

@@ -22,7 +22,18 @@ from benchmarks.multirun_learning import (
     run_benchmark,
 )
 
+from lm_models import CACHE
+
 STEPS = 3
+
+
+@pytest.fixture
+def tests_model_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The benchmarks build their checkpoints in the tests' cache: a benchmark's tiny checkpoint of
+    the same settings as a test's is then built once per suite, not once in outputs/models too."""
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "MODELS", CACHE)
 
 
 @pytest.fixture
@@ -62,6 +73,7 @@ def test_command_line_preset_env_and_model_settings() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("tests_model_cache")
 def test_learning_benchmark_writes_json_and_png_with_numeric_rewards(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -97,10 +109,11 @@ def test_learning_benchmark_writes_json_and_png_with_numeric_rewards(
     assert isinstance(data["goal_all_well_configured_rise"], bool)
 
 
+@pytest.mark.usefixtures("tests_model_cache")
 def test_the_orchestrator_rollouts_benchmark_generates_every_step() -> None:
     # It once measured nothing: its stand-in trainer published the final broadcast up front,
     # which tells a starting orchestrator that every step is trained already.
     from benchmarks.orchestrator_rollouts import make_config, measure
 
-    figures = measure(make_config(steps=2, batch=8, group=4, warmup=20))
+    figures = measure(make_config(steps=2, batch=8, group=4, warmup=40))  # the learning smoke's checkpoint
     assert figures["steps"] == 2 and figures["wall_tokens_per_s"] > 0
