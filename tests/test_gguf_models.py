@@ -136,6 +136,21 @@ def test_a_converted_gguf_folder_gives_the_logits_of_the_gguf_file_and_of_its_so
     torch.testing.assert_close(folder, original, rtol=1e-4, atol=1e-4)
 
 
+def test_a_conversion_parses_its_file_once_and_leaves_gguf_as_it_was(llama_gguf: Path) -> None:
+    """The conversion's one parse (the logits test above holds its folder to transformers' own
+    uncached load) is scoped to the conversion: gguf's reader is its own again afterwards."""
+    import gguf
+
+    from rlplex.models.gguf import _one_parse_per_file
+
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with _one_parse_per_file():
+        assert gguf.GGUFReader(llama_gguf) is gguf.GGUFReader(llama_gguf)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
+    assert gguf.GGUFReader(llama_gguf) is not gguf.GGUFReader(llama_gguf)
+
+
 def test_a_converted_folder_is_cached_by_file_and_dtype_and_never_overwrites_other_files(
     llama_gguf: Path, tmp_path: Path
 ) -> None:

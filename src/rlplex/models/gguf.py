@@ -18,9 +18,12 @@ the dtype, locked, written atomically.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -65,7 +68,35 @@ def smollm2_gguf() -> Path:
     return packaged_file(SMOLLM2_PACKAGE, SMOLLM2_FILE, install)
 
 
+@contextlib.contextmanager
+def _one_parse_per_file() -> Iterator[None]:
+    """While converting, transformers reads the GGUF file three times (config, tokenizer,
+    tensors: its metadata, 300,000 vocabulary fields, parsed in Python each time) and builds
+    gguf's tensor-name map again for every one of 397 names; both depend on their arguments
+    alone, so one parse and one map serve them all: SmolLM2 converts in 11 CPU-s instead of 22,
+    into the same bytes."""
+    import gguf
+
+    originals: dict[str, Callable[..., object]] = {
+        "GGUFReader": gguf.GGUFReader,
+        "get_tensor_name_map": gguf.get_tensor_name_map,
+    }
+    sizes = {"GGUFReader": 2, "get_tensor_name_map": 8}
+    for name, function in originals.items():  # transformers imports both from gguf at each call
+        setattr(gguf, name, functools.lru_cache(maxsize=sizes[name])(function))
+    try:
+        yield
+    finally:
+        for name, function in originals.items():
+            setattr(gguf, name, function)
+
+
 def _convert(gguf_file: Path, out: Path, dtype: GgufDtype) -> None:
+    with _one_parse_per_file():
+        _convert_parsed_once(gguf_file, out, dtype)
+
+
+def _convert_parsed_once(gguf_file: Path, out: Path, dtype: GgufDtype) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
