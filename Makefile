@@ -55,12 +55,13 @@ keep-earlier:
 		mv "$(KEEP)" "$$dest" && echo "earlier results kept in $$dest"; \
 	fi
 
-# Every tier (what CI runs), with the 30 slowest tests listed at the end. Tiers (pyproject.toml):
+# Every tier (what CI runs), with the 30 slowest tests (wall) and the 30 costliest (CPU, which is what
+# lengthens a 2-core suite: tests/cpu_report.py) listed at the end. Tiers (pyproject.toml):
 # e2e starts a job, a vLLM server or Ray; slow is long without one; gpu is skipped without CUDA.
 # RLPLEX_TEST_TIME_SCALE stretches every deadline in the tests (tests/timing.py; default 2).
 TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30 --cpu-top=30
 
 # The inner loop: everything that needs no job, server or Ray, and is not slow.
 test-fast: $(STAMP)

@@ -9,6 +9,8 @@ import torch
 
 from timing import TIME_SCALE
 
+pytest_plugins = ["cpu_report"]  # --cpu-top=N
+
 # Tests share two cores; one intra-op thread per process avoids oversubscription.
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
