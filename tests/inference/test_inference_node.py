@@ -26,13 +26,16 @@ from rlplex.io.shm_reaper import group_pids
 from rlplex.mainjob.config import INFERENCE_DIR
 from rlplex.mainjob.inference_node import InferenceNode
 from rlplex.models.spec import ModelSpec
+from timing import scaled
 
 
 def test_two_replicas_serve_one_endpoint_and_a_hung_one_fails_the_node(tmp_path: Path) -> None:
     model = small_tiny_model()
     endpoint_dir = tmp_path / INFERENCE_DIR
     ensure_api_key(endpoint_dir)
-    config = server_config(replicas=2, health_interval_s=0.5, hang_timeout_s=4.0, startup_timeout_s=400.0)
+    # The hang deadline is scaled although the test wants it to expire: it must not expire first
+    # while the loaded engines answer the adapter load and completions (seen at 4 s beside a busy suite).
+    config = server_config(replicas=2, health_interval_s=0.5, hang_timeout_s=scaled(4.0), startup_timeout_s=400.0)
     context = WorkerContext(
         job_id="job",
         role="inference",
