@@ -153,18 +153,18 @@ def test_signals_and_sigkills_of_every_process_lose_and_repeat_no_step(tmp_path:
         wait_for(lambda: restarts(out, "orchestrator", 0) >= 1, 60, "orchestrator-0's restart")
         dashboard.wait("run_a's restart", lambda rows: int(rows["run_a"]["restarts"]) >= 1, 30)
         dashboard_open.close()  # the faults below need the cores more than a browser
-        # A rollout node dies under run_b's orchestrator: the master starts its next incarnation and
-        # the orchestrator issues its call there again.
+        # A rollout node dies under run_b's orchestrator (the master starts its next incarnation and
+        # the orchestrator issues its call there again) and trainer rank 0 with it (rank 0 writes the
+        # checkpoints: SIGKILLed, it has no chance to checkpoint on the way out; the ranks
+        # re-rendezvous). Both at once: one after the other, a loaded machine's waits for the first
+        # restart let run_b train its last steps before the second fault landed.
         rollout = wait_for(lambda: node_process(out, "rollout-0"), 30, "rollout-0's process")
-        assert isinstance(rollout, psutil.Process)
-        rollout.send_signal(signal.SIGKILL)
-        wait_for(lambda: restarts(out, "rollout", 0) >= 1, 120, "rollout-0's restart")
-        # Rank 0 writes the checkpoints: SIGKILLed, it has no chance to checkpoint on the way out.
         rank_0 = wait_for(lambda: trainer_script(out, "trainer-0"), 60, "trainer rank 0's script")
-        assert isinstance(rank_0, psutil.Process)
-        next_step = trained(out, "run_b") + 1
-        wait_for(lambda: trained_while_running("run_b", next_step), 120, "run_b's next trained step")
+        assert isinstance(rollout, psutil.Process) and isinstance(rank_0, psutil.Process)
+        assert trained_while_running("run_b", 0) and trained(out, "run_b") < STEPS, "too few steps left for the faults"
+        rollout.send_signal(signal.SIGKILL)
         rank_0.send_signal(signal.SIGKILL)
+        wait_for(lambda: restarts(out, "rollout", 0) >= 1, 120, "rollout-0's restart")
         wait_for(lambda: elastic_restarts(out) >= 1, 120, "the trainer ranks' re-rendezvous")
         next_step = trained(out, "run_b") + 1
         wait_for(lambda: trained_while_running("run_b", next_step), 180, "run_b's next trained step")
