@@ -23,7 +23,7 @@ import functools
 import hashlib
 import importlib.util
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
 
@@ -77,13 +77,9 @@ def _one_parse_per_file() -> Iterator[None]:
     into the same bytes."""
     import gguf
 
-    originals: dict[str, Callable[..., object]] = {
-        "GGUFReader": gguf.GGUFReader,
-        "get_tensor_name_map": gguf.get_tensor_name_map,
-    }
-    sizes = {"GGUFReader": 2, "get_tensor_name_map": 8}
+    originals = {name: getattr(gguf, name) for name in ("GGUFReader", "get_tensor_name_map")}
     for name, function in originals.items():  # transformers imports both from gguf at each call
-        setattr(gguf, name, functools.lru_cache(maxsize=sizes[name])(function))
+        setattr(gguf, name, functools.lru_cache(maxsize=None)(function))  # a few entries, for one conversion
     try:
         yield
     finally:
@@ -92,11 +88,6 @@ def _one_parse_per_file() -> Iterator[None]:
 
 
 def _convert(gguf_file: Path, out: Path, dtype: GgufDtype) -> None:
-    with _one_parse_per_file():
-        _convert_parsed_once(gguf_file, out, dtype)
-
-
-def _convert_parsed_once(gguf_file: Path, out: Path, dtype: GgufDtype) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -104,8 +95,9 @@ def _convert_parsed_once(gguf_file: Path, out: Path, dtype: GgufDtype) -> None:
     hf_logging.disable_progress_bar()  # its "Loading weights" bar would interleave with rlplex's status line
     folder, name = str(gguf_file.parent), gguf_file.name
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with _one_parse_per_file():
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except (ValueError, KeyError, OSError, NotImplementedError) as error:  # e.g. an architecture it lacks
         raise ConfigError(f"{gguf_file}: transformers cannot load this GGUF file: {error}") from None
     config = loaded.config
