@@ -30,6 +30,7 @@ from rlplex.models.hf import load_causal_lm
 from rlplex.multirun import OrchestratorConfig, apply_multi_lora, create_run, write_peft_adapter
 from rlplex.multirun.orchestrator.loop import WaitOptions, run_orchestrator
 from rlplex.multirun.rundir.rollouts import rollouts_ready
+from rlplex.multirun.trainer.log import ProgressLog
 
 NAME = "orchestrator_rollouts"
 TARGETS = ("q_proj", "v_proj")
@@ -81,6 +82,9 @@ def write_broadcasts(out: Path, config: OrchestratorConfig) -> threading.Thread:
         while not rollouts_ready(run, config.max_steps - 1) and time.monotonic() < deadline:
             time.sleep(0.05)
         write(config.max_steps)
+        # The trainer's row of the step, just after its broadcast as the trainer writes it: without
+        # it the finished orchestrator waits FINAL_ROW_WAIT_S for the row, inside the measured time.
+        ProgressLog().append(run, {"step": config.max_steps, "time": time.time(), "loss": 0.0})
 
     write(0)
     thread = threading.Thread(target=last, daemon=True)

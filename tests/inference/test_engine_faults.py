@@ -38,6 +38,7 @@ from rlplex.multirun.orchestrator.loop import RunEvictedError, WaitOptions, run_
 from rlplex.multirun.rundir import RunDir
 from rlplex.multirun.rundir.peft_export import STABLE_MARKER
 from rlplex.multirun.rundir.rollouts import rollouts_ready
+from rlplex.multirun.trainer.log import ProgressLog
 
 
 @contextmanager
@@ -150,6 +151,8 @@ def test_a_refused_adapter_evicts_its_run_and_another_run_carries_on(served: Ser
             stop.wait(0.05)
         if not stop.is_set():
             _stable_adapter(served.model_dir, good.broadcast_step(1), seed=2)
+            # and its row, which a finished orchestrator otherwise waits FINAL_ROW_WAIT_S for
+            ProgressLog().append(good, {"step": 1, "time": time.time(), "loss": 0.0})
 
     answer = threading.Thread(target=trainer_answer, daemon=True)
     answer.start()

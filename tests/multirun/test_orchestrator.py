@@ -43,6 +43,7 @@ from rlplex.multirun.orchestrator.loop import (
 )
 from rlplex.multirun.rundir import write_eviction
 from rlplex.multirun.rundir.rollouts import ROLLOUT_FILE, read_rollouts, rollouts_ready
+from rlplex.multirun.trainer.log import ProgressLog
 from timing import scaled, wait_for
 
 TIMEOUT_S = scaled(60.0)
@@ -181,7 +182,9 @@ def orchestrators(tmp_path: Path) -> Iterator[Orchestrators]:
 
 
 class FakeTrainer:
-    """Writes random adapters to `broadcast/step_N` and remembers them for re-scoring."""
+    """Writes random adapters to `broadcast/step_N` and remembers them for re-scoring, and, as the
+    real trainer does just after each broadcast, the step's row of `logs/trainer_progress.csv`:
+    without it a finished orchestrator waits `FINAL_ROW_WAIT_S` (10 s) for that row."""
 
     def __init__(self, out: Path, run_id: str, config: OrchestratorConfig) -> None:
         self.run = RunDir(out, run_id)
@@ -198,6 +201,8 @@ class FakeTrainer:
         write_peft_adapter(
             self.run.broadcast_step(step), state, self.base.config, rank=RANK, alpha=ALPHA, target_modules=TARGETS
         )
+        if step > 0:  # the row of the step trained to make this adapter
+            ProgressLog().append(self.run, {"step": step, "time": time.time(), "loss": 0.0})
 
     def peft_model(self, step: int) -> nn.Module:
         from peft import PeftModel
