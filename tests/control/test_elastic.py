@@ -248,6 +248,22 @@ def test_sigkilled_script_then_node_rerendezvous_and_resume_from_checkpoints(job
         assert job_processes(job_dir) == []  # no script or check outlived its node
 
 
+def test_a_lost_rank_aborts_a_survivor_blocked_in_a_store_wait_instead_of_waiting_out_its_stop(job_dir: Path) -> None:
+    """Rank 0 fails while rank 1 waits on the round's store (served by rank 0's live node), where
+    it hears no SIGTERM: the survivor is killed after `abort_grace_s`, not granted its 300 s graceful
+    `stop_grace_s`, and the next round starts before the master's `stop_timeout_s` (60 s) runs out."""
+    survivor = str(Path(__file__).with_name("blocked_survivor.py"))
+    script = {"script": survivor, "stop_grace_s": 300.0, "abort_grace_s": 0.5}
+    spec = elastic_job(job_dir, script=script, node_check=False, stop_timeout_s=60.0, max_restarts=1)
+    with PrimeMaster.create(spec) as master:
+        master.start()
+        assert master.wait(timeout=scaled(40)) == JobState.STOPPED, restart_causes(job_dir)
+        causes = restart_causes(job_dir)
+        assert len(causes) == 1 and "rank 0 (trainer-0): script exited with code 1" in causes[0], causes
+        assert [r["restarts"] for r in read_elastic_status(job_dir)["rounds"]] == [0, 1]
+        assert job_processes(job_dir) == []
+
+
 def test_killed_elastic_master_takes_over_then_a_scaled_down_role_trains_on_with_the_survivor(job_dir: Path) -> None:
     with PrimeMaster.create(elastic_job(job_dir, step_delay=0.02, node_check=False, min_nodes=1)) as master:
         master.start()

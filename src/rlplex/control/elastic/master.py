@@ -70,6 +70,14 @@ class Member:
     excluded: str | None = None
 
 
+@dataclass(frozen=True)
+class RoundEnd:
+    """Why a running round must restart; `rank_lost`: one of its ranks died or went silent."""
+
+    cause: str
+    rank_lost: bool
+
+
 class ElasticMaster(SubMaster):
     config_model = ElasticConfig
 
@@ -173,15 +181,16 @@ class ElasticMaster(SubMaster):
             members = self._ready
             while True:
                 self._launch(members)
-                cause = self._watch()
-                if cause is None:
+                ended = self._watch()
+                if ended is None:
                     self._finish()
                     return
+                cause = ended.cause
                 self._to(R.RESTARTING, cause)
                 self.restarts += 1
                 if self.restarts > self.config.max_restarts:
                     raise RendezvousError(f"restart budget spent ({self.config.max_restarts}); last cause: {cause}")
-                self._stop_scripts()
+                self._stop_scripts(abort=ended.rank_lost)
                 members = self._rendezvous(f"re-rendezvous #{self.restarts}: {cause}", initial=False)
         except _Stopped:
             return
@@ -300,8 +309,8 @@ class ElasticMaster(SubMaster):
             report = rank0.report
         return rendezvous_endpoint(rank0.node_id, report)
 
-    def _watch(self) -> str | None:
-        """Until every script exited 0 (None) or the round must restart (the cause)."""
+    def _watch(self) -> RoundEnd | None:
+        """Until every script exited 0 (None) or the round must restart (why)."""
         epoch, round_info = self._epoch(), self.rounds[-1]
         while True:
             self._pause()
@@ -312,12 +321,13 @@ class ElasticMaster(SubMaster):
                 lost = self._lost(member, incarnation, view)
                 rank = round_info["ranks"][node_id]
                 if lost is not None or member is None:
-                    return f"member {node_id} (rank {rank}) lost: {lost}"
+                    return RoundEnd(f"member {node_id} (rank {rank}) lost: {lost}", rank_lost=True)
                 script, progress = member.report.get("script", {}), member.report.get("progress") or {}
                 if script.get("epoch") != epoch or script.get("running") or script.get("exit") is None:
                     done = False
                 elif script["exit"] != 0:
-                    return f"rank {rank} ({node_id}): script exited with code {script['exit']}"
+                    failed = f"rank {rank} ({node_id}): script exited with code {script['exit']}"
+                    return RoundEnd(failed, rank_lost=True)
                 if script.get("epoch") == epoch and "step" in progress:
                     steps.append(progress["step"])
                     start = progress.get("resumed_from", 0.0)
@@ -331,13 +341,17 @@ class ElasticMaster(SubMaster):
                 self.context.report_progress(step=min(steps), world=len(self._round), restarts=self.restarts)
             joined = [m for m in self._live(view) if m.node_id not in self._round]
             if joined and len(self._round) < self.max_nodes:
-                return f"{[m.node_id for m in joined]} joined; growing the world"
+                return RoundEnd(f"{[m.node_id for m in joined]} joined; growing the world", rank_lost=False)
             if now - self._last_status_write > 1.0:
                 self._write_status()
 
-    def _stop_scripts(self) -> None:
+    def _stop_scripts(self, abort: bool) -> None:
+        """Every script of the round stops: gracefully (`stop_grace_s`) when the world grows, with
+        `abort_grace_s` when a rank was lost (`abort`), whose peers cannot finish a collective or a
+        store wait on it: a survivor blocked in one hears no SIGTERM until it is killed."""
         with self._lock:
-            self._assign = {}
+            idle = {"epoch": self._epoch(), "action": IDLE, "abort": True}
+            self._assign = {node_id: dict(idle) for node_id in self._round} if abort else {}
             marks = {n: m.syncs for n, m in self._members.items()}
         deadline = time.monotonic() + self.config.stop_timeout_s
         while time.monotonic() < deadline:

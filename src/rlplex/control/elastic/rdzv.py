@@ -113,6 +113,12 @@ class ScriptConfig(StrictModel):
     checkpoint_dir: str | None = Field(default=None, description="default: <output_dir>/elastic/checkpoints/<job id>")
     sync_interval_s: float = Field(default=0.1, gt=0)
     stop_grace_s: float = Field(default=1.0, ge=0, description="SIGTERM to SIGKILL when stopping a script")
+    abort_grace_s: float = Field(
+        default=1.0,
+        ge=0,
+        description="SIGTERM to SIGKILL for the survivors of a round that a lost or failed rank ended: their "
+        "collectives and store waits on that rank cannot complete, so a longer grace only delays the re-rendezvous",
+    )
     omp_num_threads: int = Field(default=1, ge=1)
 
     @model_validator(mode="after")

@@ -342,7 +342,7 @@ class ElasticWorker(Worker):
     def _reconcile(self, assignment: dict[str, Any]) -> None:
         action, epoch = str(assignment["action"]), str(assignment["epoch"])
         if self._script is not None and not (action == RUN and epoch == self._script_epoch):
-            self._stop_script()
+            self._stop_script(abort=bool(assignment.get("abort")))
         if self._check is not None and not (action == CHECK and epoch == self._check_epoch):
             self._stop_check()
         self._hand_over_port(assignment)
@@ -435,7 +435,8 @@ class ElasticWorker(Worker):
         self._script = self._fork_server().launch(request)
         self._script_epoch, self._script_exit = str(assignment["epoch"]), None
 
-    def _stop_script(self) -> None:
+    def _stop_script(self, abort: bool = False) -> None:
         if self._script is not None:
-            self._script_exit = kill_tree(self._script, self.config.stop_grace_s)
+            grace = self.config.abort_grace_s if abort else self.config.stop_grace_s
+            self._script_exit = kill_tree(self._script, grace)
             self._script = None
