@@ -280,3 +280,12 @@ def test_trainer_settings_reach_the_trainer_as_one_json_of_its_config_and_the_pr
     late = config.runs[0].model_copy(update={"config": {**config.runs[0].config, "max_async_level": 2}})
     problems = run_problems(late, config, "job.toml")
     assert any("max_async_level" in line and "trainer.max_off_policy_steps 1" in line for line in problems), problems
+
+
+def test_an_orchestrator_that_generates_gets_the_cores_the_trainer_leaves() -> None:
+    from rlplex.mainjob.orchestrator_node import generation_threads
+
+    assert generation_threads({"trainer": 1, "orchestrator": 3}, cores=2) == 1  # never 0
+    assert generation_threads({"trainer": 2, "orchestrator": 3}, cores=16) == 4
+    assert generation_threads({"trainer": 1, "orchestrator": 1}, cores=8) == 7
+    assert generation_threads({"trainer": 4, "orchestrator": 2}, cores=2) == 1  # more ranks than cores

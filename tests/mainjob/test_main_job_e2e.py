@@ -109,6 +109,9 @@ def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tm
         assert "model.lora.rank" in runs["run_wide"].reason and "16" in runs["run_wide"].reason
         orchestrators = [node for node in collect(out).nodes if node.role == "orchestrator"]
         assert len(orchestrators) == 4 and all(node.restarts == 0 for node in orchestrators), orchestrators
+        # Three runs beside one trainer rank: an orchestrator that generates gets no more than the
+        # core the rank leaves (generation_threads), not torch's every core.
+        assert "run_a: 1 torch threads" in (out / "logs" / "orchestrator-0.log").read_text()
         assert runs["run_a"].state == runs["run_c"].state == "finished"
         assert runs["run_a"].trained_steps == 3 and runs["run_c"].trained_steps == 2
         assert runs["run_b"].state == "evicted" and runs["run_b"].reason == "evicted on purpose by the test"

@@ -19,6 +19,7 @@ from rlplex.multirun.trainer.config import TrainerConfig
 from rlplex.multirun.trainer.job import job_timing, trainer_roles
 
 ROLLOUT_ROLE = "rollout"  # the role `rollout_node.RolloutNode` serves
+ORCHESTRATOR_ROLE = "orchestrator"  # one `orchestrator_node.OrchestratorNode` per run
 # What the orchestrator and rollout nodes import anyway (a tokenizer, a model, TensorBoard), once
 # for all of them: the local backend forks every node from a server that has these loaded.
 NODE_PRELOAD = [
@@ -72,7 +73,7 @@ def build_job_spec(config: MainJobConfig, source: str = "<main job>") -> JobSpec
         "preload": NODE_PRELOAD,
         "roles": {
             **trainer_roles(trainer_config(config), world, trainer.max_restarts),
-            "orchestrator": {
+            ORCHESTRATOR_ROLE: {
                 "entrypoint": "rlplex.mainjob.orchestrator_node:OrchestratorNode",
                 "count": len(config.runs),
                 "resources": {"cpu": 0.05},

@@ -16,6 +16,8 @@ faults for the control plane to heal, and end the node normally:
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Mapping
 from functools import partial
 
 from pydantic import Field
@@ -23,8 +25,11 @@ from pydantic import Field
 from rlplex.config import StrictModel
 from rlplex.control.node.worker import WorkerContext, WorkerLoad
 from rlplex.errors import ConfigError
+from rlplex.inference.vllm_server import usable_cores
+from rlplex.mainjob.build import ORCHESTRATOR_ROLE
 from rlplex.mainjob.registry import rejection_reason, run_for_rank, write_rejection
 from rlplex.multirun.rundir import RunDir, write_eviction
+from rlplex.multirun.trainer.job import TRAINER_ROLE
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +38,15 @@ class OrchestratorNodeConfig(StrictModel):
     """`[roles.orchestrator.config]`: each rank's run is entry `rank` of the job's `runs.json`."""
 
     runs_dir: str = Field("runs", description="the run directories' folder, in the job's output folder")
+
+
+def generation_threads(world: Mapping[str, int], cores: int) -> int:
+    """Torch threads of an orchestrator that generates in its own process and whose run sets none:
+    the cores the trainer's ranks (one thread each: `build.trainer_config`) leave, shared by the
+    job's orchestrators. Torch's default, every core in every process, oversubscribes the machine
+    as soon as a job has a trainer and one run."""
+    left = max(1, cores - world.get(TRAINER_ROLE, 1))
+    return max(1, left // max(1, world.get(ORCHESTRATOR_ROLE, 1)))
 
 
 class OrchestratorNode(WorkerLoad):
@@ -59,6 +73,14 @@ class OrchestratorNode(WorkerLoad):
             # The run's config, rebuilt from the registry's JSON; the orchestrator records it in
             # the run's `control/orch.toml` (the run-folder protocol the trainer reads).
             config = self.entry.orch_config(str(self.context.output_dir / "runs.json"))
+            import torch
+
+            if config.threads is None and config.rollout_workers == 1 and config.inference.engine == "hf":
+                # Not written into the run's config: that is frozen once admitted, and a resume
+                # on another machine would count other cores.
+                torch.set_num_threads(generation_threads(self.context.world, usable_cores()))
+            threads = torch.get_num_threads()
+            print(f"[orchestrator] {self.entry.id}: {threads} torch threads", file=sys.stderr, flush=True)
             self.runs_dir.mkdir(exist_ok=True)
             workers = partial(rollout_workers, self.context, self.entry.id)
             run_orchestrator(

@@ -105,6 +105,12 @@ class OrchestratorConfig(_Strict):
     rollout_workers: int = Field(
         1, ge=1, le=64, description="Processes that generate (actor_gen); 1 = in the orchestrator's own process."
     )
+    threads: int | None = Field(
+        None,
+        ge=1,
+        description="Torch CPU threads of the process that generates with transformers (engine hf). None: "
+        "torch's default (every core), or in a main job the cores its trainer ranks leave, shared by its runs.",
+    )
     model: ModelConfig
     optim: OptimConfig = OptimConfig()
     inference: EngineSettings = Field(

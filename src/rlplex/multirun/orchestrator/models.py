@@ -135,6 +135,8 @@ class ActorModel:
         """Build the in-process (hf) actor from the run's files (what a rollout worker process does)."""
         from rlplex.multirun.orchestrator.hf_engine import HFEngine
 
+        if config.threads is not None:  # this process is the one that generates
+            torch.set_num_threads(config.threads)
         tokenizer = tokenizer or load_tokenizer(config.model)
         model = load_causal_lm(config.model)
         engine = HFEngine(model, tokenizer, max_rank=config.model.lora.rank)
