@@ -24,7 +24,6 @@ import json
 import os
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +34,10 @@ from rlplex.control.elastic.rdzv import (
     RDZV_TRANSITIONS,
     RUN,
     ElasticConfig,
+    Member,
     RendezvousError,
     RendezvousState,
+    RoundEnd,
     failed_checks,
     local_layout,
     parse_role_config,
@@ -56,26 +57,6 @@ _LIVE_NODE = (NodeState.CREATED, NodeState.CHECKED, NodeState.RUNNING)
 
 class _Stopped(Exception):
     """The master was told to stop: leave the loop quietly."""
-
-
-@dataclass
-class Member:
-    node_id: str
-    rank: int  # the node's rank in its role (members are ordered by it)
-    incarnation: int
-    last_sync: float
-    report: dict[str, Any] = field(default_factory=dict)
-    syncs: int = 0
-    checked: bool = False
-    excluded: str | None = None
-
-
-@dataclass(frozen=True)
-class RoundEnd:
-    """Why a running round must restart; `rank_lost`: one of its ranks died or went silent."""
-
-    cause: str
-    rank_lost: bool
 
 
 class ElasticMaster(SubMaster):

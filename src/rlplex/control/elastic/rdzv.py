@@ -16,7 +16,8 @@ Rendezvous states (one machine per ElasticMaster, recorded in the job store as e
 
 Workers pull: every `sync_interval_s` a worker sends a `report` (its script's and check's state,
 progress, and an endpoint: its node's address and a port it holds free, see `PortReservation`)
-and gets back its `assignment` (epoch, action idle/check/run/finish, rank, world, addr, port). A round's
+and gets back its `assignment` (epoch, action idle/check/run/finish, rank, world, addr, port; an
+idle that ends a round a rank was lost from says `abort`: stop with `abort_grace_s`). A round's
 MASTER_ADDR:MASTER_PORT is the endpoint its rank 0 reported, so the rendezvous store runs on rank
 0's machine whichever machine the ElasticMaster is on. The worker reconciles towards the
 assignment, so a lost message or a restarted master costs nothing but one interval.
@@ -28,6 +29,7 @@ import os
 import socket
 import statistics
 import sys
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Literal
 
@@ -263,3 +265,23 @@ def slow_nodes(results: dict[str, dict[str, Any]], factor: float) -> dict[str, s
 
 def failed_checks(results: dict[str, dict[str, Any]]) -> dict[str, str]:
     return {n: str(r.get("error") or "node check failed") for n, r in results.items() if not r.get("ok")}
+
+
+@dataclass
+class Member:
+    node_id: str
+    rank: int  # the node's rank in its role (members are ordered by it)
+    incarnation: int
+    last_sync: float
+    report: dict[str, Any] = field(default_factory=dict)
+    syncs: int = 0
+    checked: bool = False
+    excluded: str | None = None
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """Why a running round must restart; `rank_lost`: one of its ranks died or went silent."""
+
+    cause: str
+    rank_lost: bool
