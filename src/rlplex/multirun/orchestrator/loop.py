@@ -62,26 +62,31 @@ import errno
 import logging
 import os
 import sys
-import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 from rlplex.aio import close_loop
 from rlplex.dataflow import FunctionExecutor, LocalModelWorker, MFCExecutionError, ModelWorker, ProcessModelWorker
 from rlplex.diagnostics.trackers import Tracking
-from rlplex.errors import ConfigError, MultiRunError, RlplexError, RunConfigError, RunDirGoneError, WaitTimeoutError
-from rlplex.io.safe_files import read_regular_text
+from rlplex.errors import ConfigError, MultiRunError, RlplexError, RunConfigError, WaitTimeoutError
 from rlplex.models.hf import Tokenizer
 from rlplex.multirun.orchestrator.config import OrchestratorConfig, config_changes, create_run, read_orch_config
 from rlplex.multirun.orchestrator.evaluator import RunEvaluator, evaluation_env
 from rlplex.multirun.orchestrator.graph import orchestrator_graph
 from rlplex.multirun.orchestrator.models import ActorModel, EnvRewardModel, Handoff, RolloutHandoff, StepPrompts
 from rlplex.multirun.orchestrator.trainer_rows import TrainerRows
-from rlplex.multirun.rundir import RunDir, stable_steps, write_eviction
-from rlplex.multirun.rundir.peft_export import is_stable_adapter
+from rlplex.multirun.orchestrator.weights import (
+    RunEvictedError,
+    WaitOptions,
+    check_evicted,
+    first_unfinished_step,
+    latest_stable_broadcast,
+    say,
+    wait_for_broadcast,
+)
+from rlplex.multirun.rundir import RunDir, write_eviction
 from rlplex.multirun.rundir.rollouts import rollouts_ready
 from rlplex.tasks import Environment, load_environment
 from rlplex.tasks.reward_guard import RewardTally
@@ -93,86 +98,11 @@ MAX_TIMED_OUT_BATCHES = 3
 # The trainer writes a step's row just after its broadcast; past this the last row is left to the CSV.
 FINAL_ROW_WAIT_S = 10.0
 EXIT_DONE, EXIT_ERROR, EXIT_CONFIG, EXIT_EVICTED, EXIT_TIMEOUT = 0, 1, 2, 3, 4
-_PROGRESS_EVERY_S = 10.0
 _STEP_TIMEOUT_S = 3600.0  # a stalled dataflow fails with the buffer's dump; generation never takes this long
 
 
 ActorWorkers = Callable[[], list[ModelWorker]]
 """Connects to the model workers a run with `rollout_workers > 1` generates on."""
-
-
-class RunEvictedError(MultiRunError, RuntimeError):
-    """The run has `control/evicted.txt`: the orchestrator stops and reports the reason."""
-
-
-@dataclass(frozen=True)
-class WaitOptions:
-    timeout_s: float | None = None  # None: wait as long as the trainer needs
-    poll_s: float = 0.05
-
-
-def _say(message: str) -> None:
-    print(f"[orchestrator] {message}", file=sys.stderr, flush=True)
-
-
-def check_evicted(run: RunDir) -> None:
-    # An eviction the trainer could not mark in the run folder (full, read-only) ends the run too.
-    if run.is_evicted():
-        reason = run.eviction_reason() or "no reason given"
-    elif (unwritten := run.unwritten_eviction()) is not None:
-        reason = unwritten
-    else:
-        return
-    raise RunEvictedError(f"{run.run_id} evicted: {' | '.join(reason.splitlines())}")  # one line on stderr
-
-
-def latest_stable_broadcast(run: RunDir) -> int | None:
-    """The newest complete `broadcast/step_k` of this run. A step folder that is a symlink, or
-    that leads out of the run, is passed over: it may be another run's adapter."""
-    steps = reversed(stable_steps(run.broadcast))
-    return next((step for step, path in steps if is_stable_adapter(path, within=run.root)), None)
-
-
-def first_unfinished_step(run: RunDir, max_steps: int) -> int:
-    """The first step, from the trainer's newest broadcast on, whose rollouts are not STABLE
-    (max_steps when all are). Rollouts below the newest broadcast step are trained, and the
-    trainer's retention may have removed them."""
-    start = latest_stable_broadcast(run) or 0
-    return next((s for s in range(start, max_steps) if not rollouts_ready(run, s)), max_steps)
-
-
-def wait_for_broadcast(run: RunDir, at_least: int, what: str, options: WaitOptions) -> int:
-    """Block until a STABLE `broadcast/step_k` with k >= at_least exists; return the latest k.
-
-    Eviction, a rejected config and a deleted run directory end the wait with an error.
-    """
-    start = time.monotonic()
-    last_report = None
-    while True:
-        latest = latest_stable_broadcast(run)
-        if latest is not None and latest >= at_least:
-            return latest
-        check_evicted(run)
-        if not run.exists():
-            raise RunDirGoneError(f"{run.root}: run directory was deleted while waiting for the trainer")
-        run.check_identity()
-        if run.config_error.is_file():
-            reason = read_regular_text(run.config_error, within=run.root).strip()
-            raise RunConfigError(f"the trainer rejected {run.orch_config}: {reason}")
-        if run.is_finished():
-            raise RunConfigError(
-                f"{run.run_id}: the trainer marked the run finished at step {run.finished_step()}, "
-                f"but this orchestrator waits for step {at_least} (is {run.orch_config} what was admitted?)"
-            )
-        waited = time.monotonic() - start
-        if last_report is None or waited - last_report >= _PROGRESS_EVERY_S:
-            last_report = waited
-            _say(f"{run.run_id}: {what} waiting for broadcast step >= {at_least} (latest {latest}, {waited:.0f} s)")
-        if options.timeout_s is not None and waited >= options.timeout_s:
-            raise WaitTimeoutError(
-                f"{run.run_id}: no STABLE broadcast step >= {at_least} after {options.timeout_s:g} s (latest {latest})"
-            )
-        time.sleep(options.poll_s)
 
 
 def open_run(output_dir: Path, run_id: str, config: OrchestratorConfig) -> RunDir:
@@ -350,7 +280,7 @@ def _orchestrate(
     check_evicted(run)
     step = first_unfinished_step(run, config.max_steps)
     if step:
-        _say(f"{run_id}: resuming at step {step} (rollouts of steps 0..{step - 1} are STABLE)")
+        say(f"{run_id}: resuming at step {step} (rollouts of steps 0..{step - 1} are STABLE)")
     generated = 0
     if step < config.max_steps or config.evaluation is not None:
         run.ensure_dir()  # MetricsLogger makes missing parents: never let it recreate a deleted run
@@ -381,7 +311,7 @@ def _orchestrate(
                     raise RunEvictedError(f"{run_id} evicted: {reason}")
                 if not result.written:
                     empty += 1
-                    _say(f"{run_id}: step {step} attempt {empty}: no learning signal (all advantages zero)")
+                    say(f"{run_id}: step {step} attempt {empty}: no learning signal (all advantages zero)")
                     if empty >= MAX_EMPTY_BATCH_ATTEMPTS:
                         reason = (
                             f"orchestrator self-evicted: {empty} consecutive batches at step {step} "
@@ -406,7 +336,7 @@ def _orchestrate(
                     stats["charts/adapter_load_s"] = load_s
                 metrics.log(step, stats)
                 trainer_rows.forward(metrics.track)
-                _say(
+                say(
                     f"{run_id}: step {step} written ({step + 1}/{config.max_steps}) reward {result.reward_mean:.3f} "
                     f"tokens/s {tokens_per_s:.0f} policy_step {policy_step} lag {step - policy_step}"
                 )
@@ -419,7 +349,7 @@ def _orchestrate(
             trainer_rows.forward_until(metrics.track, config.max_steps, FINAL_ROW_WAIT_S)
     # Done when the trainer has trained the last step (see the module docstring).
     wait_for_broadcast(run, config.max_steps, "finished,", wait)
-    _say(f"{run_id}: done ({config.max_steps} steps trained)")
+    say(f"{run_id}: done ({config.max_steps} steps trained)")
     return generated
 
 
@@ -471,9 +401,9 @@ def _evaluate_if_due(evaluator: RunEvaluator | None, dataflow: StepDataflow, run
     if evaluator is None or not evaluator.due(policy_step):
         return
     assert dataflow.actor is not None  # the config allows an evaluation only with rollout_workers = 1
-    _say(f"{run_id}: evaluating policy step {policy_step} on {len(evaluator.examples)} held-out examples")
+    say(f"{run_id}: evaluating policy step {policy_step} on {len(evaluator.examples)} held-out examples")
     results = evaluator.evaluate(dataflow.actor, policy_step)
-    _say(f"{run_id}: policy step {policy_step}: {evaluator.summary(results)}")
+    say(f"{run_id}: policy step {policy_step}: {evaluator.summary(results)}")
 
 
 def main(argv: list[str] | None = None) -> int:
