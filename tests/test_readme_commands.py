@@ -61,6 +61,8 @@ MAIN_JOB = [
     "rlplex stop outputs/multirun-demo",
     "rlplex resume outputs/multirun-demo",
     "rlplex run examples/multirun_demo.toml --continue",
+    "rlplex export outputs/multirun-demo run_fast outputs/run_fast-adapter",
+    "rlplex export outputs/multirun-demo run_fast outputs/run_fast-merged --merge",
 ]
 RUN = CARTPOLE + SUPERVISED + NOOP_JOB + ELASTIC_JOB + SELFLOOP_JOB + MAIN_JOB
 SKIPPED = {
@@ -371,8 +373,9 @@ def rejected_add(copy: Path, out: Path) -> None:
 @pytest.mark.timeout(900)  # minutes on a busy machine: three masters, two starts of the job
 @pytest.mark.e2e
 def test_main_job_commands(copy: Path, background: list[Background]) -> None:
-    """check, run, status, runs add (the trainer admits it), runs evict, stop, resume, run --continue."""
-    check, run, status, add, evict, stop, resume, continue_ = MAIN_JOB
+    """check, run, status, runs add (the trainer admits it), runs evict, stop, resume, run --continue,
+    export (both kinds)."""
+    check, run, status, add, evict, stop, resume, continue_, export, export_merged = MAIN_JOB
     out = copy / "outputs" / "multirun-demo"
     log = copy / "job.log"
     assert "examples/multirun_demo.toml: ok: " in ok(check, copy) and not out.exists()
@@ -425,6 +428,14 @@ def test_main_job_commands(copy: Path, background: list[Background]) -> None:
             log_file = RunDir(out / "runs", run_id).root / "logs" / "trainer_progress.csv"
             steps = [int(row["step"]) for row in read_progress_rows(log_file)]
             assert steps and len(steps) == len(set(steps)), f"{run_id}: a step trained twice: {steps}"
+        fast_log = RunDir(out / "runs", "run_fast").root / "logs" / "trainer_progress.csv"
+        newest = max(int(row["step"]) for row in read_progress_rows(fast_log))  # its last broadcast
+        for command, folder, file in (
+            (export, "run_fast-adapter", "adapter_model.safetensors"),
+            (export_merged, "run_fast-merged", "model.safetensors"),
+        ):
+            assert f"run_fast step {newest}: " in ok(command, copy)
+            assert all((copy / "outputs" / folder / name).is_file() for name in (file, "tokenizer.json"))
     finally:
         alive = reap(out)
     assert not alive, f"processes left behind: {[p.pid for p in alive]}"

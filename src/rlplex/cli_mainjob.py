@@ -322,3 +322,32 @@ def register(app: typer.Typer, console: Console) -> None:
             return 0
 
         guard(console, debug, body)
+
+    @app.command("export", short_help="Write a run's newest adapter as a PEFT folder, or merged into the base.")
+    def export(
+        output_dir: Annotated[Path, typer.Argument(help="the main job's (or a trainer's) output folder")],
+        run_id: Annotated[str, typer.Argument(metavar="RUN_ID", help="the run, e.g. run_fast")],
+        dest: Annotated[Path, typer.Argument(help="new folder to write (it must not exist, or be empty)")],
+        merge: Annotated[
+            bool, typer.Option(help="add the adapter into the base weights: a save_pretrained folder, no peft needed")
+        ] = False,
+        step: Annotated[
+            int | None, typer.Option(metavar="N", help="the adapter of step N (default: the newest)")
+        ] = None,
+        debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
+    ) -> None:
+        """Write a run's newest complete adapter (or step N's) to DEST with the base model's
+        tokenizer: a PEFT LoRA folder that `PeftModel.from_pretrained` loads, or with --merge a
+        model folder that `AutoModelForCausalLM.from_pretrained` loads. Works while the job runs."""
+
+        def body() -> int:
+            from rlplex.multirun.export import export_run
+
+            result = export_run(output_dir, run_id, dest, merge=merge, step=step)
+            kind = "merged model" if result.merged else "PEFT adapter"
+            console.print(
+                f"{result.run_id} step {result.step}: {kind} written to {result.dest}", highlight=False, soft_wrap=True
+            )
+            return 0
+
+        guard(console, debug, body)

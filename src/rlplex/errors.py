@@ -92,6 +92,10 @@ class AdapterError(RlplexError):
     """A multi-LoRA adapter slot, rank, id or exported adapter is invalid; the message names it."""
 
 
+class ExportError(MultiRunError):
+    """A run's adapter cannot be exported: no such run or step, or a destination that is taken."""
+
+
 class ModelLoadError(ConfigError):
     """A model or tokenizer named by a config cannot be loaded; the message names it and says why."""
 

@@ -13,15 +13,18 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import torch
 from mainjob_helpers import run_config, tiny_job
 from rich.console import Console
 
+from lm_models import small_tiny_model
 from node_helpers import job_processes
 from rlplex.config import load_config
 from rlplex.control.job.states import JobState
 from rlplex.mainjob.config import MainJobConfig, load_main_job
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect
+from rlplex.multirun.export import export_run
 from timing import scaled, wait_for
 from tracker_files import history, run_record, tensorboard_scalars
 
@@ -148,6 +151,17 @@ def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tm
         logged = history(wandb_file)
         assert {row["step"] for row in logged if "trainer/loss" in row} == {1, 2, 3}
         assert run_record(wandb_file).run_group == "mj-e2e" and not list((out / "wandb").glob("*run_c*"))
+        # `rlplex export`: the run's last adapter leaves the job as a folder peft loads onto the base.
+        exported = export_run(out, "run_a", tmp_path / "run_a-adapter")
+        assert exported.step == 3
+        from peft import PeftModel
+        from safetensors.torch import load_file
+        from transformers import AutoModelForCausalLM
+
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(small_tiny_model()), str(exported.dest))
+        weights, state = load_file(exported.dest / "adapter_model.safetensors"), loaded.state_dict()
+        peft_name = {key: key.replace(".weight", ".default.weight") for key in weights}
+        assert weights and all(torch.equal(state[peft_name[key]], value) for key, value in weights.items())
     finally:
         _gone, alive = psutil.wait_procs(job_processes(out), timeout=10.0)
         for process in alive:
