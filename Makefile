@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup bench-setup demo demo-real demo-cartpole keep-earlier test test-fast lint bench bench-quick clean
+.PHONY: setup bench-setup demo demo-real demo-cartpole keep-earlier test test-fast lint docs bench bench-quick clean
 
 setup: $(STAMP)
 
@@ -71,6 +71,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/ruff format --check src tests benchmarks examples
 	$(VENV)/bin/mypy
+
+# The config reference, generated from the pydantic models (a test fails when it is stale).
+docs: $(STAMP)
+	$(VENV)/bin/python -m rlplex.config_reference docs/config-reference.md
 
 # Benchmark-only dependencies (requirements-bench.txt: TRL for benchmarks.vs_trl); the tests never need them.
 BENCH_STAMP := $(VENV)/.bench-installed

@@ -385,3 +385,27 @@ def test_train_stopped_before_its_first_snapshot_suggests_overwrite_which_works(
     assert not list((out / "snapshots").glob("itr_*"))
     done = rlplex("train", str(config), "--output", str(out), "--no-progress", "--overwrite", "--n-steps", "64")
     assert done.returncode == 0, done.stdout
+
+
+def test_a_reward_module_in_the_directory_rlplex_runs_in_is_found(tmp_path: Path) -> None:
+    """Issue 32, item 9: `reward = "my_reward:score"` beside the user's data, `rlplex check` (the
+    console script, whose path lacks the working directory) run from that folder imports it and
+    scores a row; the nodes and reward children inherit the same path."""
+    from lm_models import small_tiny_model
+
+    (tmp_path / "my_reward.py").write_text("def score(prompt, completion, answer):\n    return 1.0\n")
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"prompt": "r:abc>", "answer": "cba"}) + "\n")
+    env = '{ name = "jsonl", path = "rows.jsonl", reward = "my_reward:score" }'
+    job = MAIN_JOB.format(out="out", model=small_tiny_model()).replace('{ name = "reverse" }', env)
+    (tmp_path / "job.toml").write_text(job)
+    console_script = Path(sys.executable).parent / "rlplex"
+    src = str(Path(__file__).resolve().parents[1] / "src")
+    done = subprocess.run(
+        [str(console_script), "check", "job.toml"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=scaled(120),
+        env={**os.environ, "PYTHONPATH": src},
+    )
+    assert done.returncode == 0 and "job.toml: ok" in done.stdout, done.stdout + done.stderr

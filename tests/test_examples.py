@@ -225,6 +225,7 @@ LOADERS: dict[str, tuple[str, Callable[[Path], Any]]] = {  # file: (kind for the
     "selfloop_job.toml": ("job", _load_job),
     "multirun_demo.toml": ("main", load_main_job),  # rlplex run (checks every run's orchestrator config too)
     "smollm2_arithmetic.toml": ("main", load_main_job),  # make demo-real
+    "my_data/job.toml": ("main", load_main_job),  # the README's quickstart
     "multirun_orch.toml": ("orch", read_orch_config),  # rlplex runs add --config, or an orchestrator's orch.toml
     "models/qwen2.5-0.5b.toml": ("main", load_main_job),  # a real model on a GPU box
 }
@@ -281,8 +282,9 @@ def test_every_example_script_is_run_by_a_test() -> None:
     elastic_train.py by tests/control/test_elastic.py: a new script needs a test of its own."""
     tests = [p.read_text() for p in (ROOT / "tests").rglob("test_*.py") if p.name != "test_examples.py"]
     tests.append(Path(__file__).read_text().split("def test_every_example_script_is_run_by_a_test")[0])
-    for script in sorted(EXAMPLES.glob("*.py")):
-        assert any(f"{script.name}" in text for text in tests), f"examples/{script.name} is run by no test"
+    for script in sorted(EXAMPLES.rglob("*.py")):
+        name = str(script.relative_to(EXAMPLES))
+        assert any(name in text for text in tests), f"examples/{name} is run by no test"
 
 
 # ----- the CLI ------------------------------------------------------------------------------

@@ -64,13 +64,22 @@ MAIN_JOB = [
     "rlplex export outputs/multirun-demo run_fast outputs/run_fast-adapter",
     "rlplex export outputs/multirun-demo run_fast outputs/run_fast-merged --merge",
 ]
-RUN = CARTPOLE + SUPERVISED + NOOP_JOB + ELASTIC_JOB + SELFLOOP_JOB + MAIN_JOB
+QUICKSTART = ["rlplex check examples/my_data/job.toml"]
+RUN = CARTPOLE + SUPERVISED + NOOP_JOB + ELASTIC_JOB + SELFLOOP_JOB + MAIN_JOB + QUICKSTART
 SKIPPED = {
     "make demo": "the full demo (minutes); CI runs it, and MAIN_JOB here runs its job with tiny budgets",
     "make test": "this test suite itself",
     "rlplex model smollm2 outputs/models/smollm2-135m": (
         "a 25-s conversion into a 538 MB folder; the same function converts it into the tests' cache in "
         "tests/test_gguf_models.py, and `rlplex model gguf` runs through the CLI there"
+    ),
+    "rlplex run examples/my_data/job.toml": (
+        "20 steps of SmolLM2 (minutes); the same job, built from Python by examples/my_data/train.py (held "
+        "equal to this file's by tests/mainjob/test_api.py), trains 2 steps in "
+        "tests/mainjob/test_main_job_e2e.py::test_main_job_trains_pretrained_smollm2_on_the_quickstart_example"
+    ),
+    "rlplex export outputs/my-data run_mine outputs/my-model --merge": (
+        "needs the quickstart's trained job; `rlplex export ... --merge` runs here on the demo's job (MAIN_JOB)"
     ),
     "python -m benchmarks.elastic_recovery": "a benchmark: 4 ranks, one killed, minutes on two cores (`make bench`)",
     "rlplex job run examples/job_noop.toml --backend ray": (
@@ -256,6 +265,16 @@ def reap(output_dir: Path) -> list[psutil.Process]:
 
 
 # ----- the commands, grouped by the job they share ------------------------------------------
+@pytest.mark.slow
+def test_quickstart_check_command(copy: Path) -> None:
+    """The quickstart's example, checked as `rlplex run` would: its model, data file and reward."""
+    from lm_models import smollm2
+
+    (copy / "outputs" / "models" / "smollm2-135m").symlink_to(smollm2())
+    (check,) = QUICKSTART
+    assert "examples/my_data/job.toml: ok: " in ok(check, copy)
+
+
 @pytest.mark.slow
 def test_classic_rl_commands(copy: Path) -> None:
     first, resumed = CARTPOLE

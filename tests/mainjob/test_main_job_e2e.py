@@ -6,6 +6,9 @@ master serves the dashboard meanwhile."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +24,7 @@ from lm_models import small_tiny_model
 from node_helpers import job_processes
 from rlplex.config import load_config
 from rlplex.control.job.states import JobState
-from rlplex.mainjob.config import MainJobConfig, load_main_job
+from rlplex.mainjob.config import MainJobConfig
 from rlplex.mainjob.driver import run_main_job
 from rlplex.mainjob.view import collect
 from rlplex.multirun.export import export_run
@@ -169,42 +172,45 @@ def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tm
     assert not alive, f"processes left behind: {[p.pid for p in alive]}"
 
 
-def test_main_job_trains_pretrained_smollm2_on_a_user_chat_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """`rlplex run`'s whole path (elastic trainer ranks, orchestrator nodes, conductor) on a real
-    pretrained model, SmolLM2-135M-Instruct converted from its GGUF package: another architecture
-    (Llama), tokenizer and chat template (with a default system prompt) than the tiny model's,
-    with a user's JSONL of chat messages and a reward named by dotted path (the nodes inherit
-    the master's sys.path)."""
+def test_main_job_trains_pretrained_smollm2_on_the_quickstart_example(tmp_path: Path) -> None:
+    """The README's quickstart from Python, `examples/my_data/train.py` (the same job as its
+    `job.toml`, which `rlplex check` checks in tests/test_readme_commands.py and
+    tests/mainjob/test_api.py holds equal to this one): a `datasets.Dataset` of chat messages
+    written into the job's folder, the reward of `my_data/my_reward.py` imported by the job's
+    processes through the script's path, `run_job`'s results and the merged export. It runs
+    `rlplex run`'s whole path (an elastic trainer rank, an orchestrator node, the conductor) on a
+    real pretrained model, SmolLM2-135M-Instruct converted from its GGUF package: another
+    architecture (Llama), tokenizer and chat template (with a default system prompt) than the tiny
+    model's. Two steps: the second trains on the first broadcast adapter, which is all a longer
+    run adds here."""
     from lm_models import smollm2
 
-    (tmp_path / "user").mkdir()
-    (tmp_path / "user" / "user_rewards_mainjob.py").write_text(
-        "def varied(prompt: str, completion: str, answer: str) -> float:\n"
-        "    return len(set(completion)) / (1 + len(completion))\n"
-    )
-    monkeypatch.syspath_prepend(str(tmp_path / "user"))
-    data = tmp_path / "chats.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"count to {n}"}], "answer": str(n)} for n in range(10)]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    env = (
-        f'env = {{ name = "jsonl", path = "{data}", messages_field = "messages", '
-        'reward = "user_rewards_mainjob:varied", max_new_tokens = 5 }'
-    )
+    root = Path(__file__).resolve().parents[2]
     out = tmp_path / "out"
-    path = tmp_path / "job.toml"
-    # Two steps: the second trains on the first broadcast adapter, which is all a longer run adds here.
-    config = f"{{ {env}, seed = 1, max_steps = 2, batch_size = 8, group_size = 4 }}"
-    path.write_text(tiny_job("mj-smollm2", out, {"run_smol": config}, model=smollm2(), world_size=1))
+    script = [sys.executable, str(root / "examples" / "my_data" / "train.py"), "--model", str(smollm2())]
+    budget = ["--output", str(out), "--steps", "2", "--batch-size", "8", "--max-new-tokens", "8"]
+    env = {**os.environ, "PYTHONPATH": str(root / "src")}
     try:
-        state = run_main_job(load_main_job(path), Console(file=open(tmp_path / "console.txt", "w")), live=False)
-        assert state == JobState.STOPPED, (out / "report.md").read_text()
+        done = subprocess.run(
+            [*script, *budget], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=scaled(400)
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        assert "FINISHED: run_mine trained 2 steps, reward " in done.stdout, done.stdout
         (run,) = collect(out).runs
-        assert (run.run_id, run.state, run.trained_steps) == ("run_smol", "finished", 2)
-        adapter = json.loads((out / "runs" / "run_smol" / "broadcast" / "step_2" / "adapter_config.json").read_text())
+        assert (run.run_id, run.state, run.trained_steps) == ("run_mine", "finished", 2)
+        rows = (out / "data" / "run_mine.jsonl").read_text().splitlines()
+        assert len(rows) == 24 and json.loads(rows[0])["messages"][0]["role"] == "user"
+        adapter = json.loads((out / "runs" / "run_mine" / "broadcast" / "step_2" / "adapter_config.json").read_text())
         assert adapter["base_model_name_or_path"] == str(smollm2())
         assert adapter["target_modules"] and adapter["r"] == 8
+        # The merged export: the base's weights plus the run's adapter, a plain model folder.
+        assert f"model: {out / 'model'}" in done.stdout
+        from safetensors import safe_open
+
+        key = "model.layers.0.self_attn.q_proj.weight"
+        with safe_open(str(out / "model" / "model.safetensors"), "pt") as merged:
+            with safe_open(str(smollm2() / "model.safetensors"), "pt") as base:
+                assert not torch.equal(merged.get_tensor(key), base.get_tensor(key))
     finally:
         _gone, alive = psutil.wait_procs(job_processes(out), timeout=10.0)
         for process in alive:

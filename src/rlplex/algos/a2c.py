@@ -23,16 +23,20 @@ from rlplex.samplers.batch import SampleBatch
 
 
 class A2CConfig(StrictModel):
-    learning_rate: float = Field(7e-4, gt=0)
-    lr_schedule: Literal["constant", "linear"] = "constant"
-    optimizer: Literal["rmsprop", "adam"] = "rmsprop"
-    gamma: float = Field(0.99, ge=0, le=1)
+    learning_rate: float = Field(7e-4, gt=0, description="the optimizer's step size")
+    lr_schedule: Literal["constant", "linear"] = Field(
+        "constant", description="linear: the learning rate decays to 0 over runner.schedule_steps"
+    )
+    optimizer: Literal["rmsprop", "adam"] = Field(
+        "rmsprop", description="rmsprop (alpha 0.99, eps 1e-5, as SB3) or adam (eps 1e-5)"
+    )
+    gamma: float = Field(0.99, ge=0, le=1, description="discount factor")
     gae_lambda: float = Field(1.0, ge=0, le=1, description="1.0: plain n-step advantages")
     # rlplex halves the squared error in the value loss: 1.0 weighs it as SB3's vf_coef 0.5 does.
-    value_coef: float = Field(1.0, ge=0)
-    entropy_coef: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(0.5, gt=0)
-    normalize_advantage: bool = False
+    value_coef: float = Field(1.0, ge=0, description="weight of the value loss (half the squared error)")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus; 0: none")
+    max_grad_norm: float = Field(0.5, gt=0, description="gradients are clipped to this global norm")
+    normalize_advantage: bool = Field(False, description="advantages to zero mean and unit std in each batch")
 
 
 class A2C:

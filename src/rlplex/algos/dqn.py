@@ -62,25 +62,25 @@ class C51Config(StrictModel):
 
 
 class DQNConfig(StrictModel):
-    learning_rate: float = Field(2.3e-3, gt=0)
-    buffer_size: int = Field(100_000, ge=1)
+    learning_rate: float = Field(2.3e-3, gt=0, description="Adam's step size")
+    buffer_size: int = Field(100_000, ge=1, description="replay capacity, in transitions")
     batch_size: int = Field(64, ge=1, description="transitions per gradient step")
     learning_starts: int = Field(1000, ge=0, description="transitions in the replay before the first update")
     # In gradient steps. rl-zoo's "10" is in env steps and SB3 copies only while collecting,
     # i.e. once per train call: with 128 updates per call that is every 128 updates.
     target_update_interval: int = Field(128, ge=1, description="gradient steps between target-network copies")
     updates_per_itr: int = Field(128, ge=0, description="gradient steps per sampler batch (the train frequency)")
-    gamma: float = Field(0.99, ge=0, le=1)
+    gamma: float = Field(0.99, ge=0, le=1, description="discount factor")
     double: bool = Field(True, description="the double-DQN target: a* from the online network")
     dueling: bool = Field(False, description="value and advantage heads (the agent's network)")
     n_step: int = Field(1, ge=1, description="steps of reward before the bootstrap")
     prioritized: PrioritizedConfig | None = Field(None, description="prioritized replay; none: uniform")
     categorical: C51Config | None = Field(None, description="C51 value distribution; none: expected values")
     loss: Literal["huber", "mse"] = Field("huber", description="of the TD error (not used by C51)")
-    max_grad_norm: float = Field(10.0, gt=0)
+    max_grad_norm: float = Field(10.0, gt=0, description="gradients are clipped to this global norm")
     exploration_fraction: float = Field(0.16, gt=0, le=1, description="share of the run over which epsilon decays")
-    eps_initial: float = Field(1.0, ge=0, le=1)
-    eps_final: float = Field(0.04, ge=0, le=1)
+    eps_initial: float = Field(1.0, ge=0, le=1, description="epsilon of the epsilon-greedy acting at the start")
+    eps_final: float = Field(0.04, ge=0, le=1, description="epsilon from exploration_fraction of the run on")
     snapshot_replay: bool = Field(True, description="put the replay buffer in snapshots (exact resume)")
 
     def agent_options(self) -> dict[str, Any]:

@@ -26,18 +26,22 @@ from rlplex.samplers.batch import SampleBatch
 
 
 class PPOConfig(StrictModel):
-    learning_rate: float = Field(3e-4, gt=0)
-    lr_schedule: Literal["constant", "linear"] = "constant"
-    n_epochs: int = Field(10, ge=1)
+    learning_rate: float = Field(3e-4, gt=0, description="Adam's step size")
+    lr_schedule: Literal["constant", "linear"] = Field(
+        "constant", description="linear: the learning rate decays to 0 over runner.schedule_steps"
+    )
+    n_epochs: int = Field(10, ge=1, description="passes over each sampler batch")
     minibatch_size: int = Field(64, ge=1, description="samples per gradient step (per rank under SyncRl)")
-    gamma: float = Field(0.99, ge=0, le=1)
-    gae_lambda: float = Field(0.95, ge=0, le=1)
-    clip_range: float = Field(0.2, gt=0)
-    clip_schedule: Literal["constant", "linear"] = "constant"
-    value_coef: float = Field(0.5, ge=0)
-    entropy_coef: float = Field(0.0, ge=0)
-    max_grad_norm: float = Field(0.5, gt=0)
-    normalize_advantage: bool = True
+    gamma: float = Field(0.99, ge=0, le=1, description="discount factor")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE's lambda; 1.0: plain n-step advantages")
+    clip_range: float = Field(0.2, gt=0, description="the probability ratio is clipped to 1 +- this")
+    clip_schedule: Literal["constant", "linear"] = Field(
+        "constant", description="linear: clip_range decays to 0 over runner.schedule_steps"
+    )
+    value_coef: float = Field(0.5, ge=0, description="weight of the value loss (half the squared error)")
+    entropy_coef: float = Field(0.0, ge=0, description="weight of the entropy bonus; 0: none")
+    max_grad_norm: float = Field(0.5, gt=0, description="gradients are clipped to this global norm")
+    normalize_advantage: bool = Field(True, description="advantages to zero mean and unit std in each minibatch")
     target_kl: float | None = Field(None, gt=0, description="stop the epochs early past this approximate KL")
 
 

@@ -57,31 +57,31 @@ class SequencePriorityConfig(StrictModel):
     alpha: float = Field(0.9, gt=0, le=1, description="priority = (mixed |TD error| + eps) ** alpha")
     beta0: float = Field(0.6, ge=0, le=1, description="importance-weight exponent at the start, annealed to 1")
     eta: float = Field(0.9, ge=0, le=1, description="a sequence's priority: eta * max |delta| + (1 - eta) * mean")
-    eps: float = Field(1e-6, gt=0)
+    eps: float = Field(1e-6, gt=0, description="keeps every sequence's priority positive")
 
 
 class R2D1Config(StrictModel):
-    learning_rate: float = Field(1e-3, gt=0)
+    learning_rate: float = Field(1e-3, gt=0, description="Adam's step size")
     buffer_size: int = Field(2000, ge=1, description="sequences")
     batch_size: int = Field(32, ge=1, description="sequences per gradient step")
     learning_starts: int = Field(64, ge=0, description="sequences in the replay before the first update")
     burn_in: int = Field(10, ge=0, description="steps that only warm the recurrent state up (no gradient)")
     learn_length: int = Field(20, ge=1, description="steps of each sequence that are trained on")
-    n_step: int = Field(5, ge=1)
-    gamma: float = Field(0.99, ge=0, le=1)
+    n_step: int = Field(5, ge=1, description="steps of reward before the bootstrap")
+    gamma: float = Field(0.99, ge=0, le=1, description="discount factor")
     target_update_interval: int = Field(100, ge=1, description="gradient steps between target-network copies")
     updates_per_itr: int = Field(4, ge=0, description="gradient steps per sampler batch")
-    double: bool = True
+    double: bool = Field(True, description="the double-DQN target: a* from the online network")
     dueling: bool = Field(True, description="value and advantage heads (the agent's network)")
     value_rescale: bool = Field(True, description="R2D2's h(x) on the targets")
-    rescale_eps: float = Field(1e-3, gt=0)
+    rescale_eps: float = Field(1e-3, gt=0, description="the eps of h(x) = sign(x) (sqrt(|x| + 1) - 1) + eps x")
     prioritized: SequencePriorityConfig | None = Field(
         default_factory=SequencePriorityConfig, description="prioritized sequence replay; none: uniform"
     )
-    max_grad_norm: float = Field(10.0, gt=0)
+    max_grad_norm: float = Field(10.0, gt=0, description="gradients are clipped to this global norm")
     exploration_fraction: float = Field(0.3, gt=0, le=1, description="share of the run over which epsilon decays")
-    eps_initial: float = Field(1.0, ge=0, le=1)
-    eps_final: float = Field(0.02, ge=0, le=1)
+    eps_initial: float = Field(1.0, ge=0, le=1, description="epsilon of the epsilon-greedy acting at the start")
+    eps_final: float = Field(0.02, ge=0, le=1, description="epsilon from exploration_fraction of the run on")
     snapshot_replay: bool = Field(True, description="put the replay buffer in snapshots (exact resume)")
 
     @property

@@ -48,14 +48,16 @@ from rlplex.replays import UniformReplayBuffer
 
 class SACConfig(StrictModel):
     learning_rate: float = Field(3e-4, gt=0, description="of the actor, the critics and the temperature")
-    buffer_size: int = Field(1_000_000, ge=1)
+    buffer_size: int = Field(1_000_000, ge=1, description="replay capacity, in transitions")
     batch_size: int = Field(256, ge=1, description="transitions per gradient step")
     learning_starts: int = Field(100, ge=0, description="transitions (uniform random actions) before updates start")
     updates_per_itr: int = Field(1, ge=0, description="gradient steps per sampler batch")
-    gamma: float = Field(0.99, ge=0, le=1)
+    gamma: float = Field(0.99, ge=0, le=1, description="discount factor")
     tau: float = Field(0.005, gt=0, le=1, description="polyak coefficient of the target critics")
     target_update_interval: int = Field(1, ge=1, description="gradient steps between target updates")
-    critic_hidden: tuple[int, ...] = (256, 256)
+    critic_hidden: tuple[int, ...] = Field(
+        (256, 256), description="hidden layer widths of each of the two critics (the actor's: agent.hidden)"
+    )
     ent_coef: Annotated[float, Field(gt=0)] | Literal["auto"] = Field("auto", description="alpha, or 'auto' to tune it")
     init_ent_coef: float = Field(1.0, gt=0, description="alpha's start value when ent_coef = 'auto'")
     target_entropy: float | None = Field(None, description="default -dim(A)")

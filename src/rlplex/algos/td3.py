@@ -42,13 +42,15 @@ from rlplex.replays import UniformReplayBuffer
 
 class TD3Config(StrictModel):
     learning_rate: float = Field(1e-3, gt=0, description="of the actor and the critics")
-    buffer_size: int = Field(1_000_000, ge=1)
+    buffer_size: int = Field(1_000_000, ge=1, description="replay capacity, in transitions")
     batch_size: int = Field(256, ge=1, description="transitions per gradient step")
     learning_starts: int = Field(100, ge=0, description="transitions (uniform random actions) before updates start")
     updates_per_itr: int = Field(1, ge=0, description="gradient steps per sampler batch")
-    gamma: float = Field(0.99, ge=0, le=1)
+    gamma: float = Field(0.99, ge=0, le=1, description="discount factor")
     tau: float = Field(0.005, gt=0, le=1, description="polyak coefficient of the target networks")
-    critic_hidden: tuple[int, ...] = (400, 300)
+    critic_hidden: tuple[int, ...] = Field(
+        (400, 300), description="hidden layer widths of each critic (the actor's: agent.hidden)"
+    )
     n_critics: int = Field(2, ge=1, description="the target takes the minimum over them")
     policy_delay: int = Field(2, ge=1, description="critic updates per actor (and target) update")
     target_policy_noise: float = Field(0.2, ge=0, description="std of the target action's noise (normalised units)")
@@ -60,10 +62,12 @@ class TD3Config(StrictModel):
 class DDPGConfig(TD3Config):
     """DDPG: TD3 with one critic, no target policy smoothing and no delay."""
 
-    n_critics: int = Field(1, ge=1)
-    policy_delay: int = Field(1, ge=1)
-    target_policy_noise: float = Field(0.0, ge=0)
-    target_noise_clip: float = Field(0.0, ge=0)
+    n_critics: int = Field(1, ge=1, description="the target takes the minimum over them")
+    policy_delay: int = Field(1, ge=1, description="critic updates per actor (and target) update")
+    target_policy_noise: float = Field(
+        0.0, ge=0, description="std of the target action's noise (normalised units); 0: none"
+    )
+    target_noise_clip: float = Field(0.0, ge=0, description="the target action's noise is clipped to +-this")
 
 
 class TD3(ReplayAlgo):

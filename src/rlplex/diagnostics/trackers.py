@@ -43,7 +43,7 @@ class LoggingConfig(StrictModel):
 
     tensorboard: bool = Field(True, description="TensorBoard event files of every metric")
     wandb: bool = Field(False, description="a Weights & Biases run per rlplex run (needs the wandb package)")
-    wandb_project: str = Field("rlplex", min_length=1)
+    wandb_project: str = Field("rlplex", min_length=1, description="the W&B project of the runs")
     wandb_mode: Literal["offline", "online", "disabled"] = Field(
         "offline", description="no network unless asked; the WANDB_MODE environment variable wins"
     )

@@ -56,8 +56,10 @@ JOB_CONFIG_FILE = "main_job.json"  # the job as JSON, written at creation (`rlpl
 class TrainerSettings(StrictModel):
     world_size: int = Field(2, ge=1, le=8, description="torch.distributed ranks (gloo on CPU)")
     max_runs: int = Field(4, ge=1, description="adapter slots; more runs wait for a free slot")
-    max_lora_rank: int = Field(8, ge=1)
-    micro_batch_tokens: int = Field(2048, ge=16)
+    max_lora_rank: int = Field(8, ge=1, description="the largest LoRA rank a run may ask for (its adapter slot's size)")
+    micro_batch_tokens: int = Field(
+        2048, ge=16, description="tokens per forward and backward pass; a step's rows are packed into micro-batches"
+    )
     checkpoint_every: int = Field(1, ge=1, description="steps between a run's checkpoints")
     max_restarts: int = Field(3, ge=0, description="elastic restarts of the trainer before the job fails")
     max_off_policy_steps: int = Field(
@@ -69,8 +71,10 @@ class TrainerSettings(StrictModel):
 
 
 class RunEntry(StrictModel):
-    id: str
-    config: dict[str, Any]
+    id: str = Field(description="the run's id, run_<letters, digits, _ . ->: its folder under runs/")
+    config: dict[str, Any] = Field(
+        description="the run's config (see 'A run's config'); model fields it leaves out are the job's [model]"
+    )
 
     @field_validator("id")
     @classmethod
@@ -116,15 +120,15 @@ class RunEntry(StrictModel):
 
 
 class Trigger(StrictModel):
-    run: str
+    run: str = Field(description="id of the run whose progress fires the event")
     step: int = Field(ge=0, description="fires once this run has finished this many trainer steps")
 
 
 class Event(StrictModel):
-    when: Trigger
+    when: Trigger = Field(description="when it fires: { run = ID, step = N }")
     add_run: str | None = Field(None, description="id of a [[later_runs]] entry to add")
     evict_run: str | None = Field(None, description="id of a run to evict")
-    reason: str = "evicted on purpose by the job's script"
+    reason: str = Field("evicted on purpose by the job's script", description="the eviction's reason, as reported")
 
     @model_validator(mode="after")
     def _one_action(self) -> Event:
@@ -134,16 +138,22 @@ class Event(StrictModel):
 
 
 class MainJobConfig(StrictModel):
-    name: str = Field(min_length=1)
-    output_dir: Path
-    backend: Literal["local", "ray"] = "local"
-    ray_address: str | None = None
+    name: str = Field(min_length=1, description="the job's name (W&B groups its runs under it)")
+    output_dir: Path = Field(description="the job's folder: runs, logs, report; relative to the working directory")
+    backend: Literal["local", "ray"] = Field("local", description="where the nodes run: local processes or Ray")
+    ray_address: str | None = Field(
+        None, description="the Ray cluster to join (backend 'ray'); None starts a local Ray, 'auto' finds one"
+    )
     model: ModelSpec = Field(description="The shared base model every run trains an adapter of.")
-    trainer: TrainerSettings = TrainerSettings()
+    trainer: TrainerSettings = Field(TrainerSettings(), description="The one trainer every run shares.")
     inference: InferenceConfig = Field(InferenceConfig(), description="The rollout engine: 'hf' or 'vllm' servers.")
-    runs: list[RunEntry] = Field(min_length=1)
-    later_runs: list[RunEntry] = Field(default_factory=list)
-    events: list[Event] = Field(default_factory=list)
+    runs: list[RunEntry] = Field(min_length=1, description="[[runs]]: the runs the job starts with")
+    later_runs: list[RunEntry] = Field(
+        default_factory=list, description="[[later_runs]]: runs that an event adds while the job runs"
+    )
+    events: list[Event] = Field(
+        default_factory=list, description="[[events]]: add or evict a run once another has trained N steps"
+    )
     logging: LoggingConfig = Field(
         LoggingConfig(), description="Trackers of every run (a run's own [logging] keys win); headless lines."
     )

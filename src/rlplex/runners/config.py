@@ -59,7 +59,9 @@ class AgentConfig(StrictModel):
     encoder: EncoderKind = Field(
         "auto", description="auto: the Nature CNN for image observations (uint8 (C,H,W)/(H,W,C)), else an MLP"
     )
-    init_log_std: float = 0.0
+    init_log_std: float = Field(
+        0.0, description="log std the Gaussian policy starts from (PPO, A2C with Box actions); learned from there"
+    )
     lstm_size: int | None = Field(
         None,
         ge=1,
@@ -69,31 +71,31 @@ class AgentConfig(StrictModel):
 
 
 class PPOSection(PPOConfig):
-    name: Literal["ppo"] = "ppo"
+    name: Literal["ppo"] = Field("ppo", description="selects PPO (no [algo] section at all: PPO with its defaults)")
 
 
 class DQNSection(DQNConfig):
-    name: Literal["dqn"]
+    name: Literal["dqn"] = Field(description="selects DQN")
 
 
 class A2CSection(A2CConfig):
-    name: Literal["a2c"]
+    name: Literal["a2c"] = Field(description="selects A2C")
 
 
 class SACSection(SACConfig):
-    name: Literal["sac"]
+    name: Literal["sac"] = Field(description="selects SAC")
 
 
 class TD3Section(TD3Config):
-    name: Literal["td3"]
+    name: Literal["td3"] = Field(description="selects TD3")
 
 
 class DDPGSection(DDPGConfig):
-    name: Literal["ddpg"]
+    name: Literal["ddpg"] = Field(description="selects DDPG")
 
 
 class R2D1Section(R2D1Config):
-    name: Literal["r2d1"]
+    name: Literal["r2d1"] = Field(description="selects R2D1")
 
 
 AlgoSection = Annotated[
@@ -109,22 +111,41 @@ ASYNC_KINDS = ("async", "async_eval")
 
 
 class RunnerConfig(StrictModel):
-    kind: Literal["minibatch", "minibatch_eval", "sync", "sync_eval", "async", "async_eval"] = "minibatch_eval"
+    kind: Literal["minibatch", "minibatch_eval", "sync", "sync_eval", "async", "async_eval"] = Field(
+        "minibatch_eval",
+        description="minibatch: one process; sync: world_size ranks with gradients all-reduced; async: sampling "
+        "and optimization in separate processes (off-policy algorithms only); *_eval: also evaluation episodes "
+        "(deterministic actions) at each log row, whose mean return stop_at_return then uses",
+    )
     n_steps: int = Field(100_000, ge=1, description="environment steps over all ranks")
-    seed: int = 0
-    log_interval_steps: int = Field(10_000, ge=1)
-    eval_episodes: int = Field(10, ge=1)
+    seed: int = Field(
+        0, description="base seed of the environments, the initial weights and the random streams (per rank)"
+    )
+    log_interval_steps: int = Field(
+        10_000, ge=1, description="environment steps between log rows; each row also offers a snapshot"
+    )
+    eval_episodes: int = Field(10, ge=1, description="*_eval kinds: evaluation episodes at each log row")
     schedule_steps: int | None = Field(
         None,
         ge=1,
         description="steps over which linear schedules (learning rate, clip, epsilon) run; default: n_steps of the "
         "run's first start (a resume keeps its snapshot's horizon unless this is set)",
     )
-    snapshot_mode: SnapshotMode = "last"
+    snapshot_mode: SnapshotMode = Field(
+        "last",
+        description="snapshots at log rows: last (only the newest kept), all, gap (every snapshot_gap iterations), "
+        "none",
+    )
     snapshot_gap: int = Field(1, ge=1, description="snapshot_mode = 'gap': a snapshot every this many iterations")
-    stop_at_return: float | None = None
+    stop_at_return: float | None = Field(
+        None,
+        description="stop once a log row's mean return (of evaluation episodes under *_eval kinds, else of "
+        "training episodes) reaches this; none: run all n_steps",
+    )
     world_size: int = Field(2, ge=1, description="ranks (sync kinds only)")
-    backend: Literal["gloo", "nccl"] = "gloo"
+    backend: Literal["gloo", "nccl"] = Field(
+        "gloo", description="torch.distributed backend of the sync kinds; nccl needs the model on a GPU"
+    )
     device: Device = Field(
         "auto",
         description="where the model and its training batches live: auto = CUDA when torch sees a GPU, else the "
@@ -145,12 +166,20 @@ class RunnerConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
-    env: EnvConfig
-    sampler: SamplerConfig = SamplerConfig()
-    agent: AgentConfig = AgentConfig()
-    algo: AlgoSection = PPOSection()
-    runner: RunnerConfig = RunnerConfig()
-    logging: LoggingConfig = LoggingConfig()
+    env: EnvConfig = Field(description="the gymnasium environment to train on")
+    sampler: SamplerConfig = Field(SamplerConfig(), description="how environment steps are collected")
+    agent: AgentConfig = Field(AgentConfig(), description="the agent's network")
+    algo: AlgoSection = Field(
+        PPOSection(),
+        description="the algorithm and its settings, chosen by algo.name (ppo, dqn, a2c, sac, td3, ddpg, r2d1); "
+        "default: PPO with its defaults",
+    )
+    runner: RunnerConfig = Field(
+        RunnerConfig(), description="the training loop: its kind, length, seed, log rows, snapshots and device"
+    )
+    logging: LoggingConfig = Field(
+        LoggingConfig(), description="the trackers metrics go to (TensorBoard, W&B) and the progress lines"
+    )
 
 
 def load_train_config(path: str | Path) -> TrainConfig:

@@ -60,17 +60,19 @@ _FINAL_ANSWER = re.compile(rf"{ANSWER_MARKER}\s*\$?(-?\d+(?:\.\d+)?)\$?\s*\.?\s*
 
 
 class ArithmeticSettings(StrictModel):
-    max_operand: int = Field(20, ge=2)
-    operations: tuple[Operation, ...] = Field(("add", "subtract"), min_length=1)
+    max_operand: int = Field(20, ge=2, description="largest number in a problem")
+    operations: tuple[Operation, ...] = Field(
+        ("add", "subtract"), min_length=1, description="the operations problems use (add, subtract, multiply)"
+    )
     steps: tuple[int, ...] = Field(
         (1,), min_length=1, description="operations per problem (1 to 3); several: a mix of grades, drawn evenly"
     )
-    system_prompt: str | None = None
+    system_prompt: str | None = Field(None, description="a system message before each problem; None: none")
     answer_format: bool = Field(False, description=f"end the question with: {ANSWER_INSTRUCTION}")
     format_weight: float = Field(0.0, ge=0, description="extra reward for a reply that ends 'Answer: <number>'")
-    split: Split = "all"
+    split: Split = Field("all", description="all, train (never the held-out share) or heldout (only it)")
     heldout_fraction: float = Field(0.0, ge=0, lt=1, description="share of problems kept for evaluation")
-    max_new_tokens: int = Field(16, ge=1)
+    max_new_tokens: int = Field(16, ge=1, description="generation length of a reply")
 
     def model_post_init(self, context: object) -> None:
         if any(not 1 <= s <= 3 for s in self.steps):

@@ -24,13 +24,15 @@ FileFormat = Literal["json", "parquet"]
 
 
 class FileSettings(StrictModel):
-    path: Path  # a relative path is relative to the current directory
-    prompt_field: str = "prompt"
-    messages_field: str | None = None  # when set, rows hold chat message lists and prompt_field is unused
-    answer_field: str = "answer"
-    reward: str  # "package.module:function" or "package.module.function"
-    max_new_tokens: int = Field(64, ge=1)
-    shuffle: bool = True
+    path: Path = Field(description="the data file; a relative path is relative to the current directory")
+    prompt_field: str = Field("prompt", description="the column holding each row's prompt text")
+    messages_field: str | None = Field(
+        None, description="the column holding chat message lists instead (then prompt_field is unused)"
+    )
+    answer_field: str = Field("answer", description="the column the reward gets as its answer")
+    reward: str = Field(description="'package.module:function', called as (prompt, completion, answer) -> float")
+    max_new_tokens: int = Field(64, ge=1, description="generation length of a reply")
+    shuffle: bool = Field(True, description="draw the rows in a seeded random order, not the file's")
 
 
 def check_file(path: Path) -> None:

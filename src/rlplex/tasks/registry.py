@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from pydantic import ConfigDict
+from pydantic import ConfigDict, Field
 
 from rlplex.config import StrictModel, validate_config
 from rlplex.errors import ConfigError
@@ -26,7 +26,7 @@ class EnvSpec(StrictModel):
     """An environment's name; the extra keys are the environment's own settings."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
-    name: str
+    name: str = Field(description="reverse, sort_digits, add, arithmetic, jsonl or parquet; the rest: its settings")
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,11 @@ _ENVIRONMENTS: dict[str, _Entry] = {
 
 def environment_names() -> list[str]:
     return sorted(_ENVIRONMENTS)
+
+
+def environment_settings() -> dict[str, type[StrictModel]]:
+    """Each environment's name and the model of its own settings (the other keys of `env`)."""
+    return {name: _ENVIRONMENTS[name].settings for name in environment_names()}
 
 
 def load_environment(spec: EnvSpec | Mapping[str, Any] | str) -> Environment:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 from typing import cast
 
 from rlplex.errors import ConfigError
@@ -75,7 +76,12 @@ def import_reward(path: str, field: str = "reward") -> RewardFn:
     try:
         target: object = importlib.import_module(module_name)
     except Exception as error:  # a user's module can fail in any way while it runs its top level
-        raise ConfigError(f"field {field!r}: cannot import module {module_name!r} for {path!r}: {error!r}") from None
+        where = ""
+        if isinstance(error, ModuleNotFoundError) and error.name == module_name.split(".")[0]:
+            where = f" (modules are found in the directory rlplex runs in, {os.getcwd()}, and on PYTHONPATH)"
+        raise ConfigError(
+            f"field {field!r}: cannot import module {module_name!r} for {path!r}: {error!r}{where}"
+        ) from None
     for part in attribute.split("."):
         try:
             target = getattr(target, part)

@@ -18,8 +18,8 @@ from rlplex.tasks.rewards import positional_match
 
 
 class _LengthRange(StrictModel):
-    min_len: int = Field(3, ge=1)
-    max_len: int = Field(5, ge=1)
+    min_len: int = Field(3, ge=1, description="shortest string of a prompt")
+    max_len: int = Field(5, ge=1, description="longest string of a prompt")
 
     @model_validator(mode="after")
     def _ordered(self) -> Self:
@@ -29,7 +29,7 @@ class _LengthRange(StrictModel):
 
 
 class ReverseSettings(_LengthRange):
-    letters: str = Field("abcdefgh", min_length=1)
+    letters: str = Field("abcdefgh", min_length=1, description="the letters prompts are drawn from")
 
 
 class SortDigitsSettings(_LengthRange):
@@ -37,7 +37,7 @@ class SortDigitsSettings(_LengthRange):
 
 
 class AddSettings(StrictModel):
-    max_operand: int = Field(49, ge=0)
+    max_operand: int = Field(49, ge=0, description="largest number added")
 
 
 class _PositionalScore:

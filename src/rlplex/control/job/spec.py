@@ -39,17 +39,21 @@ RestartScope = Literal["worker", "role", "job", "never"]
 class Resources(StrictModel):
     """What one node of a role needs. Custom resources are named counts (e.g. `{ tpu = 1 }`)."""
 
-    cpu: float = Field(default=1.0, ge=0)
-    gpu: float = Field(default=0.0, ge=0)
-    memory_mb: int = Field(default=0, ge=0)
-    custom: dict[str, float] = Field(default_factory=dict)
+    cpu: float = Field(default=1.0, ge=0, description="CPU cores (fractions allowed)")
+    gpu: float = Field(default=0.0, ge=0, description="GPUs (fractions allowed)")
+    memory_mb: int = Field(default=0, ge=0, description="memory, in MiB")
+    custom: dict[str, float] = Field(default_factory=dict, description="named resources and their amounts")
 
 
 class RestartPolicy(StrictModel):
     """What to restart when a node of this role fails, and how many restarts the role may spend."""
 
-    scope: RestartScope = "worker"
-    max_restarts: int = Field(default=3, ge=0)
+    scope: RestartScope = Field(
+        default="worker",
+        description="what a failed node restarts: worker (that node), role (every node of its role), job (all "
+        "nodes); never: the job fails",
+    )
+    max_restarts: int = Field(default=3, ge=0, description="restart budget of the role")
     per_node: int = Field(
         default=0,
         ge=0,
@@ -63,15 +67,33 @@ def _this_machine() -> Resources:
 
 
 class RoleSpec(StrictModel):
-    kind: RoleKind = "worker"
-    count: int = Field(default=1, ge=0)
+    kind: RoleKind = Field(
+        default="worker",
+        description="worker, submaster (a SubMaster subclass: a node with children of its own) or driver; nodes "
+        "start workers first, drivers last",
+    )
+    count: int = Field(default=1, ge=0, description="nodes of this role")
     entrypoint: str = Field(pattern=r"^[\w.]+:[\w.]+$", description="'module:attr'")
-    resources: Resources = Field(default_factory=Resources)
-    restart: RestartPolicy = Field(default_factory=RestartPolicy)
-    colocate: str | None = None
-    heartbeat_timeout_s: float = Field(default=3.0, gt=0)
-    progress_timeout_s: float | None = Field(default=None, gt=0)
-    config: dict[str, Any] = Field(default_factory=dict)
+    resources: Resources = Field(default_factory=Resources, description="what each node of the role needs")
+    restart: RestartPolicy = Field(
+        default_factory=RestartPolicy, description="what a failure of one of its nodes restarts, and how often"
+    )
+    colocate: str | None = Field(
+        default=None,
+        description="a colocation group: rank i of every role in it shares one resource bundle (the sum of "
+        "theirs); its roles need equal counts; None: a bundle per node",
+    )
+    heartbeat_timeout_s: float = Field(
+        default=3.0, gt=0, description="a running node without a heartbeat for this long has failed"
+    )
+    progress_timeout_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="a running node whose progress counters stay unchanged this long has failed; None: no check",
+    )
+    config: dict[str, Any] = Field(
+        default_factory=dict, description="the role's settings, checked against its entry point's config_model"
+    )
     needs_job_token: bool = Field(
         default=False,
         description="put the job token in the entry point's environment (RLPLEX_JOB_TOKEN), for code that "
@@ -80,20 +102,32 @@ class RoleSpec(StrictModel):
 
 
 class JobSpec(StrictModel):
-    name: str = Field(min_length=1)
-    output_dir: Path
-    backend: Literal["local", "ray"] = "local"
+    name: str = Field(min_length=1, description=f"the job's name ({SAFE_NAME_RULE})")
+    output_dir: Path = Field(
+        description="the job's folder: its state (job.sqlite, job.token) and node logs (logs/<node_id>.log)"
+    )
+    backend: Literal["local", "ray"] = Field(
+        default="local", description="local: node processes on this machine; ray: Ray actors"
+    )
     ray_address: str | None = Field(
         default=None, description="an existing Ray cluster ('auto', 'ray://host:10001'); None starts a local Ray"
     )
-    roles: dict[str, RoleSpec] = Field(min_length=1)
+    roles: dict[str, RoleSpec] = Field(min_length=1, description="the job's roles by name (at least one)")
     max_restarts: int = Field(default=10, ge=0, description="restart budget of the whole job")
-    capacity: Resources = Field(default_factory=_this_machine)
-    heartbeat_interval_s: float = Field(default=0.5, gt=0)
-    monitor_interval_s: float = Field(default=0.1, gt=0)
+    capacity: Resources = Field(
+        default_factory=_this_machine,
+        description="resources all the job's nodes together may use (default: this machine's CPU cores and "
+        "memory, no GPU); sizes a local Ray",
+    )
+    heartbeat_interval_s: float = Field(default=0.5, gt=0, description="seconds between a node's heartbeats")
+    monitor_interval_s: float = Field(default=0.1, gt=0, description="seconds between the master's health checks")
     start_timeout_s: float = Field(default=30.0, gt=0, description="create -> checked deadline per node")
-    rpc_timeout_s: float = Field(default=10.0, gt=0)
-    stop_grace_s: float = Field(default=3.0, ge=0)
+    rpc_timeout_s: float = Field(
+        default=10.0, gt=0, description="seconds a control call to a node may take (also bounds check_child())"
+    )
+    stop_grace_s: float = Field(
+        default=3.0, ge=0, description="seconds stopped nodes get to exit before they are killed"
+    )
     master_lost_timeout_s: float = Field(default=60.0, gt=0, description="a node alone this long stops itself")
     preload: list[str] = Field(
         default_factory=list,

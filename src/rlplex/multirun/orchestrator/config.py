@@ -43,13 +43,13 @@ class ModelConfig(ModelSpec):
     trainer rejects the run) plus the run's own LoRA adapter."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
-    lora: LoraConfig = LoraConfig()
+    lora: LoraConfig = Field(LoraConfig(), description="The run's LoRA adapter.")
 
 
 class OptimConfig(_Strict):
-    lr: float = Field(1e-4, gt=0)
+    lr: float = Field(1e-4, gt=0, description="AdamW learning rate of this run's adapter.")
     max_grad_norm: float = Field(1.0, gt=0, description="Clipping threshold over this run's adapter only.")
-    weight_decay: float = Field(0.0, ge=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay of this run's adapter.")
 
 
 class EvaluationConfig(_Strict):
@@ -64,10 +64,10 @@ class EvaluationConfig(_Strict):
     every: int = Field(
         10, ge=1, description="Evaluate policy step 0, once in each block of `every` steps after it, and the last."
     )
-    examples: int = Field(200, ge=1, le=100_000)
+    examples: int = Field(200, ge=1, le=100_000, description="Held-out examples scored each time.")
     temperatures: list[float] = Field([0.0, 1.0], min_length=1, description="One evaluation each; 0 = greedy.")
     seed: int = Field(1_000_003, description="Seed of the evaluation's examples and sampling (the same every time).")
-    env: EnvSpec | None = None
+    env: EnvSpec | None = Field(None, description="Where the examples come from; None: the run's environment.")
 
     @field_validator("temperatures")
     @classmethod
@@ -90,7 +90,7 @@ class OrchestratorConfig(_Strict):
     """What one run asks of the shared trainer. Unknown keys are errors."""
 
     env: EnvSpec = Field(description='The environment: data plus reward, e.g. { name = "reverse" }.')
-    seed: int = 0
+    seed: int = Field(0, description="Seed of the run's prompts and sampling.")
     max_steps: int = Field(ge=1, description="The run's own schedule length (not the trainer's).")
     batch_size: int = Field(ge=1, description="Samples per step of this run (prompts x group_size).")
     group_size: int = Field(
@@ -111,8 +111,8 @@ class OrchestratorConfig(_Strict):
         description="Torch CPU threads of the process that generates with transformers (engine hf). None: "
         "torch's default (every core), or in a main job the cores its trainer ranks leave, shared by its runs.",
     )
-    model: ModelConfig
-    optim: OptimConfig = OptimConfig()
+    model: ModelConfig = Field(description="The base model (in a main job: the job's [model]) and the run's LoRA.")
+    optim: OptimConfig = Field(OptimConfig(), description="The run's own AdamW optimizer.")
     inference: EngineSettings = Field(
         EngineSettings(), description="How rollouts are generated: in process (hf) or on the job's vLLM servers."
     )
