@@ -59,6 +59,7 @@ class DashboardWatcher(threading.Thread):
         self.console, self.url, self.error = console, "", ""
         self.refused: list[int] = []
         self.seen: list[dict[str, int]] = []
+        self.doing: set[str] = set()  # what the runs' orchestrators said they were doing
         self.trained = False
 
     def run(self) -> None:
@@ -73,6 +74,7 @@ class DashboardWatcher(threading.Thread):
                 while not self.trained:
                     runs = web.get(f"{base}/api/view").json()["runs"]
                     self.seen.append({run["id"]: run["step"] for run in runs})
+                    self.doing.update(run["doing"] for run in runs if run["doing"])
                     self.trained = any(run["step"] >= 1 for run in runs)
                     time.sleep(0.2)
         except (AssertionError, httpx.HTTPError, ValueError, KeyError) as error:
@@ -104,6 +106,8 @@ def test_main_job_runs_end_to_end_with_an_added_an_evicted_and_a_rejected_run(tm
         watcher.join(scaled(30))
         # While the job ran, its master served the page's JSON to the token alone, and the runs in it.
         assert watcher.refused == [401, 401] and watcher.trained, (watcher.error, watcher.seen[-3:])
+        # Before its first step, a run's row said what its orchestrator did (its heartbeat's phase).
+        assert watcher.doing & {"loading the model", "generating step 0"}, watcher.doing
         assert (tmp_path / "console.txt").read_text().count("token=") == 1  # the link, printed once
         with pytest.raises(httpx.ConnectError):  # and stopped serving with the job
             httpx.get(watcher.url)

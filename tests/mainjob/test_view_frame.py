@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -230,3 +231,27 @@ def test_run_main_job_prints_lines_when_its_console_is_no_terminal() -> None:
     _show(job(four_runs()), None, ProgressLines(30.0), console, now=0.0)
     printed = console.file.getvalue().splitlines()  # type: ignore[attr-defined]
     assert len(printed) == 4 and "run_alpha    running    step 10/40" in printed[0]
+
+
+def test_what_an_orchestrator_says_it_does_shows_until_its_runs_first_step() -> None:
+    """Issue 32, hole 7: for the minute a model takes to load, a run said only "running, step 0,
+    reward -". Its orchestrator node's heartbeat counters (`phase`, `phase_step`) now say what it
+    does, in the lines, the live view's notes and the dashboard (the e2e test sees them there)."""
+    from rlplex.mainjob.lines import run_line
+    from rlplex.mainjob.view import _say_what_orchestrators_do
+    from rlplex.multirun.orchestrator.phase import Phase
+
+    fresh = RunView("run_new", "running", 0, 40, started_at=NOW - 30, settings={"inference": {"engine": "vllm"}})
+    runs = [run("run_alpha", "running", 10), fresh, run("run_done", "finished", 40)]
+    said = [(Phase.GENERATING, 11), (Phase.PREPARING, 0), (Phase.WAITING, 40)]
+    nodes = [
+        dataclasses.replace(node("orchestrator", rank), progress_json=json.dumps({"phase": float(p), "phase_step": s}))
+        for rank, (p, s) in enumerate(said)
+    ]
+    _say_what_orchestrators_do(runs, nodes)
+    assert [r.doing for r in runs] == ["generating step 11", "reaching the inference servers", ""]
+    view = job(runs)
+    assert run_line(view, runs[1]).endswith("ETA —  reaching the inference servers")
+    text = "\n".join(draw(view, 80, 24))
+    assert "note: run_new: reaching the inference servers" in text  # no step yet: said under the table
+    assert "run_alpha: generating" not in text  # a run with steps says it in its row already

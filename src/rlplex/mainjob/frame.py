@@ -183,6 +183,8 @@ def node_run(view: JobView, node: NodeRecord) -> str:
 def notes(view: JobView) -> list[str]:
     """What does not fit in a cell: why runs ended early, and the job's own trouble."""
     found = [f"{run.run_id} {run.state}: {' '.join(run.reason.split())}" for run in view.runs if run.reason]
+    # Until a run's first step, its row says little: say what its orchestrator is doing.
+    found += [f"{run.run_id}: {run.doing}" for run in view.runs if run.doing and run.reward is None]
     if view.master_gone:
         found.append(f"job: its master (pid {view.master_pid}) is gone: `rlplex resume {view.output_dir}`")
     if view.job_cause:

@@ -13,9 +13,7 @@ from __future__ import annotations
 import math
 
 from rlplex.mainjob.timing import format_duration
-from rlplex.mainjob.view import JobView, RunView
-
-ACTIVE_STATES = ("waiting", "running", "evaluating")
+from rlplex.mainjob.view import ACTIVE_RUN_STATES, JobView, RunView
 
 
 class ProgressLines:
@@ -37,7 +35,7 @@ class ProgressLines:
         for run in view.runs:
             changed = self._states.get(run.run_id) != run.state
             self._states[run.run_id] = run.state
-            if changed or (due and run.state in ACTIVE_STATES):
+            if changed or (due and run.state in ACTIVE_RUN_STATES):
                 out.append(run_line(view, run))
         return out
 
@@ -53,6 +51,8 @@ def run_line(view: JobView, run: RunView) -> str:
     ]
     if run.reason and run.state in ("evicted", "rejected"):
         parts.append(run.reason)
+    elif run.doing and run.state in ACTIVE_RUN_STATES:
+        parts.append(run.doing)
     return "  ".join(parts)
 
 

@@ -28,6 +28,7 @@ from rlplex.errors import ConfigError
 from rlplex.inference.vllm_server import usable_cores
 from rlplex.mainjob.build import ORCHESTRATOR_ROLE
 from rlplex.mainjob.registry import rejection_reason, run_for_rank, write_rejection
+from rlplex.multirun.orchestrator.phase import Phase
 from rlplex.multirun.rundir import RunDir, write_eviction
 from rlplex.multirun.trainer.job import TRAINER_ROLE
 
@@ -69,6 +70,7 @@ class OrchestratorNode(WorkerLoad):
         if rejection_reason(self.context.output_dir, self.entry.id) is not None or run.is_finished():
             return  # a job continued after a stop: this run's end is already final
         self.context.report_progress(run_index=self.context.rank)
+        self._report_phase(Phase.PREPARING, 0)  # its imports and the model's load come first
         try:
             # The run's config, rebuilt from the registry's JSON; the orchestrator records it in
             # the run's `control/orch.toml` (the run-folder protocol the trainer reads).
@@ -84,7 +86,12 @@ class OrchestratorNode(WorkerLoad):
             self.runs_dir.mkdir(exist_ok=True)
             workers = partial(rollout_workers, self.context, self.entry.id)
             run_orchestrator(
-                self.runs_dir, self.entry.id, config, actor_workers=workers, tracker_dir=self.context.output_dir
+                self.runs_dir,
+                self.entry.id,
+                config,
+                actor_workers=workers,
+                tracker_dir=self.context.output_dir,
+                report=self._report_phase,
             )
         except RunEvictedError:
             log.warning("run %s evicted: %s", self.entry.id, run.eviction_reason() or run.unwritten_eviction())
@@ -94,6 +101,10 @@ class OrchestratorNode(WorkerLoad):
             if not run.is_evicted():
                 raise
             log.warning("run %s evicted: %s", self.entry.id, run.eviction_reason())
+
+    def _report_phase(self, phase: Phase, step: int) -> None:
+        # The heartbeat's counters carry it to the master's store, where the view reads it.
+        self.context.report_progress(phase=float(phase), phase_step=float(step))
 
     def _reject(self, run: RunDir, reason: str) -> None:
         log.warning("run %s rejected (final, not restarted): %s", self.entry.id, reason)

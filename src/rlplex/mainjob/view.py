@@ -27,14 +27,16 @@ import psutil
 
 from rlplex.control.elastic.master import rendezvous_summaries
 from rlplex.control.job.master import MasterLock
-from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState, job_outcome
+from rlplex.control.job.states import TERMINAL_JOB_STATES, JobState, NodeState, job_outcome
 from rlplex.control.job.store import STORE_FILE, JobRecord, JobStore, LogRecord, NodeRecord
 from rlplex.errors import ConfigError
 from rlplex.io.safe_files import check_regular_file, read_regular_text
+from rlplex.mainjob.build import ORCHESTRATOR_ROLE
 from rlplex.mainjob.config import INFERENCE_DIR, JOB_CONFIG_FILE, RunEntry
 from rlplex.mainjob.progress_rows import read_progress_rows
 from rlplex.mainjob.registry import REJECTIONS_DIR, read_registry, rejection_reason, rollout_slots
 from rlplex.mainjob.timing import eta_s, job_eta_s, seconds_per_step, step_history
+from rlplex.multirun.orchestrator.phase import describe
 from rlplex.multirun.rundir import RunDir, stable_steps, unwritten_eviction_path
 
 MAX_STORE_BYTES = 64 << 30
@@ -68,6 +70,7 @@ class RunView:
     ended_at: float | None = None  # wall clock: when it finished, was evicted or was rejected
     policy_lag: float | None = None  # steps its newest rollouts' policy was behind the step they trained
     settings: dict[str, Any] = field(default_factory=dict)  # its orchestrator config, as it joined
+    doing: str = ""  # what its orchestrator says it is doing now ("": not running, or not said yet)
 
     # `steps`, with the rows (the list itself, and how many) it was computed from: the ETAs ask
     # for it several times per view, and each time walks every row.
@@ -370,6 +373,21 @@ def read_job_and_events(output_dir: Path, events: int) -> tuple[JobRecord, list[
         return job.job(), job.nodes(), log
 
 
+ACTIVE_RUN_STATES = ("waiting", "running", "evaluating")
+
+
+def _say_what_orchestrators_do(runs: list[RunView], nodes: list[NodeRecord]) -> None:
+    """Each active run's `doing`, from its orchestrator node's heartbeat counters (`phase`)."""
+    for node in nodes:
+        # Orchestrator rank r serves entry r of the registry, the order of `runs`.
+        if node.role != ORCHESTRATOR_ROLE or node.state != NodeState.RUNNING or not 0 <= node.rank < len(runs):
+            continue
+        run = runs[node.rank]
+        if run.state in ACTIVE_RUN_STATES and "phase" in node.progress:
+            engine = run.settings.get("inference", {}).get("engine", "hf")
+            run.doing = describe(node.progress["phase"], node.progress.get("phase_step", 0), engine)
+
+
 def collect(output_dir: Path, runs_dir: Path | None = None, events: int = 0) -> JobView:
     """The job as its files say it is now; with its newest `events` transitions and decisions."""
     runs_dir = runs_dir or output_dir / "runs"
@@ -382,6 +400,7 @@ def collect(output_dir: Path, runs_dir: Path | None = None, events: int = 0) -> 
         updated = record.updated_at
     entries = read_registry(output_dir)
     runs = [run_view(runs_dir, entry) for entry in entries]
+    _say_what_orchestrators_do(runs, nodes)
     rendezvous = rendezvous_summaries(output_dir)
     inference = read_inference(output_dir)
     try:

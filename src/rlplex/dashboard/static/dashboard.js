@@ -139,6 +139,7 @@ function drawRuns(runs) {
     row.dataset.run = run.id;
     row.dataset.state = run.state;
     row.dataset.restarts = String(run.restarts);
+    row.dataset.doing = run.doing || "";
     row.dataset.points = String((page.curves.get(run.id) || {step: []}).step.length);
     const name = el("td");
     const swatch = el("span", null, "swatch");
@@ -146,7 +147,8 @@ function drawRuns(runs) {
     name.append(swatch, document.createTextNode(run.id));
     row.append(name);
     cells(row, [
-      [run.state, "state"], [`${run.step}/${run.max_steps}`, "num step"], [fmt(run.reward, 3), "num"],
+      // What its orchestrator is doing (loading the model, generating step 3) beside the state.
+      [run.doing ? `${run.state} · ${run.doing}` : run.state, "state"], [`${run.step}/${run.max_steps}`, "num step"], [fmt(run.reward, 3), "num"],
       [fmt(run.reward_start, 3), "num"], [fmt(run.eval, 3), "num"], [fmt(run.tokens_per_s, 0), "num"],
       [fmt(run.staleness, 0), "num"], [run.restarts, "num restarts"], [duration(run.elapsed_s), "num"],
       [run.state === "finished" ? "done" : duration(run.eta_s), "num"],

@@ -76,6 +76,7 @@ from rlplex.multirun.orchestrator.config import OrchestratorConfig, config_chang
 from rlplex.multirun.orchestrator.evaluator import RunEvaluator, evaluation_env
 from rlplex.multirun.orchestrator.graph import orchestrator_graph
 from rlplex.multirun.orchestrator.models import ActorModel, EnvRewardModel, Handoff, RolloutHandoff, StepPrompts
+from rlplex.multirun.orchestrator.phase import Phase, PhaseReport, ignore
 from rlplex.multirun.orchestrator.trainer_rows import TrainerRows
 from rlplex.multirun.orchestrator.weights import (
     RunEvictedError,
@@ -244,11 +245,13 @@ def run_orchestrator(
     tensorboard: bool = True,
     actor_workers: ActorWorkers | None = None,
     tracker_dir: Path | None = None,
+    report: PhaseReport = ignore,
 ) -> int:
     """Run the orchestrator of `run_id` to completion; return the number of steps it generated.
 
     `actor_workers`: where `rollout_workers > 1` generates (see `StepDataflow`). `tracker_dir`:
-    where the run's trackers write (`Tracking.directory`; a main job's folder), else its folder."""
+    where the run's trackers write (`Tracking.directory`; a main job's folder), else its folder.
+    `report`: told what it is doing as it goes (`phase.Phase`: a main job's view shows it)."""
     wait = wait or WaitOptions()
     output_dir = Path(output_dir)
     try:
@@ -261,7 +264,7 @@ def run_orchestrator(
     with _self_evict_when_the_folder_refuses(run):
         run.check_writable()
         tracking = Tracking(config.logging, run_id, config.model_dump(mode="json"), tracker_dir)
-        return _orchestrate(output_dir, run, config, env, wait, tensorboard, actor_workers, tracking)
+        return _orchestrate(output_dir, run, config, env, wait, tensorboard, actor_workers, tracking, report)
 
 
 def _orchestrate(
@@ -273,6 +276,7 @@ def _orchestrate(
     tensorboard: bool,
     actor_workers: ActorWorkers | None,
     tracking: Tracking,
+    report: PhaseReport,
 ) -> int:
     from rlplex.diagnostics import MetricsLogger
 
@@ -288,6 +292,7 @@ def _orchestrate(
         # The run's trackers (TensorBoard, W&B) get its rollout rows, its evaluations and the trainer's rows.
         trainer_rows = TrainerRows(run, after_step=max(0, step - 1 - config.max_async_level))
         with MetricsLogger(run.root, tensorboard, tracking=tracking) as metrics, ExitStack() as stack:
+            report(Phase.PREPARING, step)
             dataflow = stack.enter_context(StepDataflow(output_dir, run, config, env, actor_workers))
             evaluator = None
             if config.evaluation is not None:
@@ -296,8 +301,10 @@ def _orchestrate(
             empty = timed_out = 0
             while step < config.max_steps:
                 check_evicted(run)
+                report(Phase.WAITING, step)
                 policy_step = wait_for_broadcast(run, step - config.max_async_level, f"step {step}", wait)
-                _evaluate_if_due(evaluator, dataflow, run_id, policy_step)
+                _evaluate_if_due(evaluator, dataflow, run_id, policy_step, report)
+                report(Phase.GENERATING, step)
                 try:
                     result, timings = dataflow.run_step(step, empty, policy_step)
                 except Exception:
@@ -341,9 +348,10 @@ def _orchestrate(
                     f"tokens/s {tokens_per_s:.0f} policy_step {policy_step} lag {step - policy_step}"
                 )
                 step += 1
+            report(Phase.FINISHING, step)
             if evaluator is not None:
                 final = wait_for_broadcast(run, config.max_steps, "finished,", wait)
-                _evaluate_if_due(evaluator, dataflow, run_id, final)
+                _evaluate_if_due(evaluator, dataflow, run_id, final, report)
             stack.close()  # the engine and rollout workers go before the wait for the last step
             wait_for_broadcast(run, config.max_steps, "finished,", wait)
             trainer_rows.forward_until(metrics.track, config.max_steps, FINAL_ROW_WAIT_S)
@@ -397,10 +405,13 @@ def _self_evict_when_the_folder_refuses(run: RunDir) -> Iterator[None]:
         raise RunEvictedError(f"{run.run_id} evicted: {reason}") from None
 
 
-def _evaluate_if_due(evaluator: RunEvaluator | None, dataflow: StepDataflow, run_id: str, policy_step: int) -> None:
+def _evaluate_if_due(
+    evaluator: RunEvaluator | None, dataflow: StepDataflow, run_id: str, policy_step: int, report: PhaseReport
+) -> None:
     if evaluator is None or not evaluator.due(policy_step):
         return
     assert dataflow.actor is not None  # the config allows an evaluation only with rollout_workers = 1
+    report(Phase.EVALUATING, policy_step)
     say(f"{run_id}: evaluating policy step {policy_step} on {len(evaluator.examples)} held-out examples")
     results = evaluator.evaluate(dataflow.actor, policy_step)
     say(f"{run_id}: policy step {policy_step}: {evaluator.summary(results)}")
