@@ -353,3 +353,26 @@ def test_a_self_loop_job_on_ray_passes_items_through_ray_channels_and_removes_th
         assert master.cause == "every node finished"
     assert [int(line) for line in (job_dir / "collected.txt").read_text().split()] == [2 * i for i in range(30)]
     assert channels() == []
+
+
+def test_without_an_address_the_job_starts_a_ray_of_its_own_beside_one_from_ray_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 32, hole 3: after `ray start`, `rlplex job run ... --backend ray` (no --ray-address)
+    died in a 109-line traceback: Ray's default address joins that cluster, which refuses the job's
+    num_cpus. Without an address rlplex now asks Ray for a new local instance; with one it joins.
+    (A real local start with this address runs in every Ray test of the suite that starts a job's own Ray.)"""
+    import ray
+
+    from rlplex.control.backends import ray as ray_backend
+    from rlplex.control.job.spec import Resources
+
+    asked: list[tuple[str, dict[str, object]]] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda address, **options: asked.append((address, options)))
+    monkeypatch.setattr(ray, "nodes", lambda: [{"Alive": True}])
+    assert ray_backend.connect_ray(None, Resources(cpu=2)) is True
+    assert ray_backend.connect_ray("auto", Resources(cpu=2)) is False
+    (own, own_options), (joined, joined_options) = asked
+    assert (own, own_options["num_cpus"]) == ("local", 2)
+    assert joined == "auto" and "num_cpus" not in joined_options

@@ -71,7 +71,10 @@ def connect_ray(address: str | None, capacity: Resources) -> bool:
             options["num_cpus"] = max(1, math.ceil(capacity.cpu))
             options["num_gpus"] = math.ceil(capacity.gpu)
             options["_system_config"] = LOCAL_RAY_SYSTEM_CONFIG
-        ray.init(address=address, **options)
+        # No address: a Ray of the job's own. Ray's own default (None) joins the newest `ray start`
+        # cluster on this machine, which refuses the sizes above with a long traceback; joining
+        # an existing cluster is what --ray-address (auto, or its address) asks for.
+        ray.init(address=address or "local", **options)
     return len([n for n in ray.nodes() if n.get("Alive")]) <= 1 and address is None
 
 
