@@ -255,3 +255,20 @@ def test_what_an_orchestrator_says_it_does_shows_until_its_runs_first_step() -> 
     text = "\n".join(draw(view, 80, 24))
     assert "note: run_new: reaching the inference servers" in text  # no step yet: said under the table
     assert "run_alpha: generating" not in text  # a run with steps says it in its row already
+
+
+def test_the_newest_held_out_score_shows_in_the_table_status_and_lines() -> None:
+    """Issue 32, item 11: a run's evaluation reaches the live view and `rlplex status` (the same
+    frame) and the plain lines, not the report and the dashboard alone."""
+    from rlplex.mainjob.lines import run_line
+
+    scored = run("run_eval", "running", 10)
+    scored.evaluations = [{"step": 0.0, "eval/accuracy_t0": 0.25}, {"step": 10.0, "eval/accuracy_t0": 0.625}]
+    view = job([scored, run("run_plain", "running", 10)])
+    assert "held-out 0.625  tokens/s" in run_line(view, scored)
+    assert "held-out" not in run_line(view, view.runs[1])
+    table = draw(view, 200, 50)
+    header = next(line for line in table if "held-out" in line)
+    column = header.index("held-out")
+    values = {line.split()[0]: line[column : column + 8].strip() for line in table if line.startswith("run_")}
+    assert values == {"run_eval": "0.625", "run_plain": "-"}

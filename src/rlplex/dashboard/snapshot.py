@@ -18,7 +18,6 @@ from rlplex.control.job.store import LogRecord
 from rlplex.mainjob.frame import node_run, notes
 from rlplex.mainjob.view import THROUGHPUT_WINDOW_S, JobView, RunView
 
-EVAL_COLUMNS = ("eval/accuracy_t0", "eval/reward_t0", "eval/return")
 SETTING_CHARS = 80  # a setting's value is cut to this (a prompt template need not fill the table)
 
 
@@ -49,12 +48,9 @@ def flat_settings(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]
 
 
 def eval_score(run: RunView) -> tuple[str, list[float], list[float | None]] | None:
-    """(column, steps, scores) of the run's held-out evaluations, by the first column it has."""
-    for column in EVAL_COLUMNS:
-        rows = [row for row in run.evaluations if column in row and "step" in row]
-        if rows:
-            return column, [row["step"] for row in rows], [_num(row[column]) for row in rows]
-    return None
+    """(column, steps, scores) of the run's held-out evaluations (`RunView.heldout_scores`), JSON-safe."""
+    found = run.heldout_scores()
+    return None if found is None else (found[0], found[1], [_num(score) for score in found[2]])
 
 
 def _curve(run: RunView, have: int) -> dict[str, Any]:

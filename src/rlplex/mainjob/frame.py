@@ -119,6 +119,7 @@ RUN_COLUMNS = (
     Column("step", right=True),
     Column("reward", keep=7, right=True),
     Column("at start", keep=4, right=True),
+    Column("held-out", keep=6, right=True),
     Column("tokens/s", keep=5, right=True),
     Column("s/step", keep=3, right=True),
     Column("elapsed", keep=8, right=True),
@@ -154,8 +155,8 @@ def run_rows(view: JobView, runs: Sequence[RunView]) -> list[list[str]]:
         eta = "done" if run.state == "finished" else format_duration(view.run_eta_s(run))
         rows.append([
             run.run_id, run.state, f"{run.trained_steps}/{run.max_steps}", _fmt(run.reward), _fmt(run.reward_start),
-            _fmt(run.tokens_per_s, ".0f"), _fmt(run.seconds_per_step, ".1f"), format_duration(view.run_elapsed_s(run)),
-            eta,
+            _fmt(run.heldout), _fmt(run.tokens_per_s, ".0f"), _fmt(run.seconds_per_step, ".1f"),
+            format_duration(view.run_elapsed_s(run)), eta,
         ])  # fmt: skip
     return rows
 

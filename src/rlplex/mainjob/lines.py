@@ -46,6 +46,7 @@ def run_line(view: JobView, run: RunView) -> str:
         f"[{format_duration(view.elapsed_s):>7}] {run.run_id:<12} {run.state:<9}",
         f"step {run.trained_steps}/{run.max_steps}",
         f"reward {_num(run.reward, '.3f')}",
+        *([f"held-out {_num(run.heldout, '.3f')}"] if run.heldout is not None else []),
         f"tokens/s {_num(run.tokens_per_s, '.0f')}",
         f"ETA {eta}",
     ]

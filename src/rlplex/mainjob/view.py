@@ -98,6 +98,21 @@ class RunView:
         chosen = rewards[-window:] if newest else rewards[:window]
         return sum(chosen) / len(chosen)
 
+    def heldout_scores(self) -> tuple[str, list[float], list[float]] | None:
+        """(column, policy steps, scores) of its held-out evaluations, by the first column it has:
+        greedy accuracy, else greedy reward, else a classic run's evaluation return."""
+        for column in HELDOUT_COLUMNS:
+            rows = [row for row in self.evaluations if column in row and "step" in row]
+            if rows:
+                return column, [row["step"] for row in rows], [row[column] for row in rows]
+        return None
+
+    @property
+    def heldout(self) -> float | None:
+        """Its newest held-out score (None: not evaluated yet, or no evaluation asked)."""
+        scores = self.heldout_scores()
+        return None if scores is None else scores[2][-1]
+
     @property
     def reward_start(self) -> float | None:
         """Mean reward of the first steps."""
@@ -374,6 +389,7 @@ def read_job_and_events(output_dir: Path, events: int) -> tuple[JobRecord, list[
 
 
 ACTIVE_RUN_STATES = ("waiting", "running", "evaluating")
+HELDOUT_COLUMNS = ("eval/accuracy_t0", "eval/reward_t0", "eval/return")
 
 
 def _say_what_orchestrators_do(runs: list[RunView], nodes: list[NodeRecord]) -> None:
