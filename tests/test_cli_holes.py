@@ -387,10 +387,13 @@ def test_train_stopped_before_its_first_snapshot_suggests_overwrite_which_works(
     assert done.returncode == 0, done.stdout
 
 
-def test_a_reward_module_in_the_directory_rlplex_runs_in_is_found(tmp_path: Path) -> None:
-    """Issue 32, item 9: `reward = "my_reward:score"` beside the user's data, `rlplex check` (the
-    console script, whose path lacks the working directory) run from that folder imports it and
-    scores a row; the nodes and reward children inherit the same path."""
+def test_a_reward_module_in_the_directory_rlplex_runs_in_is_found(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32, item 9: `reward = "my_reward:score"` beside the user's data, `rlplex check` run
+    from that folder imports it and scores a row. The console script's path lacks the working
+    directory (a `python -m` path has it), so this runs the command in process on a path without it;
+    the job's nodes and reward children inherit the path the command extends."""
     from lm_models import small_tiny_model
 
     (tmp_path / "my_reward.py").write_text("def score(prompt, completion, answer):\n    return 1.0\n")
@@ -398,14 +401,7 @@ def test_a_reward_module_in_the_directory_rlplex_runs_in_is_found(tmp_path: Path
     env = '{ name = "jsonl", path = "rows.jsonl", reward = "my_reward:score" }'
     job = MAIN_JOB.format(out="out", model=small_tiny_model()).replace('{ name = "reverse" }', env)
     (tmp_path / "job.toml").write_text(job)
-    console_script = Path(sys.executable).parent / "rlplex"
-    src = str(Path(__file__).resolve().parents[1] / "src")
-    done = subprocess.run(
-        [str(console_script), "check", "job.toml"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=scaled(120),
-        env={**os.environ, "PYTHONPATH": src},
-    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", ".", str(tmp_path))])
+    done = rlplex("check", "job.toml")
     assert done.returncode == 0 and "job.toml: ok" in done.stdout, done.stdout + done.stderr

@@ -51,6 +51,12 @@ def _root(
     ] = False,
 ) -> None:
     """rlplex: reinforcement-learning training jobs, from CartPole to many LLM runs on one trainer."""
+    # A run's reward (`module:function`) is the user's own module, found from the directory they
+    # run rlplex in, as `python -m` finds it; a console script's path lacks that directory. It is
+    # appended, so a folder named like an installed package cannot shadow it. The job's nodes and
+    # reward children inherit this path.
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())
 
 
 def _override(config: Any, **runner_fields: Any) -> Any:
@@ -418,12 +424,6 @@ def main() -> None:
     # `kill -USR1 <pid>` prints every thread's stack to stderr (the log) and carries on: what a
     # user, or a test, needs of a command that seems stuck.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
-    # A run's reward (`module:function`) is the user's own module, found from the directory they
-    # run rlplex in, as `python -m` finds it; a console script's path lacks that directory. It is
-    # appended, so a folder named like an installed package cannot shadow it. The job's nodes and
-    # reward children inherit this path.
-    if os.getcwd() not in sys.path:
-        sys.path.append(os.getcwd())
     try:
         app()
     except KeyboardInterrupt:
