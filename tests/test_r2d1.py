@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from rlplex.agents.recurrent import R2d1Agent
-from rlplex.algos.r2d1 import R2D1, R2D1Config, sequence_loss
+from rlplex.algos import R2D1, R2D1Config  # exported beside the other algorithms
+from rlplex.algos.r2d1 import sequence_loss
 from rlplex.algos.rl_math import inverse_value_rescale, value_rescale
 from rlplex.config import validate_config
 from rlplex.envs import CARTPOLE_NO_VELOCITY, EnvConfig, probe_spaces

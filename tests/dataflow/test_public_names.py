@@ -34,7 +34,7 @@ def readme_dataflow_names() -> set[str]:
     lines = [
         line
         for line in README.read_text().splitlines()
-        if line.startswith("| dataflow:") or line.lstrip().startswith("dataflow/")
+        if line.startswith("| dataflow |") or line.lstrip().startswith("dataflow/")
     ]
     assert len(lines) == 2, "the README's dataflow row or layout line moved; update this test"
     return {name for line in lines for name in re.findall(r"\b[A-Z][a-z]+(?:[A-Z][A-Za-z]*)+\b", line)}
