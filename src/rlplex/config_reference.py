@@ -23,6 +23,8 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from rlplex.config import StrictModel
+
 REFERENCE_FILE = Path("docs") / "config-reference.md"
 
 
@@ -212,10 +214,10 @@ def missing_descriptions() -> list[str]:
     return sorted(set(missing))
 
 
-def _environments() -> dict[str, type[BaseModel]]:
+def _environments() -> dict[str, type[StrictModel]]:
     from rlplex.tasks.registry import environment_settings
 
-    return dict(environment_settings())
+    return environment_settings()
 
 
 def _table(model: type[BaseModel]) -> list[str]:
