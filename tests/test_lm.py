@@ -15,13 +15,12 @@ from lm_models import random_llama, tiny_model
 from rlplex.algos.grpo import grpo_loss
 from rlplex.algos.rl_math import group_advantages
 from rlplex.errors import ConfigError, DeviceError, ModelLoadError
-from rlplex.models.device import model_device
+from rlplex.models.device import model_device, resolve_device
 from rlplex.models.hf import (
     decode_completion,
     encode_prompt,
     load_causal_lm,
     load_tokenizer,
-    resolve_device,
     stop_token_ids,
 )
 from rlplex.models.lm import evaluate, generate, mean_reward, token_logprobs

@@ -196,7 +196,7 @@ def test_main_job_trains_pretrained_smollm2_on_the_quickstart_example(tmp_path: 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "out"
     script = [sys.executable, str(root / "examples" / "my_data" / "train.py"), "--model", str(smollm2())]
-    budget = ["--output", str(out), "--steps", "2", "--batch-size", "8", "--max-new-tokens", "8"]
+    budget = ["--output", str(out), "--steps", "2", "--batch-size", "4", "--max-new-tokens", "8"]
     env = {**os.environ, "PYTHONPATH": str(root / "src")}
     try:
         done = subprocess.run(

@@ -91,10 +91,13 @@ def accept_requests(
 
 def check_model(config: MainJobConfig) -> None:
     """Load the job's tokenizer now: a model that cannot be found fails before any process starts."""
-    from rlplex.models.hf import load_tokenizer, resolve_device
+    from rlplex.models.hf import check_tokenizer
 
-    resolve_device(config.model.device)
-    load_tokenizer(config.model)
+    if config.model.device == "cuda":  # "auto" and "cpu" resolve on any machine: torch is not needed
+        from rlplex.models.device import resolve_device
+
+        resolve_device(config.model.device)
+    check_tokenizer(config.model)
     if config.inference.engine == "vllm":
         require_vllm(config.model)
 

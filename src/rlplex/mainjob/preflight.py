@@ -12,10 +12,15 @@ a job refused here could never run; one accepted may still be tight.
 
 from __future__ import annotations
 
+import contextlib
+import json
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rlplex.errors import ConfigError, RlplexError
+from rlplex.inference.config import cuda_present
 from rlplex.mainjob.config import MainJobConfig, RunEntry
 from rlplex.models.spec import ModelSpec
 from rlplex.multirun.orchestrator.config import OrchestratorConfig
@@ -56,28 +61,41 @@ class ModelShape:
 
 
 def model_shape(spec: ModelSpec) -> ModelShape | None:
-    """The shape of `spec` from its config (None: a config without the usual fields)."""
+    """The shape of `spec` from its config (None: a config without the usual fields).
+
+    A local folder's config.json that names the fields is read as JSON: `AutoConfig` imports
+    torch and every model's configuration (about 2 s of a `rlplex check`). Other configs (a hub
+    id, a model whose fields have other names that its config class maps) go through `AutoConfig`."""
+    if spec.is_local:
+        with contextlib.suppress(OSError, ValueError):
+            fields = json.loads((Path(spec.resolved().name) / "config.json").read_text())
+            if isinstance(fields, dict) and (shape := _shape_of(fields.get)) is not None:
+                return shape
     from transformers import AutoConfig
 
     from rlplex.models.hf import _from_pretrained
 
     config: Any = _from_pretrained(AutoConfig, spec, "config")
+    return _shape_of(lambda name: getattr(config, name, None))  # the class's attribute_map applies
+
+
+def _shape_of(field: Callable[[str], Any]) -> ModelShape | None:
     try:
-        hidden = int(config.hidden_size)
+        hidden = int(field("hidden_size"))
         return ModelShape(
             hidden=hidden,
-            intermediate=int(getattr(config, "intermediate_size", None) or 4 * hidden),
-            layers=int(config.num_hidden_layers),
-            vocab=int(config.vocab_size),
-            max_positions=int(getattr(config, "max_position_embeddings", None) or 2048),
+            intermediate=int(field("intermediate_size") or 4 * hidden),
+            layers=int(field("num_hidden_layers")),
+            vocab=int(field("vocab_size")),
+            max_positions=int(field("max_position_embeddings") or 2048),
         )
-    except (AttributeError, TypeError, ValueError):
+    except (TypeError, ValueError):
         return None
 
 
 def available_bytes(spec: ModelSpec) -> tuple[int, str]:
     """Memory of the device the job's model runs on: the GPU's on CUDA, else the machine's RAM."""
-    if spec.device != "cpu":
+    if spec.device != "cpu" and cuda_present():  # no NVIDIA device node: no CUDA, and no torch import
         import torch
 
         if torch.cuda.is_available():

@@ -2,6 +2,9 @@
 
 - `load_tokenizer(spec)`: `AutoTokenizer.from_pretrained`, with a pad token (the EOS token
   when the checkpoint has none: rlplex pads by hand and masks pads out, so any id will do).
+- `check_tokenizer(spec)`: what `rlplex check` and `rlplex run` ask before any process starts:
+  the tokenizer loads and has a pad or EOS token, in about 1 s where a folder holds its
+  `tokenizer.json` (read by the fast class itself, without torch or the Auto classes' imports).
 - `load_causal_lm(spec)`: `AutoModelForCausalLM.from_pretrained` in the spec's dtype, frozen,
   in eval mode, on `resolve_device(spec.device)`.
 - A hub id is looked up in the local Hugging Face cache first (`local_files_only`), so a
@@ -16,18 +19,17 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
-import torch
-
 from rlplex.errors import ModelLoadError
-from rlplex.models.device import resolve_device
 from rlplex.models.spec import ModelSpec
 from rlplex.tasks import Example
 
-# transformers is imported where a tokenizer or model loads: about 3 s of imports (dynamo, sympy,
-# distributed tensors) that a process which only names these types never needs.
+# torch and transformers are imported where a model or tokenizer loads: about 1.5 s and 3 s of
+# imports (dynamo, sympy, distributed tensors) that a process which only checks a job never needs.
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     Tokenizer: TypeAlias = PreTrainedTokenizerBase
@@ -36,6 +38,8 @@ else:
 
 
 def resolve_dtype(spec: ModelSpec, device: torch.device) -> torch.dtype:
+    import torch
+
     if spec.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[spec.dtype]
@@ -108,7 +112,25 @@ def _hub_unreachable(timeout_s: float = 3.0) -> str | None:
 def load_tokenizer(spec: ModelSpec) -> Tokenizer:
     from transformers import AutoTokenizer
 
-    tokenizer: Tokenizer = _from_pretrained(AutoTokenizer, spec, "tokenizer")
+    return _with_pad(_from_pretrained(AutoTokenizer, spec, "tokenizer"), spec)
+
+
+def check_tokenizer(spec: ModelSpec) -> None:
+    """Fail now, as `load_tokenizer` would in every process later, if the tokenizer cannot load.
+
+    A local folder with a `tokenizer.json` is read by the fast tokenizer class the Auto class
+    would pick for it (`PreTrainedTokenizerFast`): the same file, special tokens and
+    tokenizer_config.json, in about 1 s against 5 s, for a check whose tokenizer nobody keeps.
+    Anything else (a hub id, a slow-only tokenizer) goes through `load_tokenizer` itself."""
+    if spec.is_local and (Path(spec.resolved().name) / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        _with_pad(_from_pretrained(PreTrainedTokenizerFast, spec, "tokenizer"), spec)
+    else:
+        load_tokenizer(spec)
+
+
+def _with_pad(tokenizer: Tokenizer, spec: ModelSpec) -> Tokenizer:
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
             raise ModelLoadError(f"model {spec.name!r}: its tokenizer has neither a pad nor an EOS token")
@@ -120,6 +142,8 @@ def load_causal_lm(spec: ModelSpec, device: torch.device | None = None) -> PreTr
     """The frozen base model in eval mode on `device` (default: the spec's)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
+
+    from rlplex.models.device import resolve_device
 
     device = device or resolve_device(spec.device)
     # Its per-load progress bar would fill every orchestrator's and rank's log; rlplex shows its own.
@@ -184,13 +208,13 @@ def decode_completion(tokenizer: Tokenizer, ids: Sequence[int], stop_ids: Sequen
 
 __all__ = [
     "Tokenizer",
+    "check_tokenizer",
     "decode_completion",
     "encode_answer",
     "encode_prompt",
     "load_causal_lm",
     "load_tokenizer",
     "model_stop_ids",
-    "resolve_device",
     "resolve_dtype",
     "stop_token_ids",
 ]

@@ -48,7 +48,8 @@ import torch.distributed as dist
 from rlplex.algos.rl_math import clipped_surrogate
 from rlplex.errors import MultiRunError, RunDirGoneError
 from rlplex.io.safe_files import write_file_atomic
-from rlplex.models.hf import load_causal_lm, load_tokenizer, resolve_device
+from rlplex.models.device import resolve_device
+from rlplex.models.hf import load_causal_lm, load_tokenizer
 from rlplex.models.lm import pad_id_of, token_logprobs
 from rlplex.multirun.orchestrator.config import OrchestratorConfig
 from rlplex.multirun.rundir.peft_export import is_stable_adapter
