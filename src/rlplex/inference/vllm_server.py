@@ -144,17 +144,16 @@ def free_port(host: str) -> int:
 
 def check_model_for_vllm(model: ModelSpec, build: str | None) -> None:
     """Refuse, before a server starts, a local model whose attention heads the CPU kernels lack."""
-    if build != "cpu" or not model.is_local:
-        return
-    path = Path(model.name).expanduser() / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError):
+    if build != "cpu" or (config := model.local_config()) is None:
         return  # vLLM reports what it cannot read
+    try:
+        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    except (KeyError, TypeError, ZeroDivisionError):
+        return
     if head_dim not in CPU_HEAD_SIZES:
         raise ConfigError(
-            f"{path}: head size {head_dim} (hidden_size / num_attention_heads) is not one vLLM's CPU attention "
+            f"{model.local_file('config.json')}: head size {head_dim} (hidden_size / num_attention_heads) is not "
+            "one vLLM's CPU attention "
             f'supports {list(CPU_HEAD_SIZES)}; use engine = "hf" or a model with another head size'
         )
 

@@ -12,11 +12,8 @@ a job refused here could never run; one accepted may still be tight.
 
 from __future__ import annotations
 
-import contextlib
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rlplex.errors import ConfigError, RlplexError
@@ -66,11 +63,8 @@ def model_shape(spec: ModelSpec) -> ModelShape | None:
     A local folder's config.json that names the fields is read as JSON: `AutoConfig` imports
     torch and every model's configuration (about 2 s of a `rlplex check`). Other configs (a hub
     id, a model whose fields have other names that its config class maps) go through `AutoConfig`."""
-    if spec.is_local:
-        with contextlib.suppress(OSError, ValueError):
-            fields = json.loads((Path(spec.resolved().name) / "config.json").read_text())
-            if isinstance(fields, dict) and (shape := _shape_of(fields.get)) is not None:
-                return shape
+    if (fields := spec.local_config()) is not None and (shape := _shape_of(fields.get)) is not None:
+        return shape
     from transformers import AutoConfig
 
     from rlplex.models.hf import _from_pretrained

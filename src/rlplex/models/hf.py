@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from rlplex.errors import ModelLoadError
@@ -122,7 +121,7 @@ def check_tokenizer(spec: ModelSpec) -> None:
     would pick for it (`PreTrainedTokenizerFast`): the same file, special tokens and
     tokenizer_config.json, in about 1 s against 5 s, for a check whose tokenizer nobody keeps.
     Anything else (a hub id, a slow-only tokenizer) goes through `load_tokenizer` itself."""
-    if spec.is_local and (Path(spec.resolved().name) / "tokenizer.json").is_file():
+    if spec.local_file("tokenizer.json") is not None:
         from transformers import PreTrainedTokenizerFast
 
         _with_pad(_from_pretrained(PreTrainedTokenizerFast, spec, "tokenizer"), spec)

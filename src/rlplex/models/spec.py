@@ -9,9 +9,10 @@ path (so ``outputs/tiny`` and ``./outputs/tiny/`` are one model), a hub id by id
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -37,6 +38,25 @@ class ModelSpec(StrictModel):
         if self.is_local:
             return os.path.realpath(Path(self.name).expanduser())
         return self.name if self.revision is None else f"{self.name}@{self.revision}"
+
+    def local_file(self, name: str) -> Path | None:
+        """The file `name` of this spec's local folder, if it holds one (None for a hub id)."""
+        if not self.is_local:
+            return None
+        path = Path(self.name).expanduser() / name
+        return path if path.is_file() else None
+
+    def local_config(self) -> dict[str, Any] | None:
+        """A local folder's config.json read as JSON, without transformers (None: no folder, no
+        such file, or not a JSON object): what the checks before a job start read of it."""
+        path = self.local_file("config.json")
+        if path is None:
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
 
     def resolved(self) -> ModelSpec:
         """This spec with a local folder made absolute: safe to hand to a process with another cwd."""
