@@ -41,7 +41,7 @@ def clipped_surrogate(
     mask: torch.Tensor | None = None,
     level: Literal["token", "sequence"] = "token",
     proximal_logp: torch.Tensor | None = None,
-    behav_imp_weight_cap: float | None = None,
+    behav_imp_weight_cap: float | torch.Tensor | None = None,
 ) -> Surrogate:
     """PPO's clipped surrogate of log-probs `logp` (with gradient) against `old_logp`.
 
@@ -49,6 +49,7 @@ def clipped_surrogate(
     [B] (one advantage per row, broadcast over its tokens). Positions off `mask` get loss 0
     through `where`, not a product: a padded position's log-prob may be anything, and 0 * inf
     is NaN. Reduce `loss` as the trainer needs (`masked_mean`, a per-row sum, a plain mean).
+    `behav_imp_weight_cap`: a number, or a tensor that broadcasts against `logp` (one cap per row).
     """
     if level not in ("token", "sequence"):
         raise RlplexError(f"clipped_surrogate: level must be 'token' or 'sequence', got {level!r}")

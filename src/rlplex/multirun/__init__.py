@@ -16,6 +16,7 @@ _EXPORTS = {
     "AdapterBatch": "trainer.lora",
     "EMPTY_SLOT_SCALING": "trainer.manager",
     "LoraConfig": "orchestrator.config",
+    "LossConfig": "orchestrator.config",
     "MAX_ORCH_CONFIG_BYTES": "orchestrator.config",
     "MicroBatch": "trainer.packer",
     "ModelConfig": "orchestrator.config",
@@ -49,6 +50,7 @@ __all__ = [
     "STABLE_MARKER",
     "AdapterBatch",
     "LoraConfig",
+    "LossConfig",
     "MicroBatch",
     "ModelConfig",
     "MultiLoRALinear",
@@ -81,6 +83,7 @@ if TYPE_CHECKING:
     from rlplex.multirun.orchestrator.config import (
         MAX_ORCH_CONFIG_BYTES,
         LoraConfig,
+        LossConfig,
         ModelConfig,
         OptimConfig,
         OrchestratorConfig,

@@ -52,6 +52,22 @@ class OptimConfig(_Strict):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay of this run's adapter.")
 
 
+class LossConfig(_Strict):
+    """`loss` of a run: how the shared trainer turns its rollouts into its adapter's gradient."""
+
+    decoupled: bool = Field(
+        False,
+        description="AReaL's decoupled PPO: the ratio is taken against the adapter as it is before the step (the "
+        "proximal policy), and each token is re-weighted by proximal / behaviour (the policy that sampled it), so "
+        "rollouts that lag the weights (max_async_level > 0) or come from another engine's numerics stay usable.",
+    )
+    behav_imp_weight_cap: float = Field(
+        5.0,
+        gt=1.0,
+        description="With decoupled: tokens whose proximal / behaviour weight exceeds this get weight 0 (inf: no cap).",
+    )
+
+
 class EvaluationConfig(_Strict):
     """`evaluation` of a run: its policy scored on fixed examples it never trains on, as it learns.
 
@@ -113,6 +129,7 @@ class OrchestratorConfig(_Strict):
     )
     model: ModelConfig = Field(description="The base model (in a main job: the job's [model]) and the run's LoRA.")
     optim: OptimConfig = Field(OptimConfig(), description="The run's own AdamW optimizer.")
+    loss: LossConfig = Field(LossConfig(), description="The run's objective: plain or decoupled PPO.")
     inference: EngineSettings = Field(
         EngineSettings(), description="How rollouts are generated: in process (hf) or on the job's vLLM servers."
     )

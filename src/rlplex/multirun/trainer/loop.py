@@ -19,7 +19,9 @@ that a restart resumes from it: no step is trained twice whatever `checkpoint_ev
 step whose rollouts are more than `max_off_policy_steps` behind (step - policy_step) is not
 trained: it counts as done with no update, and the run's log counts it in `stale_dropped`. A
 step whose loss or gradient is not finite is not applied: the optimizer step is skipped and the
-run is evicted with the reason, so nothing non-finite is ever checkpointed or broadcast. When a
+run is evicted with the reason, so nothing non-finite is ever checkpointed or broadcast. A run
+whose `loss.decoupled` is set trains with AReaL's decoupled PPO objective (`_decoupled_anchor`),
+row by row beside runs that train with plain PPO in the same micro-batches. When a
 run is created (fresh or resumed),
 `broadcast/step_<its step>` is written if missing, so its orchestrator can start. A run trained
 to its `max_steps` is marked finished (`control/finished.txt`) by a writer job queued behind its
@@ -339,16 +341,39 @@ class MultiRunTrainer:
                 logprobs = token_logprobs(self.model, micro.tokens.to(device), micro.attention.to(device), temperatures)
         # Per row: the sum of its loss tokens' clipped surrogate, each weighted 1 / N_k (run k's
         # loss tokens in its whole step), so a run's gradient does not depend on its packing.
+        behaviour = micro.logprobs.to(device)
+        proximal, cap = self._decoupled_anchor(micro.adapter_ids, logprobs, behaviour)
         surrogate = clipped_surrogate(
             logprobs,
-            micro.logprobs.to(device),
+            behaviour,
             micro.advantages.to(device),
             self.config.clip_eps,
             mask=micro.loss_mask.to(device),
+            proximal_logp=proximal,
+            behav_imp_weight_cap=cap,
         )
         row_losses = surrogate.loss.sum(dim=1) * micro.token_weight.to(device)
         row_losses.sum().backward()
         self.optim.add_loss(row_losses, micro.adapter_ids)
+
+    def _decoupled_anchor(
+        self, adapter_ids: torch.Tensor, logprobs: torch.Tensor, behaviour: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The proximal log-probs and per-row caps of AReaL's decoupled objective, for the rows of
+        the runs whose `loss.decoupled` asks for it; (None, None) when no row's run does.
+
+        The proximal policy is the run's adapter as it is before this step. A run takes one
+        optimizer step per rollout step, so that is the adapter this forward ran: its log-probs,
+        detached, with no second forward. A row of a plain run anchors on its behaviour log-probs
+        with no cap, which is plain PPO (its weight is 1)."""
+        losses = [self.manager.config[idx].loss for idx in adapter_ids.tolist()]
+        if not any(loss.decoupled for loss in losses):
+            return None, None
+        device = logprobs.device
+        decoupled = torch.tensor([loss.decoupled for loss in losses], device=device).unsqueeze(1)
+        caps = [loss.behav_imp_weight_cap if loss.decoupled else float("inf") for loss in losses]
+        proximal = torch.where(decoupled, logprobs.detach().to(behaviour.dtype), behaviour)
+        return proximal, torch.tensor(caps, device=device).unsqueeze(1)
 
     def _step_runs(self, steps: list[StepDone]) -> list[tuple[int, str, int]]:
         if not steps:
