@@ -32,6 +32,7 @@ BENCHMARKS = [
     "executor_overhead",
     "async_dataflow",
     "grpo_learning",
+    "grpo_runner_learning",
     "multirun_discovery",
     "multirun_learning",
     "multirun_throughput",

@@ -271,9 +271,11 @@ def test_trainer_settings_reach_the_trainer_as_one_json_of_its_config_and_the_pr
     from rlplex.multirun.trainer.config import TrainerConfig
 
     settings = "world_size = 2\nmax_off_policy_steps = 1\nretention = {{ checkpoints = {{ keep_last = 2 }} }}"
+    settings += '\ntarget_modules = ["q_proj", "v_proj", "lm_head"]'
     config = load_main_job(write_job(tmp_path, JOB.replace("world_size = 2", settings)))
     trainer = trainer_config(config)
     assert trainer.max_off_policy_steps == 1 and trainer.retention.checkpoints.keep_last == 2
+    assert trainer.target_modules == ("q_proj", "v_proj", "lm_head")
     role = build_job_spec(config, "job.toml").roles["trainer"].config
     assert role["entrypoint"] == "rlplex.multirun.trainer:run_trainer"
     assert TrainerConfig.model_validate(role["config"]) == trainer  # rebuilt as the same model on the other side

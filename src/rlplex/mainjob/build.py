@@ -48,6 +48,7 @@ def trainer_config(config: MainJobConfig) -> TrainerConfig:
         output_dir=config.runs_dir.resolve(),
         max_runs=trainer.max_runs,
         max_lora_rank=trainer.max_lora_rank,
+        target_modules=tuple(trainer.target_modules) if trainer.target_modules is not None else None,
         micro_tokens=trainer.micro_batch_tokens,
         checkpoint_every=trainer.checkpoint_every,
         model=config.model.resolved(),

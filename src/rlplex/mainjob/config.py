@@ -57,6 +57,13 @@ class TrainerSettings(StrictModel):
     world_size: int = Field(2, ge=1, le=8, description="torch.distributed ranks (gloo on CPU)")
     max_runs: int = Field(4, ge=1, description="adapter slots; more runs wait for a free slot")
     max_lora_rank: int = Field(8, ge=1, description="the largest LoRA rank a run may ask for (its adapter slot's size)")
+    target_modules: list[str] | None = Field(
+        None,
+        min_length=1,
+        description="the layers every run's LoRA adapter wraps, by the last part of their names, e.g. "
+        '["q_proj", "v_proj", "lm_head"]; none: the model family\'s attention and MLP projections. "lm_head" lets '
+        "an adapter sharpen the output distribution, which the final norm otherwise bounds",
+    )
     micro_batch_tokens: int = Field(
         2048, ge=16, description="tokens per forward and backward pass; a step's rows are packed into micro-batches"
     )

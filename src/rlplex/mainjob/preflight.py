@@ -52,9 +52,11 @@ class ModelShape:
         per_layer = 4 * self.hidden * self.hidden + 3 * self.hidden * self.intermediate
         return self.layers * per_layer + self.vocab * self.hidden
 
-    def lora_floats_per_rank(self) -> int:
-        """LoRA weights of one adapter of rank 1 on the attention and MLP projections."""
-        return self.layers * (4 * 2 * self.hidden + 3 * (self.hidden + self.intermediate))
+    def lora_floats_per_rank(self, output_head: bool = False) -> int:
+        """LoRA weights of one adapter of rank 1 on the attention and MLP projections (and on the
+        output head, `lm_head`, when it is a target)."""
+        head = self.hidden + self.vocab if output_head else 0
+        return self.layers * (4 * 2 * self.hidden + 3 * (self.hidden + self.intermediate)) + head
 
 
 def model_shape(spec: ModelSpec) -> ModelShape | None:
@@ -137,7 +139,8 @@ def memory_problems(job: MainJobConfig, shape: ModelShape, budget: int, what: st
     """Sizes that cannot fit in `budget` bytes: the trainer's adapter slots, and each run's batch."""
     problems = []
     trainer = job.trainer
-    lora = trainer.max_runs * trainer.max_lora_rank * shape.lora_floats_per_rank() * FLOAT32_BYTES * LORA_COPIES
+    per_rank = shape.lora_floats_per_rank(output_head="lm_head" in (trainer.target_modules or ()))
+    lora = trainer.max_runs * trainer.max_lora_rank * per_rank * FLOAT32_BYTES * LORA_COPIES
     base = shape.parameters * FLOAT32_BYTES
     if trainer.world_size * (base + lora) > budget:
         problems.append(

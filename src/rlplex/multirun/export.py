@@ -114,6 +114,11 @@ def merge_adapter(model: Any, adapter: dict[str, Any], scaling: float) -> int:
             raise AdapterError(f"adapter module {name!r} is not in the base model") from None
         a, b = adapter[f"{name}.lora_A.weight"], adapter[f"{name}.lora_B.weight"]
         delta = scaling * (b.to(torch.float32) @ a.to(torch.float32))
+        if _shares_input_embeddings(model, layer):
+            # A tied output head (`lm_head` a target): merged in place, the delta would change the
+            # input embeddings too. The merged model gets a head of its own and says so in its config.
+            layer.weight = torch.nn.Parameter(layer.weight.detach().clone())
+            model.config.tie_word_embeddings = False
         weight = layer.weight
         if is_conv1d(layer):  # Conv1D keeps W as [in, out]
             delta = delta.T
@@ -124,6 +129,12 @@ def merge_adapter(model: Any, adapter: dict[str, Any], scaling: float) -> int:
         with torch.no_grad():
             weight.copy_((weight.to(torch.float32) + delta.to(weight.device)).to(weight.dtype))
     return len(modules)
+
+
+def _shares_input_embeddings(model: Any, layer: Any) -> bool:
+    get_input_embeddings = getattr(model, "get_input_embeddings", None)
+    embeddings = get_input_embeddings() if callable(get_input_embeddings) else None
+    return embeddings is not None and getattr(embeddings, "weight", None) is layer.weight
 
 
 def export_run(out: Path, run_id: str, dest: Path, *, merge: bool = False, step: int | None = None) -> ExportResult:
