@@ -53,7 +53,7 @@ from rlplex.io.safe_files import write_file_atomic
 from rlplex.models.device import resolve_device
 from rlplex.models.hf import load_causal_lm, load_tokenizer
 from rlplex.models.lm import pad_id_of, token_logprobs
-from rlplex.multirun.orchestrator.config import OrchestratorConfig
+from rlplex.multirun.orchestrator.config import LossConfig, OrchestratorConfig
 from rlplex.multirun.rundir.peft_export import is_stable_adapter
 from rlplex.multirun.rundir.retention import remove_orphaned_temporaries
 from rlplex.multirun.rundir.rollouts import MalformedRolloutError, read_rollouts, rollouts_ready
@@ -330,10 +330,11 @@ class MultiRunTrainer:
         return received, steps
 
     def _forward_backward(self, micro: MicroBatch) -> None:
+        runs = [self.manager.config[idx] for idx in micro.adapter_ids.tolist()]  # each row's run config, read once
         with self.manager.active_adapters(micro.adapter_ids):
             # Each run's rollouts were sampled (and their old log-probabilities taken) at its own
             # temperature; scoring them at 1 would skew every importance ratio of a run at T != 1.
-            values = [self.manager.config[idx].temperature for idx in micro.adapter_ids.tolist()]
+            values = [run.temperature for run in runs]
             device = self.device
             # Dividing [rows, tokens, vocab] logits by 1 changes nothing and costs a pass, forward and backward.
             temperatures = None if all(t == 1.0 for t in values) else torch.tensor(values, device=device)
@@ -342,7 +343,7 @@ class MultiRunTrainer:
         # Per row: the sum of its loss tokens' clipped surrogate, each weighted 1 / N_k (run k's
         # loss tokens in its whole step), so a run's gradient does not depend on its packing.
         behaviour = micro.logprobs.to(device)
-        proximal, cap = self._decoupled_anchor(micro.adapter_ids, logprobs, behaviour)
+        proximal, cap = _decoupled_anchor([run.loss for run in runs], logprobs, behaviour)
         surrogate = clipped_surrogate(
             logprobs,
             behaviour,
@@ -355,25 +356,6 @@ class MultiRunTrainer:
         row_losses = surrogate.loss.sum(dim=1) * micro.token_weight.to(device)
         row_losses.sum().backward()
         self.optim.add_loss(row_losses, micro.adapter_ids)
-
-    def _decoupled_anchor(
-        self, adapter_ids: torch.Tensor, logprobs: torch.Tensor, behaviour: torch.Tensor
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The proximal log-probs and per-row caps of AReaL's decoupled objective, for the rows of
-        the runs whose `loss.decoupled` asks for it; (None, None) when no row's run does.
-
-        The proximal policy is the run's adapter as it is before this step. A run takes one
-        optimizer step per rollout step, so that is the adapter this forward ran: its log-probs,
-        detached, with no second forward. A row of a plain run anchors on its behaviour log-probs
-        with no cap, which is plain PPO (its weight is 1)."""
-        losses = [self.manager.config[idx].loss for idx in adapter_ids.tolist()]
-        if not any(loss.decoupled for loss in losses):
-            return None, None
-        device = logprobs.device
-        decoupled = torch.tensor([loss.decoupled for loss in losses], device=device).unsqueeze(1)
-        caps = [loss.behav_imp_weight_cap if loss.decoupled else float("inf") for loss in losses]
-        proximal = torch.where(decoupled, logprobs.detach().to(behaviour.dtype), behaviour)
-        return proximal, torch.tensor(caps, device=device).unsqueeze(1)
 
     def _step_runs(self, steps: list[StepDone]) -> list[tuple[int, str, int]]:
         if not steps:
@@ -457,3 +439,22 @@ class MultiRunTrainer:
                 write_file_atomic(self.config.output_dir / TIMES_FILE, json.dumps(times, indent=1).encode())
             except (OSError, RunDirGoneError) as error:  # a figure, not a result: never fail the stop
                 log.warning("%s not written: %s", TIMES_FILE, error)
+
+
+def _decoupled_anchor(
+    losses: list[LossConfig], logprobs: torch.Tensor, behaviour: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The proximal log-probs and per-row caps of AReaL's decoupled objective, for the rows
+    (`losses`: each row's run's `loss`) whose run asks for it; (None, None) when none does.
+
+    The proximal policy is the run's adapter as it is before this step. A run takes one
+    optimizer step per rollout step, so that is the adapter this forward ran: its log-probs,
+    detached, with no second forward. A row of a plain run anchors on its behaviour log-probs
+    with no cap, which is plain PPO (its weight is 1)."""
+    if not any(loss.decoupled for loss in losses):
+        return None, None
+    device = logprobs.device
+    decoupled = torch.tensor([loss.decoupled for loss in losses], device=device).unsqueeze(1)
+    caps = [loss.behav_imp_weight_cap if loss.decoupled else float("inf") for loss in losses]
+    proximal = torch.where(decoupled, logprobs.detach().to(behaviour.dtype), behaviour)
+    return proximal, torch.tensor(caps, device=device).unsqueeze(1)
