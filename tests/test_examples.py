@@ -26,7 +26,8 @@ from typer.testing import CliRunner
 
 from cli_helpers import rlplex_in_process
 from rlplex.cli import app
-from rlplex.cli_mainjob import FILE_KINDS, check_file_kind
+from rlplex.cli_mainjob import check_file_kind
+from rlplex.config import FILE_KINDS
 from rlplex.control.job.spec import load_job
 from rlplex.errors import ConfigError
 from rlplex.mainjob.config import load_main_job

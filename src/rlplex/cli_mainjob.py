@@ -31,28 +31,11 @@ def print_error(console: Console, label: str, message: object) -> None:
         console.print(f"[bold red]{label}:[/] {escape(str(line))}", highlight=False, soft_wrap=True)
 
 
-# The top-level keys that tell the four kinds of TOML file apart, and the command for each.
-FILE_KINDS = {
-    "train": ({"sampler", "algo", "runner"}, "a runner's train config", "rlplex train FILE"),
-    "job": ({"roles"}, "a control-plane job", "rlplex job run FILE"),
-    "main": ({"trainer", "runs"}, "a main job", "rlplex run FILE"),
-    "orch": ({"max_steps"}, "one run's orchestrator config", "rlplex runs add DIR --config FILE"),
-}
-
-
 def check_file_kind(path: Path, expected: str) -> None:
-    """A file of another kind fails in one line naming its kind and command, instead of with
-    every field the expected kind lacks."""
-    from rlplex.config import read_toml
-    from rlplex.errors import ConfigError
+    """A file of another kind fails in one line naming its kind and command (`check_config_kind`)."""
+    from rlplex.config import check_config_kind, read_toml
 
-    keys = set(read_toml(path))
-    if FILE_KINDS[expected][0] & keys:
-        return
-    for markers, what, command in (v for k, v in FILE_KINDS.items() if k != expected):
-        if markers <= keys:
-            wanted = FILE_KINDS[expected][1]
-            raise ConfigError(f"{path}: this is {what}, not {wanted}; run it with `{command}`")
+    check_config_kind(read_toml(path), str(path), expected)
 
 
 def guard(console: Console, debug: bool, body: Callable[[], int | None], failed: str = "failed") -> None:
@@ -226,19 +209,12 @@ def register(app: typer.Typer, console: Console) -> None:
         and why (exit 2); or, past --wait-s, that validation is pending and where to look."""
 
         def body() -> int:
-            from rlplex.config import read_toml, validate_config
+            from rlplex.config import read_toml
+            from rlplex.mainjob.actions import add_run
             from rlplex.mainjob.admission import wait_for_trainer
-            from rlplex.mainjob.config import RunEntry
-            from rlplex.mainjob.driver import read_job_model
-            from rlplex.mainjob.registry import submit_add, wait_for_answer
 
-            check_file_kind(config, "orch")
-            entry = validate_config(
-                RunEntry, {"id": run_id or f"run_{config.stem}", "config": read_toml(config)}, source="--id"
-            ).with_local_model_resolved()
-            model = read_job_model(output_dir)
-            (entry.with_model(model) if model else entry).orch_config(str(config))
-            accepted, text = wait_for_answer(submit_add(output_dir, entry), timeout_s)
+            run = run_id or f"run_{config.stem}"
+            accepted, text = add_run(output_dir, run, read_toml(config), str(config), "--id", timeout_s)
             if not accepted:
                 print_error(console, "rejected", text)
                 return EXIT_USER_ERROR
@@ -246,15 +222,12 @@ def register(app: typer.Typer, console: Console) -> None:
             if wait_s <= 0:
                 return 0
             console.print(
-                f"waiting up to {wait_s:g} s for the trainer to admit or reject {entry.id} (--wait-s) ...",
+                f"waiting up to {wait_s:g} s for the trainer to admit or reject {run} (--wait-s) ...",
                 highlight=False,
             )
-            with console.status(f"{entry.id}: waiting for the trainer") as line:
+            with console.status(f"{run}: waiting for the trainer") as line:
                 decision = wait_for_trainer(
-                    output_dir,
-                    entry.id,
-                    wait_s,
-                    lambda s: line.update(f"{entry.id}: waiting for the trainer, {s:.0f} s"),
+                    output_dir, run, wait_s, lambda s: line.update(f"{run}: waiting for the trainer, {s:.0f} s")
                 )
             if decision.outcome == "rejected":
                 print_error(console, "rejected", decision.text)

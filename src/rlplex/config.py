@@ -65,10 +65,36 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{path}: config file not found") from None
     except (OSError, UnicodeDecodeError) as error:
         raise ConfigError(f"{path}: cannot read config file: {error}") from None
+    return parse_toml(text, str(path))
+
+
+def parse_toml(text: str, source: str) -> dict[str, Any]:
+    """TOML text (a file's, or one pasted into the dashboard) as a mapping; `source` names it."""
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path}: not valid TOML: {error}") from None
+        raise ConfigError(f"{source}: not valid TOML: {error}") from None
+
+
+# The top-level keys that tell the four kinds of TOML file apart, and the command for each.
+FILE_KINDS = {
+    "train": ({"sampler", "algo", "runner"}, "a runner's train config", "rlplex train FILE"),
+    "job": ({"roles"}, "a control-plane job", "rlplex job run FILE"),
+    "main": ({"trainer", "runs"}, "a main job", "rlplex run FILE"),
+    "orch": ({"max_steps"}, "one run's orchestrator config", "rlplex runs add DIR --config FILE"),
+}
+
+
+def check_config_kind(data: dict[str, Any], source: str, expected: str) -> None:
+    """A config of another kind fails in one line naming its kind and command, instead of with
+    every field the expected kind lacks."""
+    keys = set(data)
+    if FILE_KINDS[expected][0] & keys:
+        return
+    for markers, what, command in (v for k, v in FILE_KINDS.items() if k != expected):
+        if markers <= keys:
+            wanted = FILE_KINDS[expected][1]
+            raise ConfigError(f"{source}: this is {what}, not {wanted}; run it with `{command}`")
 
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
