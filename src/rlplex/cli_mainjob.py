@@ -265,7 +265,7 @@ def register(app: typer.Typer, console: Console) -> None:
             typer.Option(metavar="ADDRESS", help="address to listen on; another than loopback lets other machines in"),
         ] = "127.0.0.1",
         allow_actions: Annotated[
-            bool, typer.Option(help="the page may evict runs and stop the job (each asks for confirmation)")
+            bool, typer.Option(help="the page may add and evict runs and stop the job (each asks for confirmation)")
         ] = False,
         debug: Annotated[bool, typer.Option(help=DEBUG_HELP)] = False,
     ) -> None:

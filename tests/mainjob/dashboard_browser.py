@@ -1,7 +1,8 @@
 """The dashboard as a person sees it: `rlplex dashboard OUT` in its own process, opened in headless
 Chromium (Debian's package, driven by Playwright: no browser download). Where no browser can
 run, `DashboardPage` checks the same things through the page's JSON, and `browser_missing()`
-says why, for the test that skips on it."""
+says why, for the test that skips on it. `answer_one_add` plays a running job's master for the
+page's "Add a run" on a folder without a job."""
 
 from __future__ import annotations
 
@@ -9,15 +10,46 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from rlplex.mainjob.driver import accept_requests
+from rlplex.mainjob.registry import pending_requests
+from rlplex.models.spec import ModelSpec
 from timing import scaled, wait_for
 
 CHROMIUM = Path(os.environ.get("RLPLEX_CHROMIUM", "/usr/bin/chromium"))
+
+
+# A run's TOML `answer_one_add` admits: its own model, so a folder without the job's file will do.
+RUN_TOML = 'env = { name = "reverse" }\nmax_steps = 2\nbatch_size = 8\ngroup_size = 4\n[model]\nname = "some/model"\n'
+
+
+class Master:
+    """A job's master as `accept_requests` uses it: the roles it would scale, recorded."""
+
+    def __init__(self) -> None:
+        self.scaled: list[tuple[str, int]] = []
+
+    def scale_role(self, role: str, count: int) -> None:
+        self.scaled.append((role, count))
+
+
+def answer_one_add(out: Path, master: Master, model: str = "some/model") -> threading.Thread:
+    """The master's loop on a thread, for the next add request in `out`: the real checks, the
+    registry and the answer file (an add waits for that answer)."""
+
+    def loop() -> None:
+        wait_for(lambda: pending_requests(out), 30, "an add request")
+        accept_requests(master, out, ModelSpec(name=model))  # type: ignore[arg-type]
+
+    thread = threading.Thread(target=loop, name="stand-in-master", daemon=True)
+    thread.start()
+    return thread
 
 
 def browser_missing() -> str | None:

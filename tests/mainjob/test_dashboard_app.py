@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,16 @@ import httpx
 import psutil
 import pytest
 from benchmarks.dashboard_latency import append_step, make_job, progress_line
+from dashboard_browser import RUN_TOML, Master, answer_one_add
 from starlette.testclient import TestClient
 
+import rlplex.dashboard.app as app_module
 from rlplex.control.job.token import read_token
 from rlplex.dashboard.app import build_app, parse_have
 from rlplex.dashboard.auth import TokenGate, cookie_name, dashboard_token
 from rlplex.dashboard.sources import ViewSource, classic_view, folder_kind
 from rlplex.mainjob.progress_rows import read_progress_rows
+from rlplex.mainjob.registry import pending_requests, read_registry
 from rlplex.multirun.rundir import RunDir, write_eviction
 from timing import scaled, wait_for
 
@@ -78,7 +82,7 @@ def test_every_route_refuses_a_request_without_the_token(job: Path) -> None:
             # The cookie of a dashboard on another port is not this one's.
             assert web.get(path, headers={"cookie": f"{cookie_name(8766)}={token}"}).status_code == 401, path
             assert web.post(path, headers={"x-rlplex-action": "1"}).status_code == 401, path
-        for path in ("/api/evict", "/api/stop"):
+        for path in ("/api/add", "/api/evict", "/api/stop"):
             assert web.post(path, json={}, headers={"x-rlplex-action": "1"}).status_code == 401
         assert web.get("/static/dashboard.js", headers={"authorization": f"Bearer {token}"}).status_code == 200
         assert web.get("/nowhere", headers={"authorization": f"Bearer {token}"}).status_code == 404
@@ -157,6 +161,56 @@ def test_actions_are_off_unless_allowed_and_go_through_the_cli_functions(
         assert stopped == [job]
         messages = lambda: web.get("/api/view", headers=token).json()["messages"]  # noqa: E731
         wait_for(lambda: "stop: done" in messages(), 10, "the stop's message on the page")
+
+
+def test_a_run_is_added_from_the_page_through_rlplex_runs_adds_function(
+    job: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Checked before anything is asked (one line naming the field and the value), then asked of
+    the master through the registry's request files, as `rlplex runs add` asks."""
+    token = {"authorization": f"Bearer {dashboard_token(job)}"}
+    headers = {**token, "x-rlplex-action": "1"}
+    with client(job) as web:
+        refused = web.post("/api/add", json={"run": "run_new", "toml": RUN_TOML}, headers=headers)
+        assert refused.status_code == 403 and "--allow-actions" in refused.json()["error"]
+    with client(job, allow_actions=True) as web:
+        add = lambda run, toml: web.post("/api/add", json={"run": run, "toml": toml}, headers=headers)  # noqa: E731
+        for run, toml, expected in [
+            ("run_new", "max_steps = ", "the page's TOML: not valid TOML"),
+            ("run_new", RUN_TOML.replace("max_steps = 2", 'max_steps = "many"'), "field 'max_steps'"),
+            ("run_new", "temperatur = 0.5\n" + RUN_TOML, "field 'temperatur'"),
+            ("../escape", RUN_TOML, "run id: field 'id'"),
+            ("run_00", RUN_TOML, "'run_00' is already in the job"),
+            ("run_new", "[trainer]\n[[runs]]\n", "this is a main job, not one run's orchestrator config"),
+        ]:
+            answer = add(run, toml)
+            assert answer.status_code == 400 and expected in answer.json()["error"], (run, toml, answer.json())
+        assert "'many'" in add("run_new", RUN_TOML.replace("max_steps = 2", 'max_steps = "many"')).json()["error"]
+        assert web.post("/api/add", json={"run": "run_new", "toml": 3}, headers=headers).status_code == 400
+        assert not pending_requests(job) and not (job / "requests").exists()  # nothing was asked
+        master = Master()
+        thread = answer_one_add(job, master)
+        answer = add("run_new", RUN_TOML)
+        thread.join(10)
+        assert answer.status_code == 200, answer.json()
+        assert answer.json()["text"] == "add run_new: accepted by the job: run_new added as orchestrator rank 3"
+        assert master.scaled == [("orchestrator", 4)]
+        added, sent = read_registry(job)[-1], tomllib.loads(RUN_TOML)
+        # The TOML crossed as JSON; the master filled in the model's other fields.
+        assert added.id == "run_new" and {**added.config, "model": sent["model"]} == sent
+        assert added.config["model"]["name"] == "some/model" and added.config["model"]["dtype"] == "auto"
+        # The master says no (here: the run's folder is a link to another run's): 400, and said on the page.
+        (job / "runs" / "run_link").symlink_to(job / "runs" / "run_00", target_is_directory=True)
+        thread = answer_one_add(job, master)
+        rejected = add("run_link", RUN_TOML)
+        thread.join(10)
+        assert rejected.status_code == 400 and "it is a symlink" in rejected.json()["error"]
+        messages = web.get("/api/view", headers=token).json()["messages"]
+        assert messages[0] == answer.json()["text"] and messages[1].startswith("add run_link: rejected: ")
+        assert [entry.id for entry in read_registry(job)][-1] == "run_new"
+        monkeypatch.setattr(app_module, "ADD_TIMEOUT_S", 0.3)  # no master answers: said, not hung
+        late = add("run_late", RUN_TOML)
+        assert late.status_code == 504 and "no answer from the job's master" in late.json()["error"]
 
 
 def test_a_classic_rl_folder_is_one_run_with_its_return_curve(tmp_path: Path) -> None:

@@ -5,11 +5,12 @@ browser ──GET /?token=T──▶ TokenGate ──303 + cookie──▶ brows
         ──GET /, /static/*─▶ TokenGate ─▶ the page, uPlot (shipped in the package)
         ──GET /api/view?have=run_a:120,...─▶ ViewSource.read() (one folder read per 0.5 s)
                                               └▶ snapshot(): only the curve points the page lacks
-        ──POST /api/evict, /api/stop──▶ (with --allow-actions) the functions the CLI calls
+        ──POST /api/add, /api/evict, /api/stop──▶ (with --allow-actions) the functions the CLI calls
 ```
 
 Reading the folder blocks (SQLite, CSVs), so it runs in Starlette's thread pool, never on the
-event loop. A stop waits for the job to stop (minutes, as `rlplex stop` does), so it runs on a
+event loop; so does an add, which waits for the master's answer (seconds) as `rlplex runs add`
+does. A stop waits for the job to stop (minutes, as `rlplex stop` does), so it runs on a
 thread of its own and the page follows the job's state.
 """
 
@@ -32,11 +33,13 @@ from starlette.staticfiles import StaticFiles
 from rlplex.dashboard.auth import TokenGate
 from rlplex.dashboard.snapshot import snapshot
 from rlplex.dashboard.sources import ViewSource
-from rlplex.errors import RlplexError
+from rlplex.errors import RlplexError, WaitTimeoutError
 
 STATIC = Path(__file__).parent / "static"
 MAX_ACTION_BYTES = 64 << 10
 STOP_TIMEOUT_S = 600.0
+ADD_TIMEOUT_S = 30.0  # `rlplex runs add --timeout-s`'s default
+PAGE_TOML, PAGE_RUN_ID = "the page's TOML", "run id"  # what an add's errors call the form's fields
 
 
 def parse_have(text: str) -> dict[str, int]:
@@ -94,6 +97,35 @@ class Dashboard:
             return JSONResponse({"error": "the request is not JSON"}, 400)
         return data if isinstance(data, dict) else JSONResponse({"error": "expected a JSON object"}, 400)
 
+    async def add(self, request: Request) -> Response:
+        data = await self._body(request)
+        if isinstance(data, Response):
+            return data
+        if self.source.kind != "main":
+            return JSONResponse({"error": f"a {self.source.kind} folder has no runs to add to"}, 400)
+        run_id, toml_text = str(data.get("run", "")), data.get("toml")
+        if not isinstance(toml_text, str):
+            return JSONResponse({"error": "toml: expected the run's TOML as text"}, 400)
+        from rlplex.config import parse_toml
+        from rlplex.mainjob.actions import add_run
+
+        try:
+            config = parse_toml(toml_text, PAGE_TOML)
+            accepted, answer = await run_in_threadpool(
+                add_run, self.source.output_dir, run_id, config, PAGE_TOML, PAGE_RUN_ID, ADD_TIMEOUT_S
+            )
+        except WaitTimeoutError as error:  # the request stays: a master that comes back answers it
+            return JSONResponse({"error": str(error)}, 504)
+        except RlplexError as error:
+            return JSONResponse({"error": str(error)}, 400)
+        if not accepted:
+            self.messages.append(f"add {run_id}: rejected: {answer}")
+            return JSONResponse({"error": answer}, 400)
+        # As `rlplex runs add --wait-s 0`: the trainer's decision shows in the run's row.
+        text = f"add {run_id}: accepted by the job: {answer}"
+        self.messages.append(text)
+        return JSONResponse({"text": text})
+
     async def evict(self, request: Request) -> Response:
         data = await self._body(request)
         if isinstance(data, Response):
@@ -142,6 +174,7 @@ def build_app(source: ViewSource, token: str, allow_actions: bool = False) -> To
             Route("/", dashboard.page),
             Route("/favicon.ico", lambda request: Response(status_code=204)),
             Route("/api/view", dashboard.view),
+            Route("/api/add", dashboard.add, methods=["POST"]),
             Route("/api/evict", dashboard.evict, methods=["POST"]),
             Route("/api/stop", dashboard.stop, methods=["POST"]),
             Mount("/static", StaticFiles(directory=STATIC), name="static"),

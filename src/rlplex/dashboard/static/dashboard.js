@@ -213,6 +213,7 @@ function draw(data) {
   $("updated").textContent = `read ${new Date(data.read_at * 1000).toLocaleTimeString()}`;
   page.actions = data.actions && data.kind !== "train";
   $("stop-job").hidden = !page.actions;
+  $("add-run").hidden = !(page.actions && data.kind === "main");
   takeCurves(data.runs);
   drawRuns(data.runs);
   drawCurves();
@@ -266,6 +267,7 @@ async function post(path, body) {
     headers: {"content-type": "application/json", "x-rlplex-action": "1"}, body: JSON.stringify(body)});
   const data = await answer.json().catch(() => ({error: `${answer.status}`}));
   problem(data.error ? `${path}: ${data.error}` : "");
+  return !data.error;
 }
 
 async function evict(run) {
@@ -277,6 +279,37 @@ $("stop-job").addEventListener("click", async () => {
   const ok = await confirmAction("Stop the job? The trainer checkpoints, the report is written; " +
     "`rlplex resume` continues it.", false);
   if (ok !== null) await post("/api/stop", {});
+});
+
+// A local file fills the textarea (read here, sent as text: the server never opens a path the
+// page names); an empty id becomes `run_<file stem>`, as `rlplex runs add` names it.
+$("add-file").addEventListener("change", (event) => {
+  const file = event.target.files[0];
+  if (!file) return;
+  const reader = new FileReader();
+  reader.addEventListener("load", () => {
+    $("add-toml").value = reader.result;
+    if (!$("add-id").value.trim()) $("add-id").value = `run_${file.name.replace(/\.[^.]*$/, "")}`;
+  });
+  reader.addEventListener("error", () => problem(`${file.name}: ${reader.error}`));
+  reader.readAsText(file);
+});
+
+$("add-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const run = $("add-id").value.trim();
+  const ok = await confirmAction(`Add ${run} to the job? Its master starts an orchestrator for it; ` +
+    "the trainer then admits or rejects it (its row says which).", false);
+  if (ok === null) return;
+  const button = $("add-button");
+  button.disabled = true;
+  button.textContent = "Waiting for the job…";
+  try {
+    if (await post("/api/add", {run, toml: $("add-toml").value})) $("add-id").value = "";
+  } finally {
+    button.disabled = false;
+    button.textContent = "Add the run…";
+  }
 });
 
 $("smoothing").addEventListener("input", (event) => {
