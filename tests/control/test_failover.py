@@ -101,6 +101,10 @@ def test_killed_master_is_resumed_without_restarting_live_nodes(job_dir: Path, c
         assert done == set(range(90))
         job_steps = [r.new for r in store.transitions(job_id) if r.entity == "job"]
         assert job_steps == ["READY", "RUNNING", "READY", "RUNNING", "STOPPING", "STOPPED"]
+        # The failover is an event of its own (the dashboard's log, the report), naming both masters.
+        ((action, target, cause),) = [(d.old, d.entity, d.cause) for d in store.decisions(job_id)]
+        assert (action, target) == ("FAILOVER", "master") and f"took over from pid {master.pid};" in cause
+        assert "3 of 3 nodes to reattach" in cause and str(job.master_pid) in cause
 
         status = subprocess.run(rlplex("status", str(job_dir), env=child_env), env={**child_env, "COLUMNS": "200"},
                                 capture_output=True, text=True, timeout=30)  # fmt: skip
@@ -147,7 +151,8 @@ def test_master_failover_during_a_worker_failure(job_dir: Path, child_env: dict[
             k: (pid, 0) for k, pid in before.items() if k != "counter-0"
         }
         assert store.job(job_id).state == "STOPPED"
-        ((action, target, cause),) = [(d.old, d.entity, d.cause) for d in store.decisions(job_id)]
+        failover, (action, target, cause) = [(d.old, d.entity, d.cause) for d in store.decisions(job_id)]
+        assert failover[:2] == ("FAILOVER", "master") and "3 of 3 nodes to reattach" in failover[2], failover
         assert (action, target) == ("RESTART_WORKER", "counter-0") and "process exited" in cause
         done = {int(x) for f in (job_dir / "items").glob("*.txt") for x in f.read_text().split()}
         assert done == set(range(90))
@@ -195,8 +200,8 @@ def test_a_master_killed_halfway_through_a_restart_is_resumed_and_the_job_finish
         assert nodes["counter-1"].restarts == 1 and nodes["counter-1"].state == "FINISHED"
         assert nodes["counter-0"].restarts == 0 and nodes["counter-2"].restarts == 0
         assert store.job(job_id).restarts == 1  # one restart, paid once
-        ((action, target),) = [(d.old, d.entity) for d in store.decisions(job_id)]
-        assert (action, target) == ("RESTART_WORKER", "counter-1")
+        decided = sorted((d.old, d.entity) for d in store.decisions(job_id))
+        assert decided == [("FAILOVER", "master"), ("RESTART_WORKER", "counter-1")]
         steps = [(r.old, r.new) for r in store.transitions(job_id) if r.entity == "counter-1"]
         if point == "in-decision":  # nothing of the first decision was stored: the resumed master decided anew
             assert steps[3:] == [("RUNNING", "FAILED"), ("FAILED", "PENDING"), ("PENDING", "CREATED"),
@@ -226,7 +231,8 @@ def test_a_finished_node_keeps_its_result_until_a_master_has_stored_it(
         os.kill(master.pid, signal.SIGKILL)
         master.wait(timeout=scaled(10))
         resume(job_dir, child_env)
-        assert store.job(job_id).state == "STOPPED" and store.decisions(job_id) == []
+        assert store.job(job_id).state == "STOPPED"
+        assert [(d.old, d.entity) for d in store.decisions(job_id)] == [("FAILOVER", "master")]
         after = store.nodes(job_id)
         assert {n.node_id: n.pid for n in after} == before
         assert all(n.state == "FINISHED" and n.restarts == 0 for n in after)

@@ -264,7 +264,8 @@ def test_killed_master_actor_resumes_and_restarts_only_the_lost_node(job_dir: Pa
             k: (pid, 0) for k, pid in before.items() if k != "counter-0"
         }
         assert all(n.state == "FINISHED" for n in nodes.values()) and items_done(job_dir) == list(range(90))
-        ((action, target, cause),) = decisions(store, job_id)
+        failover, (action, target, cause) = decisions(store, job_id)
+        assert failover[:2] == ("FAILOVER", "master"), failover  # the new master actor took over
         assert (action, target) == ("RESTART_WORKER", "counter-0") and "process exited" in cause
         assert [r.new for r in store.transitions(job_id) if r.entity == "job"] == [
             "READY", "RUNNING", "READY", "RUNNING", "STOPPING", "STOPPED"
@@ -317,7 +318,9 @@ def test_cli_resume_of_a_ray_job_runs_the_new_master_as_an_actor(
         assert {k: (n.pid, n.restarts, n.state) for k, n in nodes.items()} == {
             k: (pid, 0, "FINISHED") for k, pid in before.items()
         }
-        assert items_done(job_dir) == list(range(200)) and decisions(store, job_id) == []
+        assert items_done(job_dir) == list(range(200)) and [d[:2] for d in decisions(store, job_id)] == [
+            ("FAILOVER", "master")
+        ]
         assert "re-attached" in (job_dir / "master.log").read_text()
     finally:
         if cli is not None and cli.poll() is None:

@@ -21,6 +21,7 @@ from dashboard_browser import RUN_TOML, Master, answer_one_add
 from starlette.testclient import TestClient
 
 import rlplex.dashboard.app as app_module
+from rlplex.control.job.store import SqliteStateStore
 from rlplex.control.job.token import read_token
 from rlplex.dashboard.app import build_app, parse_have
 from rlplex.dashboard.auth import TokenGate, cookie_name, dashboard_token
@@ -124,6 +125,18 @@ def test_the_view_has_the_job_runs_nodes_events_and_sends_only_new_curve_points(
         kinds = [(event["kind"], event["text"]) for event in data["events"]]
         assert ("state", "job: INIT → RUNNING") in kinds and ("eviction", "run_02 evicted") in kinds
         assert ("admission", "run_00 joined") in kinds
+        # A new master's takeover is an event of its own kind (tests/control/test_failover.py records real ones).
+        store = SqliteStateStore.in_dir(job)
+        job_id = store.latest_job_id()
+        assert job_id is not None
+        store.record_decision(
+            job_id, "FAILOVER", "master", "master pid 2 took over from pid 1; 3 of 3 nodes to reattach"
+        )
+        store.close()
+        failover = [event for event in web.get("/api/view").json()["events"] if event["kind"] == "failover"]
+        assert [(event["text"], event["cause"][:25]) for event in failover] == [
+            ("FAILOVER master", "master pid 2 took over fr")
+        ]
         # The page says what it holds; it gets the rest, and a run it holds more of than there is whole.
         append_step(job, 0, "run_00", 5)
         again = {run["id"]: run for run in web.get("/api/view", params={"have": "run_00:5,run_01:99"}).json()["runs"]}

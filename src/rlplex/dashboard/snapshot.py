@@ -85,7 +85,7 @@ def run_json(view: JobView, run: RunView, restarts: int, have: int) -> dict[str,
 
 def _event(record: LogRecord) -> dict[str, Any]:
     if not record.new:  # a decision: entity is its target, old its action
-        kind = "restart" if record.old.startswith("RESTART") else "decision"
+        kind = "restart" if record.old.startswith("RESTART") else "failover" if record.old == "FAILOVER" else "decision"
         return {"at": record.at, "kind": kind, "text": f"{record.old} {record.entity}", "cause": record.cause}
     return {
         "at": record.at,

@@ -25,6 +25,7 @@ Crash safety (a master may die at any line; `reattach()` in the resumed master p
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import Counter
 from typing import Any
@@ -453,7 +454,16 @@ class PrimeManager:
         """Rebuild the node registry from the store after a master restart; lost nodes get restarted."""
         now = time.monotonic()
         half_done: list[NodeSlot] = []
-        for record in self.store.nodes(self.job_id):
+        previous = self.store.job(self.job_id).master_pid
+        records = self.store.nodes(self.job_id)
+        live = sum(record.state in LIVE_NODE_STATES for record in records)
+        # The event log (dashboard, `rlplex status`) shows a failover as one decision of its own, not
+        # only as the job's RUNNING -> READY below (which a resume of a READY job has not).
+        self.store.record_decision(
+            self.job_id, "FAILOVER", "master",
+            f"master pid {os.getpid()} took over from pid {previous}; {live} of {len(records)} nodes to reattach",
+        )  # fmt: skip
+        for record in records:
             slot = NodeSlot.from_record(self.store, record, self.spec.roles[record.role].kind)
             self.slots[slot.node_id] = slot
             if slot.state in (NodeState.PENDING, NodeState.FAILED):
