@@ -252,23 +252,37 @@ class JobView:
 
         Each run's log holds cumulative tokens; the trainer's rate is the sum of the runs'
         token increments inside the window, divided by the window actually covered.
+
+        A log's rows are in time order (the trainer appends them), so each run's rows are walked
+        back from the newest only as far as the window: the live view and the dashboard ask for
+        this on every refresh, and a long run's log holds thousands of rows.
         """
-        stamped = [row for run in self.runs for row in run.trainer_rows if "time" in row]
+        newest_per_run = (
+            next((row["time"] for row in reversed(run.trainer_rows) if "time" in row), None) for run in self.runs
+        )
+        stamped = [at for at in newest_per_run if at is not None]
         if not stamped:
             return None
-        newest = max(row["time"] for row in stamped)
+        newest = max(stamped)
         since = newest - window_s
         tokens, oldest = 0.0, newest
         for run in self.runs:
-            rows = [row for row in run.trainer_rows if "time" in row and "total_tokens" in row]
-            inside = [row for row in rows if row["time"] > since]
-            if not inside:
+            last = base = None
+            for row in reversed(run.trainer_rows):
+                if "time" not in row or "total_tokens" not in row:
+                    continue
+                if last is None:
+                    if row["time"] <= since:
+                        break  # nothing inside the window
+                    last = row
+                # Without a row before the window, the run's first row is the baseline: its total
+                # includes tokens trained at an unknown earlier time.
+                base = row
+                if row["time"] <= since:
+                    break
+            if last is None or base is None:
                 continue
-            before = [row for row in rows if row["time"] <= since]
-            # Without a row before the window, the run's first row is the baseline: its total
-            # includes tokens trained at an unknown earlier time.
-            base = before[-1] if before else inside[0]
-            tokens += inside[-1]["total_tokens"] - base["total_tokens"]
+            tokens += last["total_tokens"] - base["total_tokens"]
             oldest = min(oldest, base["time"])
         span = newest - oldest
         return tokens / span if span > 0 else None
